@@ -1,0 +1,107 @@
+"""flash-attn 2 as a block kernel (CUDA, fp16/bf16). The one place that touches its internals.
+
+We need the forward's log-sum-exp and a backward that takes a given (global) out and lse, which
+only flash-attn's private `_flash_attn_forward` / `_flash_attn_backward` offer. Their signatures
+changed across 2.x (window_size tuple -> window_size_left/right in 2.7; forward returns 8 values
+before 2.7 and 4 after), so arguments are passed by name after inspecting the signature.
+
+Mask mapping: flash-attn's causal flag is bottom-right aligned (query i sees key j iff
+j <= i + Sk - Sq). Our causal_offset c maps to: c == Sk - Sq -> causal; c > Sk - Sq -> a window
+with right edge c - (Sk - Sq); c < Sk - Sq with Sq == Sk -> the shift trick (q[d:] against
+k[:-d] with d = -c; the first d rows see nothing), which is how striped attention runs on flash.
+"""
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+from typing import Optional
+
+import torch
+
+
+@lru_cache(maxsize=1)
+def _load():
+    """(forward, backward, forward parameter names, backward parameter names, version) or an error string."""
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_interface as fai
+    except Exception as exc:  # ImportError, or a broken CUDA build raising at import
+        return f"flash_attn not importable ({type(exc).__name__}: {exc})"
+    fwd, bwd = getattr(fai, "_flash_attn_forward", None), getattr(fai, "_flash_attn_backward", None)
+    if fwd is None or bwd is None:
+        return f"flash_attn {flash_attn.__version__} lacks _flash_attn_forward/_flash_attn_backward"
+    return (fwd, bwd, set(inspect.signature(fwd).parameters), set(inspect.signature(bwd).parameters),
+            flash_attn.__version__)
+
+
+def status() -> tuple[bool, str]:
+    loaded = _load()
+    if isinstance(loaded, str):
+        return False, loaded
+    if not torch.cuda.is_available():
+        return False, f"flash_attn {loaded[4]} importable but no CUDA device"
+    return True, f"flash_attn {loaded[4]} (CUDA, fp16/bf16, head_dim % 8 == 0, <= 256)"
+
+
+def version() -> Optional[str]:
+    loaded = _load()
+    return None if isinstance(loaded, str) else loaded[4]
+
+
+def _window_kwargs(names: set, causal: bool, left: int, right: int) -> dict:
+    kw = {"causal": causal}
+    if "window_size_left" in names:
+        kw.update(window_size_left=left, window_size_right=right)
+    elif "window_size" in names:
+        kw["window_size"] = (left, right)
+    return kw
+
+
+def _mask_plan(sq: int, sk: int, causal_offset: Optional[int]):
+    """(rows to skip at the top d, causal flag, window right edge) for flash-attn."""
+    if causal_offset is None or causal_offset >= sk - 1:
+        return 0, False, -1
+    shift = sk - sq
+    if causal_offset == shift:
+        return 0, True, -1
+    if causal_offset > shift:
+        return 0, False, causal_offset - shift
+    if sq != sk:
+        raise NotImplementedError(f"flash_attn kernel: causal_offset {causal_offset} with Sq={sq} != Sk={sk}")
+    return -causal_offset, True, -1
+
+
+def forward(q, k, v, *, scale: float, causal_offset: Optional[int]):
+    fwd, _, fnames, _, _ = _load()
+    b, sq, h, _ = q.shape
+    d, causal, right = _mask_plan(sq, k.shape[1], causal_offset)
+    qs, ks, vs = q[:, d:], k[:, : k.shape[1] - d], v[:, : v.shape[1] - d]
+    kwargs = dict(dropout_p=0.0, softmax_scale=scale, softcap=0.0, alibi_slopes=None, return_softmax=False)
+    kwargs.update(_window_kwargs(fnames, causal, -1, right))
+    ret = fwd(qs.contiguous(), ks.contiguous(), vs.contiguous(), **{k_: v_ for k_, v_ in kwargs.items() if k_ in fnames})
+    out_s, lse_s = (ret[0], ret[1]) if len(ret) == 4 else (ret[0], ret[5])
+    if d == 0:
+        return out_s, lse_s.float()
+    out = torch.zeros_like(q)
+    out[:, d:] = out_s
+    lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)
+    lse[..., d:] = lse_s
+    return out, lse
+
+
+def backward(dout, q, k, v, out, lse, *, scale: float, causal_offset: Optional[int]):
+    _, bwd, _, bnames, _ = _load()
+    sq, sk = q.shape[1], k.shape[1]
+    d, causal, right = _mask_plan(sq, sk, causal_offset)
+    qs, ks, vs = q[:, d:].contiguous(), k[:, : sk - d].contiguous(), v[:, : sk - d].contiguous()
+    dq_s, dk_s, dv_s = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
+    kwargs = dict(dropout_p=0.0, softmax_scale=scale, softcap=0.0, alibi_slopes=None,
+                  deterministic=False, rng_state=None)
+    kwargs.update(_window_kwargs(bnames, causal, -1, right))
+    bwd(dout[:, d:].contiguous(), qs, ks, vs, out[:, d:].contiguous(), lse[..., d:].contiguous(),
+        dq_s, dk_s, dv_s, **{k_: v_ for k_, v_ in kwargs.items() if k_ in bnames})
+    if d == 0:
+        return dq_s, dk_s, dv_s
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dq[:, d:], dk[:, : sk - d], dv[:, : sk - d] = dq_s, dk_s, dv_s
+    return dq, dk, dv

@@ -1,0 +1,183 @@
+"""The method interface (DESIGN.md section 4) and the one autograd wrapper every method shares.
+
+A method is a class with two plain functions, `forward` and `backward`, written against the
+`Comm` protocol; `Method.attention` wraps them in `SPAttention` (a single autograd.Function for
+all methods), so no method writes its own autograd code. Tensors are BSHD at every public
+boundary: q [B, S_local, H, D], k and v [B, S_local, Hkv, D]; lse [B, H, S_local] float32.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, ClassVar, Optional
+
+import torch
+
+from methods import kernels, layouts
+from methods.comm.base import Comm
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass(frozen=True)
+class Case:
+    """One attention problem as a method sees it: global shapes, mask, world size, device."""
+
+    batch: int
+    seq_len: int          # global number of tokens
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str            # a key of DTYPES
+    causal: bool
+    world_size: int
+    device: str = "cpu"   # "cpu" or "cuda"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return torch_dtype(self.dtype)
+
+
+class Method:
+    """Base class of every sequence-parallel attention method (own or peer adapter).
+
+    Subclasses set `name`, `description` and `layout_kind`, and implement `forward` and
+    `backward`. Options (e.g. `kernel`, `ulysses_degree`) are keyword arguments of `__init__`.
+    """
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    layout_kind: ClassVar[str] = "contiguous"
+    impl: ClassVar[str] = "own"       # "own", or the library and version for peer adapters
+    needs_processes: ClassVar[bool] = False  # peers calling torch.distributed themselves
+
+    def __init__(self, kernel: str = "auto"):
+        if kernel not in kernels.KERNEL_CHOICES:
+            raise ValueError(f"{self.name}: unknown kernel {kernel!r}; choose one of {kernels.KERNEL_CHOICES}")
+        self.kernel = kernel
+
+    # -- what the harness asks ----------------------------------------------------------------
+    def degrees(self, world_size: int) -> tuple[int, int]:
+        """(ulysses_degree, ring_degree) of this method at `world_size` (their product)."""
+        return 1, world_size
+
+    def layout(self, case: Case) -> layouts.Layout:
+        """Which global positions each rank holds (raises ValueError if the sizes do not fit)."""
+        return layouts.make(self.layout_kind, case.seq_len, case.world_size)
+
+    def supports(self, case: Case) -> tuple[bool, str]:
+        """Whether this method can run `case`, and if not, why (recorded as the skip reason)."""
+        if case.heads % case.kv_heads != 0:
+            return False, f"heads ({case.heads}) must be a multiple of kv_heads ({case.kv_heads})"
+        try:
+            self.layout(case)
+        except ValueError as exc:
+            return False, str(exc)
+        if case.device == "cuda" and not torch.cuda.is_available():
+            return False, "needs CUDA, which is not available here"
+        try:
+            kernels.resolve_kernel(self.kernel, torch.device(case.device), case.torch_dtype)
+        except ValueError as exc:
+            return False, str(exc)
+        return True, ""
+
+    # -- the algorithm: plain functions, written by each method ----------------------------------
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Comm, causal: bool,
+                scale: float, return_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], tuple]:
+        """Local shards in, local output out.
+
+        Returns (out [B, S_local, H, D] in q.dtype, lse [B, H, S_local] float32 or None when
+        `return_lse` is False and producing it would cost extra communication, residuals: the
+        tensors, and plain values such as ints, that `backward` needs).
+        """
+        raise NotImplementedError
+
+    def backward(self, dout: torch.Tensor, residuals: tuple, *, comm: Comm, causal: bool,
+                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Gradients (dq, dk, dv) of the local shards, in the inputs' dtypes."""
+        raise NotImplementedError
+
+    # -- the public, differentiable entry point ------------------------------------------------
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, comm: Comm,
+                  softmax_scale: Optional[float] = None, return_lse: bool = False):
+        """Sequence-parallel attention on local shards (differentiable).
+
+        Args:
+            q: [B, S_local, H, D]; k, v: [B, S_local, Hkv, D]; this rank's tokens in the method's layout.
+            causal: causal mask on *global* positions.
+            comm: the group of ranks sharing the sequence.
+            softmax_scale: defaults to 1/sqrt(D).
+            return_lse: also return lse [B, H, S_local] float32 (not differentiable).
+        Returns:
+            out [B, S_local, H, D] in q.dtype, or (out, lse) with `return_lse`.
+        """
+        check_local_inputs(q, k, v)
+        scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        out, lse = SPAttention.apply(q, k, v, self, comm, bool(causal), scale, bool(return_lse))
+        return (out, lse) if return_lse else out
+
+    def options(self) -> dict[str, Any]:
+        """The options this method was built with (recorded with each trial)."""
+        return {"kernel": self.kernel}
+
+
+def check_local_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """Early, clear errors for inputs no method can take (never a wrong answer or a hang)."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, seq, heads, head_dim]; got shape {tuple(t.shape)}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must share a device; got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k must hold the same tokens (self-attention); got local lengths "
+                         f"{q.shape[1]} and {k.shape[1]}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head_dim")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"heads ({q.shape[2]}) must be a multiple of kv_heads ({k.shape[2]})")
+
+
+class SPAttention(torch.autograd.Function):
+    """The shared autograd wrapper: forward and backward are the method's own distributed code."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, method: Method, comm: Comm, causal: bool, scale: float, return_lse: bool):
+        out, lse, residuals = method.forward(q, k, v, comm=comm, causal=causal, scale=scale,
+                                             return_lse=return_lse)
+        ctx.method, ctx.comm, ctx.causal, ctx.scale = method, comm, causal, scale
+        # Tensors go through save_for_backward (version checks); other residuals (ints) ride on ctx.
+        ctx.is_tensor = [isinstance(x, torch.Tensor) for x in residuals]
+        ctx.others = [x for x in residuals if not isinstance(x, torch.Tensor)]
+        ctx.save_for_backward(*[x for x in residuals if isinstance(x, torch.Tensor)])
+        if lse is None:
+            lse = out.new_empty(0, dtype=kernels.acc_dtype(q.dtype))
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
+        residuals = tuple(next(tensors) if t else next(others) for t in ctx.is_tensor)
+        dq, dk, dv = ctx.method.backward(dout.contiguous(), residuals, comm=ctx.comm,
+                                         causal=ctx.causal, scale=ctx.scale)
+        return dq, dk, dv, None, None, None, None, None
+
+
+def option_names(cls: type[Method]) -> list[str]:
+    """Keyword options accepted by a method class (for error messages)."""
+    import inspect
+    return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+
+
+def case_from_dict(d: dict) -> Case:
+    return Case(**{f.name: d[f.name] for f in fields(Case) if f.name in d})

@@ -1,0 +1,116 @@
+"""Byte counting around any `Comm`.
+
+Convention (used by every method's documented formula): a rank's bytes *sent* are the payload
+bytes that leave it for other ranks, its bytes *received* those that arrive from other ranks.
+Self-copies are not counted, and the algorithm a backend uses underneath (e.g. NCCL's ring
+all-gather relaying chunks) is not counted either: the numbers are the logical traffic the method
+asks for, the quantity the papers' communication formulas describe.
+
+- exchange: each send counts its tensor's bytes to that peer, each receive its buffer's bytes.
+- all_to_all (equal splits, P ranks): sent = input bytes * (P-1)/P, received = output bytes * (P-1)/P.
+- all_gather: sent = input bytes * (P-1) (each peer needs our chunk), received = output bytes * (P-1)/P.
+- all_reduce: counted as a reduce-scatter + all-gather: sent = received = 2 * bytes * (P-1)/P.
+"""
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from methods.comm.base import P2P, Comm, Work
+
+
+@dataclass
+class CommRecord:
+    """One recorded operation: its kind, the bytes it moved for this rank, and its peers."""
+
+    kind: str
+    bytes_sent: int
+    bytes_recv: int
+    peers: tuple[int, ...] = ()
+
+
+@dataclass
+class CommLedger:
+    """All operations recorded on one rank (shared by a comm and its sub-comms)."""
+
+    records: list[CommRecord] = field(default_factory=list)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(r.bytes_sent for r in self.records)
+
+    @property
+    def bytes_recv(self) -> int:
+        return sum(r.bytes_recv for r in self.records)
+
+    def counts(self) -> Counter:
+        """Number of operations per kind."""
+        return Counter(r.kind for r in self.records)
+
+    def clear(self) -> None:
+        self.records.clear()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+class CountingComm:
+    """A `Comm` that forwards to `inner` and appends one `CommRecord` per operation to `ledger`.
+
+    Peers are recorded in the numbering of the comm the method used (sub-comm local ranks for a
+    sub-comm); `group_ranks` maps them back to the ranks of the outermost comm for reports.
+    """
+
+    def __init__(self, inner: Comm, ledger: CommLedger | None = None,
+                 group_ranks: Sequence[int] | None = None):
+        self.inner = inner
+        self.ledger = ledger if ledger is not None else CommLedger()
+        self._group_ranks = tuple(group_ranks) if group_ranks is not None else tuple(range(inner.world_size))
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    def _outer(self, peer: int) -> int:
+        return self._group_ranks[peer]
+
+    def exchange(self, ops: Sequence[P2P]) -> Work:
+        sent = sum(_nbytes(o.tensor) for o in ops if o.op == "send")
+        recv = sum(_nbytes(o.tensor) for o in ops if o.op == "recv")
+        peers = tuple(sorted({self._outer(o.peer) for o in ops}))
+        self.ledger.records.append(CommRecord("p2p", sent, recv, peers))
+        return self.inner.exchange(ops)
+
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        p = self.world_size
+        self.ledger.records.append(CommRecord(
+            "all_to_all", _nbytes(input) * (p - 1) // p, _nbytes(output) * (p - 1) // p, self._group_ranks))
+        self.inner.all_to_all(output, input)
+
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        p = self.world_size
+        self.ledger.records.append(CommRecord(
+            "all_gather", _nbytes(input) * (p - 1), _nbytes(output) * (p - 1) // p, self._group_ranks))
+        self.inner.all_gather(output, input)
+
+    def all_reduce(self, tensor: torch.Tensor) -> None:
+        p = self.world_size
+        moved = 2 * _nbytes(tensor) * (p - 1) // p
+        self.ledger.records.append(CommRecord("all_reduce", moved, moved, self._group_ranks))
+        self.inner.all_reduce(tensor)
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+    def split(self, groups: Sequence[Sequence[int]]) -> "CountingComm":
+        sub = self.inner.split(groups)
+        mine = next(g for g in groups if self.rank in g)
+        return CountingComm(sub, self.ledger, [self._group_ranks[r] for r in mine])

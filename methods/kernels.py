@@ -1,0 +1,309 @@
+"""Local attention on one block, with its log-sum-exp, and the online-softmax merge.
+
+Every method computes attention block by block through `block_forward` / `block_backward`, and
+combines partial results with `merge_`; this module is the only place that knows the kernels.
+
+Conventions (DESIGN.md sections 4 and 6):
+- q: [B, Sq, H, D], k and v: [B, Sk, Hkv, D] with H % Hkv == 0 (GQA: query head h uses KV head
+  h // (H // Hkv)). out: [B, Sq, H, D] in q's dtype. lse: [B, H, Sq] float32, natural log.
+  (float64 inputs keep a float64 lse so that float64 runs are exact.)
+- Masks are given as `causal_offset`: None means every query sees every key; an integer c means
+  query i sees key j iff j <= i + c. c = 0 is the aligned diagonal block (top-left), c = -1 the
+  strictly-lower block of striped attention, c = Sk - Sq the bottom-right alignment.
+- A query row that sees no key has lse = -inf and output 0 (the CPU flash op returns lse = 0 for
+  such rows; we repair it, or merging would weight an empty block as if it held softmax mass).
+- The backward takes the *global* (fully merged) out and lse: with them, per-block dq sum to the
+  full dq and per-block dk, dv are exact (DESIGN.md trap: never use block-local out/lse).
+
+Backends:
+- "math": explicit matrix products in float32 (float64 for float64 inputs); the reference path.
+- "cpu_flash": aten._scaled_dot_product_flash_attention_for_cpu and its backward.
+- "flash_attn": flash-attn 2 on CUDA (fp16/bf16), when importable; see methods/_flash_attn.py.
+"auto" picks flash_attn on CUDA when possible, cpu_flash on CPU, math otherwise.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+KERNELS = ("math", "cpu_flash", "flash_attn")
+KERNEL_CHOICES = ("auto",) + KERNELS
+
+_CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def default_scale(head_dim: int) -> float:
+    return 1.0 / math.sqrt(head_dim)
+
+
+def acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Dtype of LSE and of accumulators for inputs of `dtype`: float32, or float64 for float64
+    inputs (so that float64 runs are exact to float64 rounding)."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+# ---------------------------------------------------------------------------------------------
+# Availability and selection
+# ---------------------------------------------------------------------------------------------
+def kernel_status(name: str) -> tuple[bool, str]:
+    """Whether kernel backend `name` can run on this machine, and why not."""
+    if name == "math":
+        return True, "pure torch matrix products (any device, any dtype)"
+    if name == "cpu_flash":
+        return True, "aten._scaled_dot_product_flash_attention_for_cpu (CPU tensors)"
+    if name == "flash_attn":
+        from methods import _flash_attn
+        return _flash_attn.status()
+    raise ValueError(f"unknown kernel {name!r}; choose one of {KERNEL_CHOICES}")
+
+
+def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """Turn a configured kernel name ("auto" or a backend) into the backend used for tensors on
+    `device` of `dtype`. Raises ValueError naming the constraint when the choice cannot run."""
+    if name not in KERNEL_CHOICES:
+        raise ValueError(f"unknown kernel {name!r}; choose one of {KERNEL_CHOICES}")
+    if name == "auto":
+        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and kernel_status("flash_attn")[0]:
+            return "flash_attn"
+        if device.type == "cpu":
+            return "cpu_flash"
+        return "math"
+    if name == "cpu_flash" and device.type != "cpu":
+        raise ValueError("kernel 'cpu_flash' runs on CPU tensors only")
+    if name == "flash_attn":
+        ok, why = kernel_status("flash_attn")
+        if not ok:
+            raise ValueError(f"kernel 'flash_attn' unavailable: {why}")
+        if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError("kernel 'flash_attn' needs CUDA tensors in float16 or bfloat16")
+    return name
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks
+# ---------------------------------------------------------------------------------------------
+def _visible(sq: int, sk: int, causal_offset: int, device) -> torch.Tensor:
+    """Bool [Sq, Sk]: True where query i may see key j (j <= i + causal_offset)."""
+    i = torch.arange(sq, device=device).unsqueeze(1)
+    j = torch.arange(sk, device=device).unsqueeze(0)
+    return j <= i + causal_offset
+
+
+def is_full(sq: int, sk: int, causal_offset: Optional[int]) -> bool:
+    """True if the mask hides nothing (every query sees every key)."""
+    return causal_offset is None or causal_offset >= sk - 1
+
+
+def is_empty(sq: int, sk: int, causal_offset: Optional[int]) -> bool:
+    """True if no query sees any key (the block can be skipped)."""
+    return causal_offset is not None and (sq - 1) + causal_offset < 0
+
+
+def _repeat_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[B, S, Hkv, D] -> [B, S, H, D] by repeating each KV head H/Hkv times (GQA)."""
+    group = heads // x.shape[2]
+    return x if group == 1 else x.repeat_interleave(group, dim=2)
+
+
+def _sum_kv_groups(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """[B, S, H, D] -> [B, S, Hkv, D]: the gradient of `_repeat_kv`."""
+    b, s, h, d = dx.shape
+    if h == kv_heads:
+        return dx
+    return dx.view(b, s, kv_heads, h // kv_heads, d).sum(dim=3)
+
+
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        raise ValueError("q, k, v must be [batch, seq, heads, head_dim]")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head_dim")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"heads ({q.shape[2]}) must be a multiple of kv_heads ({k.shape[2]})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Math backend (also the float64 reference)
+# ---------------------------------------------------------------------------------------------
+def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
+    if not upcast:
+        return dtype
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _math_scores(q, k, scale, causal_offset, cd):
+    """Scaled scores [B, H, Sq, Sk] in dtype `cd`, masked with -inf."""
+    qh = q.to(cd).transpose(1, 2)                                   # [B, H, Sq, D]
+    kh = _repeat_kv(k, q.shape[2]).to(cd).transpose(1, 2)           # [B, H, Sk, D]
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale              # [B, H, Sq, Sk]
+    if not is_full(q.shape[1], k.shape[1], causal_offset):
+        s = s.masked_fill(~_visible(q.shape[1], k.shape[1], causal_offset, q.device), float("-inf"))
+    return s
+
+
+def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """exp(s - lse) with rows of lse = -inf giving 0 instead of NaN."""
+    safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
+    return torch.exp(s - safe.unsqueeze(-1))
+
+
+def math_forward(q, k, v, *, scale, causal_offset, upcast=True):
+    """Attention by explicit products. With `upcast`, computes in float32 (float64 for float64
+    inputs); without, in the input dtype (the "naive same-dtype" implementation of the pass rule).
+    Returns out [B, Sq, H, D] in q.dtype and lse [B, H, Sq] float32 (float64 for float64)."""
+    cd = _compute_dtype(q.dtype, upcast)
+    s = _math_scores(q, k, scale, causal_offset, cd)
+    lse = torch.logsumexp(s, dim=-1)                                # [B, H, Sq]; -inf if no key
+    p = _probs(s, lse)
+    vh = _repeat_kv(v, q.shape[2]).to(cd).transpose(1, 2)           # [B, H, Sk, D]
+    out = torch.matmul(p, vh).transpose(1, 2)                       # [B, Sq, H, D]
+    return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
+
+
+def math_backward(dout, q, k, v, out, lse, *, scale, causal_offset, upcast=True):
+    """Gradients of attention for one block given the global out and lse (FlashAttention-2's
+    backward: dS = P * (dP - rowsum(dO * O)))."""
+    cd = _compute_dtype(q.dtype, upcast)
+    h, hkv = q.shape[2], k.shape[2]
+    s = _math_scores(q, k, scale, causal_offset, cd)
+    p = _probs(s, lse.to(cd))                                       # [B, H, Sq, Sk]
+    do = dout.to(cd).transpose(1, 2)                                # [B, H, Sq, D]
+    vh = _repeat_kv(v, h).to(cd).transpose(1, 2)                    # [B, H, Sk, D]
+    qh = q.to(cd).transpose(1, 2)
+    kh = _repeat_kv(k, h).to(cd).transpose(1, 2)
+    delta = (do * out.to(cd).transpose(1, 2)).sum(-1, keepdim=True)  # [B, H, Sq, 1]
+    dv = torch.matmul(p.transpose(-1, -2), do)                      # [B, H, Sk, D]
+    dp = torch.matmul(do, vh.transpose(-1, -2))                     # [B, H, Sq, Sk]
+    ds = p * (dp - delta)
+    dq = torch.matmul(ds, kh) * scale                               # [B, H, Sq, D]
+    dk = torch.matmul(ds.transpose(-1, -2), qh) * scale             # [B, H, Sk, D]
+    dq = dq.transpose(1, 2)
+    dk = _sum_kv_groups(dk.transpose(1, 2), hkv)
+    dv = _sum_kv_groups(dv.transpose(1, 2), hkv)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU flash backend
+# ---------------------------------------------------------------------------------------------
+def _cpu_mask(sq, sk, causal_offset, dtype, device):
+    """(is_causal, additive float mask or None) for the CPU op, whose causal flag is top-left."""
+    if is_full(sq, sk, causal_offset):
+        return False, None
+    if causal_offset == 0:
+        return True, None
+    mask = torch.zeros(sq, sk, dtype=dtype, device=device)
+    mask.masked_fill_(~_visible(sq, sk, causal_offset, device), float("-inf"))
+    return False, mask
+
+
+def _cpu_forward(q, k, v, *, scale, causal_offset):
+    sq, sk = q.shape[1], k.shape[1]
+    is_causal, mask = _cpu_mask(sq, sk, causal_offset, q.dtype, q.device)
+    out, lse = _CPU_FWD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, is_causal,
+                        attn_mask=mask, scale=scale)
+    out = out.transpose(1, 2)                                       # [B, Sq, H, D]
+    if causal_offset is not None and causal_offset < 0:
+        # Rows i < -offset see no key: the op reports lse 0 there; the truth is -inf.
+        lse = lse.clone()
+        lse[..., : min(sq, -causal_offset)] = float("-inf")
+    return out, lse.to(acc_dtype(q.dtype))
+
+
+def _cpu_backward(dout, q, k, v, out, lse, *, scale, causal_offset):
+    sq, sk = q.shape[1], k.shape[1]
+    is_causal, mask = _cpu_mask(sq, sk, causal_offset, q.dtype, q.device)
+    dq, dk, dv = _CPU_BWD(dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                          out.transpose(1, 2), lse.to(acc_dtype(q.dtype)), 0.0, is_causal, attn_mask=mask, scale=scale)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public block API
+# ---------------------------------------------------------------------------------------------
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
+                  causal_offset: Optional[int], kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of one block of queries against one block of keys.
+
+    Args:
+        q: [B, Sq, H, D]; k, v: [B, Sk, Hkv, D]; same dtype and device.
+        scale: softmax scale (usually 1/sqrt(D)).
+        causal_offset: None (full) or c (query i sees key j iff j <= i + c).
+        kernel: backend name or "auto".
+    Returns:
+        out [B, Sq, H, D] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs; -inf
+        where a row sees no key).
+    """
+    _check_shapes(q, k, v)
+    sq, sk = q.shape[1], k.shape[1]
+    if is_empty(sq, sk, causal_offset):
+        return (torch.zeros_like(q),
+                torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device))
+    backend = resolve_kernel(kernel, q.device, q.dtype)
+    if backend == "cpu_flash":
+        return _cpu_forward(q, k, v, scale=scale, causal_offset=causal_offset)
+    if backend == "flash_attn":
+        from methods import _flash_attn
+        return _flash_attn.forward(q, k, v, scale=scale, causal_offset=causal_offset)
+    return math_forward(q, k, v, scale=scale, causal_offset=causal_offset)
+
+
+def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   out: torch.Tensor, lse: torch.Tensor, *, scale: float, causal_offset: Optional[int],
+                   kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of one block (see `block_forward`).
+
+    Args:
+        dout, out: [B, Sq, H, D], the *global* output rows of these queries and their gradient.
+        lse: [B, H, Sq] float32, the *global* log-sum-exp of these queries.
+    Returns:
+        dq [B, Sq, H, D], dk and dv [B, Sk, Hkv, D], in the input dtype: this block's contribution.
+    """
+    _check_shapes(q, k, v)
+    sq, sk = q.shape[1], k.shape[1]
+    if is_empty(sq, sk, causal_offset):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    backend = resolve_kernel(kernel, q.device, q.dtype)
+    if backend == "cpu_flash":
+        return _cpu_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset)
+    if backend == "flash_attn":
+        from methods import _flash_attn
+        return _flash_attn.backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset)
+    return math_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset)
+
+
+def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Fold one block's partial attention into running accumulators, in place (online softmax).
+
+    Args:
+        out: [B, S, H, D] float32 accumulator (normalised output so far); may be a view.
+        lse: [B, H, S] float32 accumulator (-inf where nothing was seen yet); may be a view.
+        block_out: [B, S, H, D] any float dtype; block_lse: [B, H, S] float32.
+
+    new_lse = log(e^lse + e^block_lse); out = out * e^(lse - new_lse) + block_out * e^(block_lse - new_lse).
+    Stable for -inf on either side: a row with nothing seen on both sides stays (0, -inf) instead of
+    becoming NaN (the sigmoid form used by ring-flash-attn produces NaN there).
+    """
+    new_lse = torch.logaddexp(lse, block_lse)
+    ref = torch.where(torch.isfinite(new_lse), new_lse, torch.zeros_like(new_lse))
+    w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)      # [B, S, H, 1]
+    w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
+    out.mul_(w_old).add_(block_out.to(out.dtype) * w_new)
+    lse.copy_(new_lse)
+
+
+def empty_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh (out, lse) accumulators for queries q [B, S, H, D]: zeros float32 and -inf float32."""
+    b, s, h, d = q.shape
+    dt = acc_dtype(q.dtype)
+    return (torch.zeros(b, s, h, d, dtype=dt, device=q.device),
+            torch.full((b, h, s), float("-inf"), dtype=dt, device=q.device))

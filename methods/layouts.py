@@ -1,0 +1,94 @@
+"""How global token positions map to ranks. Pure functions: no communication, no globals.
+
+A `Layout` gives each rank an ordered list of global positions. `shard` takes a rank's tokens out
+of a global tensor, `unshard` puts every rank's tokens back, and `positions` gives the global
+positions (what RoPE and the loss labels need). Layouts:
+
+- contiguous: rank r holds [r*S/P, (r+1)*S/P). Ring Attention, Ulysses.
+- zigzag: the sequence in 2P chunks; rank r holds chunks r and 2P-1-r (balanced causal work;
+  ring-flash-attn's zigzag, Megatron/TE's load balancing, PyTorch's head-tail).
+- stripe: rank r holds positions r, r+P, r+2P, ... (Striped Attention).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+LAYOUTS = ("contiguous", "zigzag", "stripe")
+
+
+@dataclass(frozen=True, eq=False)
+class Layout:
+    """A token-to-rank map for one (seq_len, world_size)."""
+
+    kind: str
+    seq_len: int
+    world_size: int
+    _positions: tuple[torch.Tensor, ...]  # per rank, LongTensor [S_local]
+
+    def positions(self, rank: int) -> torch.Tensor:
+        """Global positions held by `rank`, in local order: LongTensor [S_local]."""
+        return self._positions[rank]
+
+    def local_len(self, rank: int) -> int:
+        return self._positions[rank].numel()
+
+    def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
+        """Rank `rank`'s tokens of global tensor `x` (sequence along `dim`), contiguous."""
+        if x.shape[dim] != self.seq_len:
+            raise ValueError(f"tensor has {x.shape[dim]} tokens along dim {dim}; layout expects {self.seq_len}")
+        index = self.positions(rank).to(x.device)
+        return x.index_select(dim, index).contiguous()
+
+    def unshard(self, parts: Sequence[torch.Tensor], dim: int = 1) -> torch.Tensor:
+        """Inverse of `shard`: the global tensor from every rank's local part, in rank order."""
+        if len(parts) != self.world_size:
+            raise ValueError(f"need {self.world_size} parts, got {len(parts)}")
+        shape = list(parts[0].shape)
+        shape[dim] = self.seq_len
+        full = parts[0].new_empty(shape)
+        for rank, part in enumerate(parts):
+            full.index_copy_(dim, self.positions(rank).to(part.device), part)
+        return full
+
+    def causal_work(self, rank: int) -> int:
+        """(query, key) pairs a rank's queries attend to under a causal mask: sum of (pos + 1)."""
+        return int((self._positions[rank] + 1).sum())
+
+
+def _check(kind: str, seq_len: int, world_size: int, divisor: int) -> None:
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if seq_len < 1 or seq_len % divisor != 0:
+        raise ValueError(
+            f"{kind} layout needs seq_len divisible by {divisor} (= {divisor // world_size} x world_size "
+            f"{world_size}); got seq_len={seq_len}"
+        )
+
+
+def contiguous(seq_len: int, world_size: int) -> Layout:
+    _check("contiguous", seq_len, world_size, world_size)
+    return Layout("contiguous", seq_len, world_size, torch.arange(seq_len).chunk(world_size))
+
+
+def zigzag(seq_len: int, world_size: int) -> Layout:
+    _check("zigzag", seq_len, world_size, 2 * world_size)
+    chunks = torch.arange(seq_len).chunk(2 * world_size)
+    return Layout("zigzag", seq_len, world_size,
+                  tuple(torch.cat([chunks[r], chunks[2 * world_size - 1 - r]]) for r in range(world_size)))
+
+
+def stripe(seq_len: int, world_size: int) -> Layout:
+    _check("stripe", seq_len, world_size, world_size)
+    return Layout("stripe", seq_len, world_size,
+                  tuple(torch.arange(r, seq_len, world_size) for r in range(world_size)))
+
+
+def make(kind: str, seq_len: int, world_size: int) -> Layout:
+    """Build the layout named `kind` (one of LAYOUTS)."""
+    builders = {"contiguous": contiguous, "zigzag": zigzag, "stripe": stripe}
+    if kind not in builders:
+        raise ValueError(f"unknown layout {kind!r}; choose one of {LAYOUTS}")
+    return builders[kind](seq_len, world_size)
