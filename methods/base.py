@@ -63,6 +63,11 @@ class Method:
         self.kernel = kernel
 
     # -- what the harness asks ----------------------------------------------------------------
+    @classmethod
+    def available_here(cls) -> tuple[bool, str]:
+        """Whether this method can run on this machine at all (e.g. its library imports), and why not."""
+        return True, ""
+
     def degrees(self, world_size: int) -> tuple[int, int]:
         """(ulysses_degree, ring_degree) of this method at `world_size` (their product)."""
         return 1, world_size

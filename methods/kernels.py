@@ -222,6 +222,9 @@ def _cpu_forward(q, k, v, *, scale, causal_offset):
 def _cpu_backward(dout, q, k, v, out, lse, *, scale, causal_offset):
     sq, sk = q.shape[1], k.shape[1]
     is_causal, mask = _cpu_mask(sq, sk, causal_offset, q.dtype, q.device)
+    # A row that sees no key (lse = -inf) would give exp(-inf - -inf) = NaN inside the op;
+    # lse = +inf makes its probabilities exactly 0, which is the true gradient (none).
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
     dq, dk, dv = _CPU_BWD(dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                           out.transpose(1, 2), lse.to(acc_dtype(q.dtype)), 0.0, is_causal, attn_mask=mask, scale=scale)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)

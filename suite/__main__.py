@@ -1,0 +1,3 @@
+from suite.cli import main
+
+raise SystemExit(main())

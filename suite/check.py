@@ -1,0 +1,144 @@
+"""Global inputs of a trial, the float64 reference, and the pass rule (DESIGN.md section 7).
+
+Pass rule (flash-attention's test oracle): for each of out, lse, dq, dk, dv,
+    max|method - ref64|  <=  2 * max|naive - ref64|  +  floor,
+where `naive` is plain attention computed in the *same* low precision as the method (explicit
+matrix products, no upcast) and floor = 4 * eps(dtype) * max(1, max|ref64|) keeps the bound
+meaningful when the naive error happens to be tiny (flash-attention's atol is the same order: a
+few roundings of the dtype at the output's magnitude). For float64 inputs the naive computation
+*is* the reference, so the floor alone applies (a few float64 ulps). The tolerance therefore scales with the
+rounding error the dtype itself implies, instead of a hand-tuned atol.
+
+The reference is computed in chunks of query rows, so its memory stays bounded
+(chunk x S scores at a time) whatever the sequence length.
+"""
+from __future__ import annotations
+
+import threading
+import zlib
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from methods import kernels
+from methods.base import torch_dtype
+
+_CHUNK_BYTES = 256 * 2**20  # score matrix budget per reference chunk
+
+
+@dataclass
+class Problem:
+    """Global inputs of one problem and, when checked, its float64 reference and tolerances."""
+
+    q: torch.Tensor       # [B, S, H, D] in the trial dtype
+    k: torch.Tensor       # [B, S, Hkv, D]
+    v: torch.Tensor
+    dout: torch.Tensor    # [B, S, H, D]
+    ref: dict[str, torch.Tensor] = field(default_factory=dict)   # out, lse, dq, dk, dv in float64
+    tol: dict[str, float] = field(default_factory=dict)
+    naive_err: dict[str, float] = field(default_factory=dict)
+
+
+def problem_seed(seed: int, problem_key: tuple) -> int:
+    """A per-problem seed, stable across processes and Python runs (no hash randomisation)."""
+    return (seed * 1_000_003 + zlib.crc32(repr(problem_key).encode())) % 2**63
+
+
+def make_inputs(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, dtype: str,
+                seed: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """q, k, v, dout ~ N(0, 1), generated in float32 on `device` from `seed`, cast to `dtype`."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    dt = torch_dtype(dtype)
+
+    def rnd(h: int) -> torch.Tensor:
+        return torch.randn(batch, seq_len, h, head_dim, generator=gen, device=device).to(dt)
+
+    return rnd(heads), rnd(kv_heads), rnd(kv_heads), rnd(heads)
+
+
+def reference_attention(q, k, v, dout: Optional[torch.Tensor], *, causal: bool, scale: float,
+                        upcast: bool = True) -> dict[str, torch.Tensor]:
+    """Attention (and its gradients if `dout` is given) by explicit products, in query-row chunks.
+
+    With `upcast` the inputs are converted to float64 first (the reference); without, the
+    computation runs in the inputs' dtype (the "naive same-dtype" implementation).
+    Returns out [B,S,H,D], lse [B,H,S] and, with dout, dq, dk, dv.
+    """
+    if upcast:
+        q, k, v = q.double(), k.double(), v.double()
+        dout = dout.double() if dout is not None else None
+    b, s, h, _ = q.shape
+    rows = max(1, min(s, _CHUNK_BYTES // max(1, b * h * s * 8)))
+    acc = kernels.acc_dtype(q.dtype)
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h, s, dtype=acc, device=q.device)
+    for c0 in range(0, s, rows):
+        # Rows c0.. see keys j <= c0 + i: a block with causal_offset c0.
+        o, l = kernels.math_forward(q[:, c0:c0 + rows], k, v, scale=scale,
+                                    causal_offset=c0 if causal else None, upcast=upcast)
+        out[:, c0:c0 + rows], lse[:, :, c0:c0 + rows] = o, l
+    result = {"out": out, "lse": lse}
+    if dout is None:
+        return result
+    dq = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    dk = torch.zeros(k.shape, dtype=acc, device=q.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=q.device)
+    for c0 in range(0, s, rows):
+        sl = slice(c0, c0 + rows)
+        gq, gk, gv = kernels.math_backward(dout[:, sl], q[:, sl], k, v, out[:, sl], lse[:, :, sl], scale=scale,
+                                           causal_offset=c0 if causal else None, upcast=upcast)
+        dq[:, sl] = gq
+        dk += gk
+        dv += gv
+    result.update(dq=dq, dk=dk.to(k.dtype), dv=dv.to(v.dtype))
+    return result
+
+
+def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """max |a - b| in float64 (0 for empty tensors)."""
+    if a.numel() == 0:
+        return 0.0
+    return float((a.double() - b.double()).abs().max())
+
+
+def tolerance(naive_err: float, ref: torch.Tensor, dtype: torch.dtype) -> float:
+    floor = 4 * torch.finfo(dtype).eps * max(1.0, float(ref.abs().max()))
+    return 2.0 * naive_err + floor
+
+
+def build_problem(batch, seq_len, heads, kv_heads, head_dim, dtype, causal, *, seed: int,
+                  device: torch.device, with_reference: bool) -> Problem:
+    """Inputs of one problem and, with `with_reference`, the float64 reference of out, lse and the
+    gradients (computed once; forward-only trials of the same problem use part of it)."""
+    key = (batch, seq_len, heads, kv_heads, head_dim, dtype, causal)
+    q, k, v, dout = make_inputs(batch, seq_len, heads, kv_heads, head_dim, dtype,
+                                problem_seed(seed, key), device)
+    prob = Problem(q, k, v, dout)
+    if with_reference:
+        scale = kernels.default_scale(head_dim)
+        prob.ref = reference_attention(q, k, v, dout, causal=causal, scale=scale, upcast=True)
+        naive = reference_attention(q, k, v, dout, causal=causal, scale=scale, upcast=False)
+        dt = torch_dtype(dtype)
+        for name, ref in prob.ref.items():
+            prob.naive_err[name] = max_abs_err(naive[name], ref)
+            prob.tol[name] = tolerance(prob.naive_err[name], ref, dt)
+    return prob
+
+
+class ProblemCache:
+    """Keeps the most recent problem (inputs + reference) per worker; thread-safe, so virtual
+    ranks share one. Trials are ordered so that consecutive ones share problems."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._key = None
+        self._problem: Optional[Problem] = None
+
+    def get(self, key: tuple, build) -> Problem:
+        with self._lock:
+            if self._key != key:
+                self._problem = None  # free the old one before building the next
+                self._problem = build()
+                self._key = key
+            return self._problem

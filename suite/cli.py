@@ -1,0 +1,135 @@
+"""`python -m suite`: run a sweep, list methods, open the MLflow UI, re-log a stored sweep."""
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from typing import Optional
+
+EPILOG = """examples:
+  python -m suite run configs/quickstart.yaml
+  python -m suite run configs/quickstart.yaml run.repeats=3 sweep.seq_len=[256,512]
+  python -m suite run configs/quickstart.yaml --resume            # continue the latest run of this sweep
+  python -m suite run configs/h100_sweep.yaml --dry-run           # print the planned trials
+  python -m suite list
+  python -m suite ui
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m suite", description="Sequence-parallel attention benchmark suite",
+                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    run = sub.add_parser("run", help="run a sweep from a YAML config",
+                         description="Run every trial of a sweep: check each method against float64 attention, "
+                                     "time it, count its bytes; write results/<name>/<time>/ and log to MLflow.",
+                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    run.add_argument("config", help="path to a sweep YAML (e.g. configs/quickstart.yaml)")
+    run.add_argument("overrides", nargs="*", help="Hydra-style overrides: key=value (run.repeats=3, "
+                                                  "sweep.world_size=[2,4], sweep.seq_len=512,1024)")
+    run.add_argument("--resume", nargs="?", const="latest", default=None, metavar="RUN_DIR",
+                     help="continue an interrupted sweep: skip trials already recorded (default: the latest "
+                          "run folder of this sweep)")
+    run.add_argument("--dry-run", action="store_true", help="print the planned trials and whether each can run here")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    sub.add_parser("list", help="list every method and kernel, whether it can run here, and why not")
+
+    ui = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 over the suite's tracking store")
+    ui.add_argument("--port", type=int, default=5000)
+    ui.add_argument("--results-root", default="results", help="folder holding mlflow.db (default: results)")
+    ui.add_argument("--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or "
+                                                "sqlite:///<results-root>/mlflow.db)")
+
+    relog = sub.add_parser("relog", help="log a stored sweep (results folder) to MLflow again")
+    relog.add_argument("run_dir")
+    relog.add_argument("--uri", default=None)
+    relog.add_argument("--experiment", default=None)
+    return p
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "run":
+        return _run(args)
+    if args.command == "list":
+        return _list()
+    if args.command == "ui":
+        return _ui(args)
+    if args.command == "relog":
+        from suite.tracking import relog
+        tracker = relog(args.run_dir, args.uri, args.experiment)
+        if not tracker.enabled:
+            print(f"relog failed: {tracker.disabled_reason}", file=sys.stderr)
+            return 1
+        print(f"logged {args.run_dir} to {tracker.uri} (parent run {tracker.parent_run_id})")
+        return 0
+    return 2
+
+
+def _run(args) -> int:
+    from suite.config import ConfigError, load_config
+    from suite.runner import run_sweep
+
+    try:
+        cfg, yaml_text = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        run_sweep(cfg, yaml_text, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted: every finished trial is saved; continue with --resume", file=sys.stderr)
+        return 130
+    return 0
+
+
+def _list() -> int:
+    import torch
+    from tabulate import tabulate
+
+    import methods
+    from methods import kernels
+
+    rows = []
+    for name in methods.available():
+        cls = methods.method_class(name)
+        ok, why = cls.available_here()
+        rows.append([name, cls.impl, cls.layout_kind, "yes" if ok else "no", why or cls.description])
+    for name, reason in sorted(methods.unavailable().items()):
+        rows.append([name, "-", "-", "no", reason])
+    print("Methods")
+    print(tabulate(rows, headers=["method", "impl", "layout", "runs here", "notes / why not"], tablefmt="simple"))
+    krows = []
+    for name in kernels.KERNELS:
+        ok, why = kernels.kernel_status(name)
+        krows.append([name, "yes" if ok else "no", why])
+    print("\nLocal attention kernels (run.kernel; auto picks flash_attn on CUDA fp16/bf16, cpu_flash on CPU)")
+    print(tabulate(krows, headers=["kernel", "available", "notes / why not"], tablefmt="simple"))
+    cuda = torch.cuda.is_available()
+    erows = [["dist", "yes", f"worker processes over torch.distributed ({'nccl' if cuda else 'gloo'}); "
+                             "the only executor whose timings are performance"],
+             ["threads", "yes", "virtual ranks in one process (numerics; timings are not hardware communication)"],
+             ["cuda device", "yes" if cuda else "no",
+              f"{torch.cuda.device_count()} GPU(s)" if cuda else "no CUDA device: GPU kernels, NCCL and CUDA timing "
+                                                                 "are unavailable here"]]
+    print("\nExecutors and devices")
+    print(tabulate(erows, headers=["", "available", "notes"], tablefmt="simple"))
+    return 0
+
+
+def _ui(args) -> int:
+    from suite.tracking import default_uri
+
+    uri = args.uri or default_uri(args.results_root)
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
+           "--port", str(args.port)]
+    print(f"MLflow UI on http://127.0.0.1:{args.port} (store {uri}); Ctrl-C to stop", flush=True)
+    try:
+        return subprocess.call(cmd)
+    except KeyboardInterrupt:
+        return 0

@@ -1,0 +1,290 @@
+"""Sweep configuration: Hydra YAML -> validated dataclasses (DESIGN.md section 3).
+
+A config file is composed with Hydra's Compose API (so `defaults:` lists in YAML work), merged
+into the `SuiteConfig` schema below, then command-line overrides in Hydra syntax are applied
+(`run.repeats=3`, `sweep.seq_len=[512,1024]`, or the sweep form `sweep.seq_len=512,1024`).
+Every problem (unknown key, wrong type, bad value, unknown method) raises `ConfigError` naming
+the key and what is allowed, before anything starts. `methods/` never sees any of this.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
+
+PASSES = ("fwd", "fwd_bwd")
+EXECUTORS = ("dist", "threads")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")
+# Sweep axes as they appear in trial identities (and in exclude rules).
+AXES = ("method", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
+        "causal", "pass")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before anything runs."""
+
+
+@dataclass
+class SweepConfig:
+    """The sweep axes: every list is one axis; trials are their cartesian product minus excludes."""
+
+    methods: list[str] = field(default_factory=lambda: ["reference", "ring", "ulysses"])
+    """Registered method names (`python -m suite list`)."""
+    world_size: list[int] = field(default_factory=lambda: [1, 2, 4])
+    """Number of ranks sharing one sequence."""
+    batch: list[int] = field(default_factory=lambda: [1])
+    seq_len: list[int] = field(default_factory=lambda: [1024])
+    """Global sequence length (tokens over all ranks)."""
+    heads: list[int] = field(default_factory=lambda: [8])
+    kv_heads: list[int] = field(default_factory=lambda: [8])
+    """KV heads; fewer than `heads` is GQA (heads must be a multiple)."""
+    head_dim: list[int] = field(default_factory=lambda: [64])
+    dtype: list[str] = field(default_factory=lambda: ["float32"])
+    causal: list[bool] = field(default_factory=lambda: [True, False])
+    passes: list[str] = field(default_factory=lambda: ["fwd", "fwd_bwd"])
+    """fwd (forward only, no autograd graph) and/or fwd_bwd (forward + backward)."""
+    exclude: list[dict[str, Any]] = field(default_factory=list)
+    """Rules removing trials: each maps axis names (see AXES) to a value or a list of values; a
+    trial matching every entry of a rule is not planned. E.g. {method: reference, world_size: [2, 4]}."""
+    method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per-method constructor options, e.g. {usp: {ulysses_degree: 2}}."""
+
+
+@dataclass
+class RunConfig:
+    """How trials run."""
+
+    executor: str = "dist"
+    """dist: real worker processes over torch.distributed (the only executor whose timings are
+    performance); threads: virtual ranks in one process (numerics only)."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (nccl on cuda, gloo on cpu), gloo or nccl."""
+    kernel: str = "auto"
+    """Local attention kernel: auto, math, cpu_flash, flash_attn."""
+    warmup: int = 2
+    """Untimed iterations before timing (the first also counts communication bytes)."""
+    repeats: int = 10
+    """Timed iterations; every sample is kept."""
+    check: bool = True
+    """Compare out, lse (and dq, dk, dv for fwd_bwd) with float64 attention on the unsharded inputs."""
+    check_max_seq_len: int = 65536
+    """Above this global length the float64 reference is not computed (the row says checked=false)."""
+    seed: int = 0
+    timeout_s: float = 300.0
+    """Per-trial limit; a trial over it is recorded as timeout and its worker group replaced."""
+    startup_timeout_s: float = 180.0
+    """Limit for starting a worker group (process spawn + rendezvous)."""
+    fail_grace_s: float = 10.0
+    """After one rank fails, how long to wait for the others to report before replacing the group."""
+    threads_per_rank: int = 0
+    """CPU threads per worker; 0 = available cores / world_size (at least 1)."""
+    hardware: str = "auto"
+    """Hardware label recorded with each trial; auto = detected (GPU name or CPU model)."""
+    plugins: list[str] = field(default_factory=list)
+    """Python modules imported in the parent and every worker to register extra methods."""
+
+
+@dataclass
+class ResultsConfig:
+    root: str = "results"
+    """Results go to <root>/<name>/<timestamp>/ (trials.jsonl, trials.parquet, config, environment)."""
+
+
+@dataclass
+class TrackingConfig:
+    mlflow: bool = True
+    """Log the sweep to MLflow (parent run) with one nested run per trial."""
+    uri: Optional[str] = None
+    """Tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<results.root>/mlflow.db."""
+    experiment: Optional[str] = None
+    """Experiment name; default: the sweep name."""
+
+
+@dataclass
+class SuiteConfig:
+    name: str = MISSING
+    """Sweep name (letters, digits, - and _): the results folder and MLflow experiment."""
+    description: str = ""
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    results: ResultsConfig = field(default_factory=ResultsConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------
+def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> tuple[SuiteConfig, str]:
+    """Compose `path` with Hydra, validate it and apply `overrides`.
+
+    Returns the typed config and its resolved YAML text (saved with the run).
+    """
+    raw = _compose(Path(path))
+    schema = OmegaConf.structured(SuiteConfig)
+    try:
+        cfg = OmegaConf.merge(schema, raw)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc, source=str(path))) from None
+    for text in overrides:
+        _apply_override(cfg, text)
+    try:
+        obj: SuiteConfig = OmegaConf.to_object(cfg)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc, source=str(path))) from None
+    validate(obj)
+    return obj, OmegaConf.to_yaml(OmegaConf.structured(obj), resolve=True)
+
+
+def _compose(path: Path) -> DictConfig:
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import HydraException
+
+    try:
+        with initialize_config_dir(config_dir=str(path.resolve().parent), version_base="1.3"):
+            cfg = compose(config_name=path.stem)
+    except HydraException as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    except Exception as exc:  # YAML syntax errors and the like
+        raise ConfigError(f"{path}: could not read the config: {exc}") from None
+    if "hydra" in cfg:  # Hydra's own section is not part of our schema
+        cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+    return cfg
+
+
+def _apply_override(cfg: DictConfig, text: str) -> None:
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        (ov,) = OverridesParser.create().parse_overrides([text])
+    except HydraException as exc:
+        raise ConfigError(f"bad override {text!r}: {exc}. Use key=value, e.g. run.repeats=3 or "
+                          f"sweep.seq_len=[512,1024]") from None
+    key = ov.key_or_group
+    if ov.is_delete() or ov.is_add() or ov.is_force_add():
+        raise ConfigError(f"override {text!r}: only key=value is supported (every key exists in the schema)")
+    value = list(ov.sweep_iterator()) if ov.is_sweep_override() else ov.value()
+    if OmegaConf.select(cfg, key, default=_MISSING_KEY) is _MISSING_KEY:
+        raise ConfigError(_unknown_key_message(key))
+    try:
+        OmegaConf.update(cfg, key, value, merge=False)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(f"override {text!r}: {_explain(exc)}") from None
+
+
+_MISSING_KEY = object()
+
+
+def _schema_for(path: list[str]):
+    node: Any = SuiteConfig
+    for part in path:
+        hit = {f.name: f for f in fields(node)}.get(part) if isinstance(node, type) else None
+        if hit is None or not isinstance(hit.default_factory, type):  # type: ignore[arg-type]
+            return None
+        node = hit.default_factory  # nested dataclass sections use default_factory=Class
+    return node
+
+
+def _unknown_key_message(full_key: str) -> str:
+    parts = full_key.split(".")
+    parent = _schema_for(parts[:-1])
+    where = ".".join(parts[:-1]) or "the top level"
+    if parent is None:
+        return f"unknown config key {full_key!r}"
+    allowed = ", ".join(f.name for f in fields(parent))
+    return f"unknown config key {full_key!r}; allowed keys under {where}: {allowed}"
+
+
+def _explain(exc: OmegaConfBaseException, source: str = "") -> str:
+    key = getattr(exc, "full_key", None) or ""
+    prefix = f"{source}: " if source else ""
+    if isinstance(exc, ConfigKeyError) or "not in" in str(exc):
+        return prefix + _unknown_key_message(key) if key else prefix + str(exc).splitlines()[0]
+    if isinstance(exc, ValidationError):
+        msg = str(exc).splitlines()[0]
+        return f"{prefix}{key}: {msg}" if key else prefix + msg
+    return prefix + str(exc).splitlines()[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation of values
+# ---------------------------------------------------------------------------------------------
+def _require(cond: bool, key: str, message: str) -> None:
+    if not cond:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _choice(value: Any, key: str, allowed: tuple) -> None:
+    _require(value in allowed, key, f"{value!r} is not allowed; choose one of {list(allowed)}")
+
+
+def validate(cfg: SuiteConfig) -> None:
+    """Check values the schema types cannot (ranges, choices, names). Raises ConfigError."""
+    import methods
+    from methods.base import DTYPES
+    from methods.kernels import KERNEL_CHOICES
+
+    _require(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", cfg.name or "")), "name",
+             f"{cfg.name!r} must be letters, digits, '-', '_' or '.' (it names a folder)")
+    s, r = cfg.sweep, cfg.run
+    try:
+        methods.load_plugins(r.plugins)
+    except ImportError as exc:
+        raise ConfigError(f"run.plugins: {exc}") from None
+    known = set(methods.available()) | set(methods.unavailable())
+    for axis in ("methods", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
+                 "causal", "passes"):
+        values = getattr(s, axis)
+        _require(len(values) > 0, f"sweep.{axis}", "needs at least one value")
+        _require(len(set(map(str, values))) == len(values), f"sweep.{axis}", f"has duplicates: {values}")
+    for m in s.methods:
+        _require(m in known, "sweep.methods",
+                 f"unknown method {m!r}; registered methods: {', '.join(sorted(known))}")
+    for axis in ("world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim"):
+        for v in getattr(s, axis):
+            _require(v >= 1, f"sweep.{axis}", f"values must be >= 1, got {v}")
+    for d in s.dtype:
+        _choice(d, "sweep.dtype", tuple(DTYPES))
+    for p in s.passes:
+        _choice(p, "sweep.passes", PASSES)
+    for i, rule in enumerate(s.exclude):
+        _require(bool(rule), f"sweep.exclude[{i}]", "an empty rule would exclude everything")
+        for k in rule:
+            _require(k in AXES, f"sweep.exclude[{i}]", f"unknown axis {k!r}; axes are {list(AXES)}")
+    for m, opts in s.method_options.items():
+        _require(m in s.methods, "sweep.method_options", f"options for {m!r}, which is not in sweep.methods")
+        if m in methods.available():
+            from methods.base import option_names
+            allowed = option_names(methods.method_class(m))
+            for k in opts:
+                _require(k in allowed and k != "kernel", f"sweep.method_options.{m}",
+                         f"unknown option {k!r}; options of {m}: {[a for a in allowed if a != 'kernel']} "
+                         f"(the kernel is run.kernel)")
+    _choice(r.executor, "run.executor", EXECUTORS)
+    _choice(r.device, "run.device", DEVICES)
+    _choice(r.backend, "run.backend", BACKENDS)
+    _choice(r.kernel, "run.kernel", KERNEL_CHOICES)
+    _require(r.warmup >= 0, "run.warmup", f"must be >= 0, got {r.warmup}")
+    _require(r.repeats >= 1, "run.repeats", f"must be >= 1, got {r.repeats}")
+    _require(r.check_max_seq_len >= 1, "run.check_max_seq_len", "must be >= 1")
+    for k in ("timeout_s", "startup_timeout_s"):
+        _require(getattr(r, k) > 0, f"run.{k}", f"must be > 0, got {getattr(r, k)}")
+    _require(r.fail_grace_s >= 0, "run.fail_grace_s", "must be >= 0")
+    _require(r.threads_per_rank >= 0, "run.threads_per_rank", "must be >= 0 (0 = automatic)")
+    if r.backend == "nccl":
+        _require(r.device != "cpu", "run.backend", "nccl needs run.device cuda (or auto on a GPU machine)")
+    _require(bool(cfg.results.root), "results.root", "must be a folder path")
+
+
+def to_dict(cfg: SuiteConfig) -> dict:
+    """Plain dict of the config (for MLflow artifacts and workers)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,138 @@
+"""executor=dist under an existing launcher (torchrun, or srun with MASTER_ADDR/MASTER_PORT set).
+
+Every launched process runs `python -m suite run CONFIG`; together they are one worker group of
+the launched size (possibly several nodes). Rank 0 is the parent: it plans (and broadcasts the
+plan so every rank runs the same trials in the same order), gathers every rank's report, and is
+the only writer of results and MLflow. Trials of another world size are recorded as skipped with
+the command to cover them.
+
+Limits compared with the local launcher: a hung trial ends only when the process-group timeout
+(run.timeout_s) makes the stuck collectives raise, and a failed trial cannot get a fresh group,
+so later trials run on the same communicators (the row's reason says so).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from typing import Optional, TextIO
+
+import torch
+import torch.distributed as dist
+
+from methods.comm import DistComm
+from suite import metrics as M
+from suite.check import ProblemCache
+from suite.config import SuiteConfig
+from suite.env import hardware_label
+from suite.plan import expand
+from suite.trial import Outcome, make_record, run_trial, skipped_record
+
+
+def run_external(cfg: SuiteConfig, config_yaml: str, launch: dict, *, resume: Optional[str], dry_run: bool,
+                 out: TextIO, progress: bool):
+    from suite.runner import (SweepResult, _print_footer, check_supported, open_store, print_plan,
+                              resolve_backend, resolve_device, run_settings, sweep_params)
+    from suite.summary import summary_table
+    from suite.tracking import make_tracker
+
+    rank, world = launch["rank"], launch["world_size"]
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    device = resolve_device(cfg.run.device)
+    if device == "cuda":
+        torch.cuda.set_device(launch["local_rank"])
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // launch["local_world_size"]))
+    dist.init_process_group(resolve_backend(cfg.run.backend, device), init_method="env://",
+                            timeout=timedelta(seconds=cfg.run.timeout_s))
+    control = dist.new_group(backend="gloo")  # object collectives, whatever the data backend
+    comm = DistComm()
+    nodes = max(1, world // launch["local_world_size"])
+    topology = "single-node" if nodes == 1 else f"{nodes}-node"
+    dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
+
+    # Rank 0 plans; everyone runs the same list.
+    box: list = [None]
+    if rank == 0:
+        hardware = hardware_label(device) if cfg.run.hardware == "auto" else cfg.run.hardware
+        plan = expand(cfg, hardware=hardware, device=device, topology=topology, nodes=nodes)
+        if dry_run:
+            print_plan(plan, out)
+            box[0] = ("dry", [])
+        else:
+            store, resumed = open_store(cfg, config_yaml, device, resume)
+            done = store.completed_keys()
+            actions = []
+            for spec in plan:
+                if spec.key in done:
+                    continue
+                if spec.world_size != world:
+                    actions.append((spec, f"world_size {spec.world_size} needs its own launch: this group has "
+                                          f"{world} ranks (torchrun --nproc-per-node ... with {spec.world_size} "
+                                          f"ranks in all)"))
+                else:
+                    ok, reason = check_supported(spec)
+                    actions.append((spec, None if ok else reason))
+            box[0] = ("run", actions)
+    dist.broadcast_object_list(box, src=0, group=control)
+    mode, actions = box[0]
+    if mode == "dry":
+        dist.destroy_process_group()
+        return None
+
+    settings = run_settings(cfg)
+    cache = ProblemCache()
+    tracker = bar = None
+    t_start = time.perf_counter()
+    if rank == 0:
+        from tqdm import tqdm
+        tracker = make_tracker(cfg.tracking.mlflow, cfg.tracking.uri, cfg.tracking.experiment or cfg.name,
+                               cfg.results.root)
+        tracker.start(store, sweep=cfg.name, params=sweep_params(cfg), environment=store.read_json("environment.json"),
+                      description=cfg.description, resume=resumed)
+        bar = tqdm(total=len(actions), disable=not progress, file=sys.stderr, unit="trial")
+        print(f"sweep {cfg.name}: {len(actions)} trials on {world} ranks ({topology}) -> {store.run_dir}",
+              file=out, flush=True)
+    any_failed = False
+    status = "FINISHED"
+    try:
+        for spec, skip_reason in actions:
+            started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            if skip_reason is not None:
+                if rank == 0:
+                    record = skipped_record(spec, skip_reason, settings, store.run_dir.name, started)
+            else:
+                t0 = time.perf_counter()
+                report = run_trial(spec, settings, comm, dev, cache)
+                gathered = [None] * world if rank == 0 else None
+                dist.gather_object(report, gathered, dst=0, group=control)
+                if rank == 0:
+                    outcome = Outcome("reported", gathered)
+                    record = make_record(spec, outcome, settings, store.run_dir.name, started,
+                                         time.perf_counter() - t0)
+                    if any_failed and record[M.STATUS] != M.FAILED:
+                        record[M.REASON] = ((record[M.REASON] or "") + " [ran on communicators reused after an "
+                                            "earlier failed trial]").strip()
+                    any_failed = any_failed or record[M.STATUS] in (M.FAILED, M.TIMEOUT)
+            if rank == 0:
+                store.append(record)
+                tracker.log_trial(record, spec.label())
+                bar.update(1)
+    except BaseException:
+        status = "KILLED"
+        raise
+    finally:
+        if rank == 0:
+            bar.close()
+            store.compact()
+            tracker.finish(store, status)
+    dist.barrier(group=control)
+    dist.destroy_process_group()
+    if rank != 0:
+        return None
+    wall = time.perf_counter() - t_start
+    records = store.records()
+    print(summary_table(records), file=out)
+    _print_footer(records, wall, store, tracker, out)
+    return SweepResult(store.run_dir, records, wall, getattr(tracker, "uri", None), tracker.disabled_reason)

@@ -1,0 +1,219 @@
+"""Executors: how trials reach ranks.
+
+- `LocalDistExecutor` (executor=dist on one machine): one group of worker processes per world
+  size (gloo on CPU, NCCL on CUDA), started on the first trial of that size and reused for all of
+  them. A trial that fails on any rank, hangs past its timeout, or loses a worker gets the group
+  replaced before the next trial (its communicators may hold unmatched messages).
+- `ExternalDistExecutor` (executor=dist under torchrun/SLURM): the launched processes are the group;
+  rank 0 is the parent (collects reports, writes results).
+- `ThreadExecutor` (executor=threads): virtual ranks as threads of this process (ThreadComm).
+"""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+from datetime import timedelta
+from typing import Optional
+
+import torch
+
+from suite.check import ProblemCache
+from suite.plan import TrialSpec
+from suite.trial import Outcome, RunSettings, run_trial
+from suite.worker import WorkerSettings, worker_main
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def threads_per_rank(configured: int, world_size: int) -> int:
+    return configured if configured > 0 else max(1, available_cores() // world_size)
+
+
+class GroupStartError(RuntimeError):
+    """A worker group could not be started (the trials that needed it are recorded as failed)."""
+
+
+class LocalGroup:
+    """`world_size` worker processes joined in one torch.distributed group, reused across trials."""
+
+    def __init__(self, settings: WorkerSettings, startup_timeout_s: float):
+        import torch.distributed as dist
+
+        self.world_size = settings.world_size
+        ctx = mp.get_context("spawn")
+        # The parent hosts the rendezvous store on a free port (port 0): no port race.
+        self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=startup_timeout_s))
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        self._results = ctx.Queue()
+        self._procs = [ctx.Process(target=worker_main, name=f"suite-worker-{r}", daemon=True,
+                                   args=(r, self._store.port, settings, self._tasks[r], self._results, os.getpid()))
+                       for r in range(self.world_size)]
+        for p in self._procs:
+            p.start()
+        try:
+            self._wait_ready(startup_timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        ready: set[int] = set()
+        deadline = time.monotonic() + timeout_s
+        while len(ready) < self.world_size:
+            try:
+                kind, rank, _, payload = self._results.get(timeout=0.5)
+            except queue.Empty:
+                dead = self.dead_ranks()
+                if dead:
+                    raise GroupStartError(f"worker(s) {dead} exited during start-up")
+                if time.monotonic() > deadline:
+                    raise GroupStartError(f"worker group of {self.world_size} not ready after {timeout_s}s")
+                continue
+            if kind == "startup_error":
+                raise GroupStartError(f"rank {rank} failed to start:\n{payload}")
+            ready.add(rank)
+
+    def dead_ranks(self) -> list[tuple[int, Optional[int]]]:
+        return [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+
+    def run(self, spec: TrialSpec, timeout_s: float, grace_s: float) -> tuple[Outcome, bool]:
+        """Send `spec` to every rank and collect their reports.
+
+        Returns (outcome, healthy): `healthy` is False when the group must be replaced (a rank
+        failed, hung or died).
+        """
+        for q in self._tasks:
+            q.put(spec)
+        reports: list[Optional[dict]] = [None] * self.world_size
+        deadline = time.monotonic() + timeout_s
+        while any(r is None for r in reports):
+            now = time.monotonic()
+            if now > deadline:
+                missing = [r for r, rep in enumerate(reports) if rep is None]
+                failed = any(rep is not None and not rep["ok"] for rep in reports)
+                if failed:  # someone failed and the others are stuck waiting for it
+                    return Outcome("failed", reports, f"ranks {missing} did not finish after the failure"), False
+                return Outcome("timeout", reports, f"no report from ranks {missing} within {timeout_s:g}s "
+                                                   f"(run.timeout_s)"), False
+            try:
+                kind, rank, key, payload = self._results.get(timeout=min(0.5, deadline - now))
+            except queue.Empty:
+                dead = self.dead_ranks()
+                if dead:
+                    desc = ", ".join(f"rank {r} exited with code {c}" for r, c in dead)
+                    return Outcome("failed", reports, f"worker died: {desc}"), False
+                continue
+            if kind != "report" or key != spec.key:
+                continue  # a stale message from before; cannot happen with fresh groups, but be safe
+            reports[rank] = payload
+            if not payload["ok"]:
+                deadline = min(deadline, time.monotonic() + grace_s)
+        ok = all(rep["ok"] for rep in reports)  # type: ignore[index]
+        return Outcome("reported", reports), ok
+
+    def close(self) -> None:
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except (ValueError, OSError):
+                pass
+        for p in self._procs:
+            p.join(timeout=10)
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=5)
+        for q in self._tasks + [self._results]:
+            q.cancel_join_thread()
+            q.close()
+
+
+class LocalDistExecutor:
+    """executor=dist on this machine: worker groups per world size, replaced after failures."""
+
+    name = "dist"
+
+    def __init__(self, *, device: str, backend: str, run: RunSettings, threads_per_rank: int,
+                 plugins: tuple[str, ...], timeout_s: float, startup_timeout_s: float, grace_s: float):
+        self._device, self._backend, self._run = device, backend, run
+        self._threads, self._plugins = threads_per_rank, plugins
+        self._timeout_s, self._startup_timeout_s, self._grace_s = timeout_s, startup_timeout_s, grace_s
+        self._group: Optional[LocalGroup] = None
+        self.groups_started = 0
+
+    def _group_for(self, world_size: int) -> LocalGroup:
+        if self._group is not None and self._group.world_size == world_size:
+            return self._group
+        self.close()
+        settings = WorkerSettings(world_size=world_size, device=self._device, backend=self._backend,
+                                  threads=threads_per_rank(self._threads, world_size), plugins=self._plugins,
+                                  comm_timeout_s=self._timeout_s + 60, run=self._run)
+        self.groups_started += 1
+        self._group = LocalGroup(settings, self._startup_timeout_s)
+        return self._group
+
+    def run(self, spec: TrialSpec) -> Outcome:
+        try:
+            group = self._group_for(spec.world_size)
+        except GroupStartError as exc:
+            self._group = None
+            return Outcome("failed", [None] * spec.world_size, f"could not start worker group: {exc}")
+        outcome, healthy = group.run(spec, self._timeout_s, self._grace_s)
+        if not healthy:
+            group.kill()
+            self._group = None
+        return outcome
+
+    def close(self) -> None:
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+
+class _RankFailed(Exception):
+    def __init__(self, report: dict):
+        super().__init__(report["error"])
+        self.report = report
+
+
+class ThreadExecutor:
+    """executor=threads: P virtual ranks as threads of this process (numerics, not performance)."""
+
+    name = "threads"
+
+    def __init__(self, *, device: str, run: RunSettings, timeout_s: float):
+        self._device = torch.device(device)
+        self._run, self._timeout_s = run, timeout_s
+        self._cache = ProblemCache()
+
+    def run(self, spec: TrialSpec) -> Outcome:
+        from methods.comm import run_threads
+
+        def rank_fn(comm):
+            report = run_trial(spec, self._run, comm, self._device, self._cache)
+            if not report["ok"]:
+                raise _RankFailed(report)  # aborts the other virtual ranks at once
+            return report
+
+        try:
+            return Outcome("reported", run_threads(spec.world_size, rank_fn, timeout_s=self._timeout_s))
+        except _RankFailed as exc:
+            return Outcome("failed", [exc.report])
+        except Exception as exc:  # noqa: BLE001 - a hang (CommError) or an executor bug
+            kind = "timeout" if "hang" in str(exc) or "timed out" in str(exc) else "failed"
+            return Outcome(kind, [], f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,66 @@
+"""Shared measurement definitions: result columns, FLOP convention, derived rates.
+
+Every column name of a trial row is a constant here (DESIGN.md section 7; STYLE: metric names in
+one module). Identity goes to MLflow params, numbers to metrics, environment to tags.
+"""
+from __future__ import annotations
+
+from suite.plan import IDENTITY
+
+# -- statuses ------------------------------------------------------------------------------------
+OK, INCORRECT, SKIPPED, FAILED, TIMEOUT = "ok", "incorrect", "skipped", "failed", "timeout"
+STATUSES = (OK, INCORRECT, SKIPPED, FAILED, TIMEOUT)
+
+# -- correctness ---------------------------------------------------------------------------------
+CHECKED_TENSORS = ("out", "lse", "dq", "dk", "dv")
+ERR = {t: f"err_{t}" for t in CHECKED_TENSORS}          # max |method - float64 reference|
+TOL = {t: f"tol_{t}" for t in CHECKED_TENSORS}          # allowed: 2 x naive same-dtype error + floor
+
+# -- row columns ---------------------------------------------------------------------------------
+KEY = "key"
+STATUS = "status"
+REASON = "reason"
+CHECKED = "checked"
+TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX = "time_ms_median", "time_ms_min", "time_ms_max"
+TIME_MS_SAMPLES = "time_ms_samples"
+TFLOPS_PER_GPU = "tflops_per_gpu"
+TOKENS_PER_S = "tokens_per_s"
+BYTES_SENT = "bytes_sent_per_rank"
+BYTES_RECV = "bytes_recv_per_rank"
+COMM_OPS = "comm_ops"
+PEAK_MEM = "peak_mem_bytes"
+KERNEL_USED = "kernel_used"
+DURATION_S = "trial_wall_s"
+STARTED_AT = "started_at"
+RUN_ID = "run_id"
+SEED, WARMUP, REPEATS = "seed", "warmup", "repeats"
+ERROR_TRACE = "error_trace"
+
+NUMERIC_METRICS = (TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX, TFLOPS_PER_GPU, TOKENS_PER_S, BYTES_SENT,
+                   BYTES_RECV, PEAK_MEM, DURATION_S) + tuple(ERR.values()) + tuple(TOL.values())
+
+COLUMNS = ((KEY,) + IDENTITY + (STATUS, REASON, CHECKED) + tuple(ERR.values()) + tuple(TOL.values())
+           + (TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX, TFLOPS_PER_GPU, TOKENS_PER_S, BYTES_SENT, BYTES_RECV,
+              PEAK_MEM, KERNEL_USED, COMM_OPS, TIME_MS_SAMPLES, SEED, WARMUP, REPEATS, DURATION_S,
+              STARTED_AT, RUN_ID, ERROR_TRACE))
+
+
+def attention_flops(batch: int, seq_len: int, heads: int, head_dim: int, causal: bool, pass_: str) -> float:
+    """FLOPs of one attention call, flash-attention's convention.
+
+    forward = 4 * B * S^2 * H * D (two matmuls of 2*S^2*D per head), halved for causal;
+    backward = 2.5 x forward; fwd_bwd = 3.5 x forward. Counts the work of the whole (global)
+    problem; per-GPU rates divide by world size.
+    """
+    fwd = 4.0 * batch * seq_len * seq_len * heads * head_dim
+    if causal:
+        fwd /= 2
+    return fwd * (3.5 if pass_ == "fwd_bwd" else 1.0)
+
+
+def tflops_per_gpu(flops: float, seconds: float, world_size: int) -> float:
+    return flops / (seconds * world_size) / 1e12
+
+
+def tokens_per_s(batch: int, seq_len: int, seconds: float) -> float:
+    return batch * seq_len / seconds

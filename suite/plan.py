@@ -1,0 +1,119 @@
+"""The sweep expanded into trials, each with a stable key (hash of its identity)."""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import methods
+from methods.base import Case
+from suite.config import SuiteConfig
+
+# The identity of a trial (DESIGN.md section 7). Everything else in a row is a measurement.
+IDENTITY = ("method", "impl", "executor", "hardware", "topology", "world_size", "nodes", "ulysses_degree",
+            "ring_degree", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal", "pass",
+            "kernel", "options")
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """One point of a sweep: everything that identifies it. Picklable (sent to workers)."""
+
+    method: str
+    impl: str
+    executor: str
+    hardware: str
+    topology: str
+    world_size: int
+    nodes: int
+    ulysses_degree: int
+    ring_degree: int
+    batch: int
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    causal: bool
+    pass_: str
+    kernel: str                    # configured kernel ("auto" or a backend); the one used is measured
+    options: str = "{}"            # method options as canonical JSON
+    device: str = field(default="cpu", compare=False)
+
+    def identity(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["pass"] = d.pop("pass_")
+        d.pop("device")
+        return {k: d[k] for k in IDENTITY}
+
+    @property
+    def key(self) -> str:
+        blob = json.dumps(self.identity(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    @property
+    def method_options(self) -> dict[str, Any]:
+        return json.loads(self.options)
+
+    def case(self) -> Case:
+        return Case(batch=self.batch, seq_len=self.seq_len, heads=self.heads, kv_heads=self.kv_heads,
+                    head_dim=self.head_dim, dtype=self.dtype, causal=self.causal, world_size=self.world_size,
+                    device=self.device)
+
+    def build_method(self) -> methods.Method:
+        return methods.get_method(self.method, kernel=self.kernel, **self.method_options)
+
+    def problem_key(self) -> tuple:
+        """Trials with equal problem keys share global inputs and the float64 reference."""
+        return (self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim, self.dtype, self.causal)
+
+    def label(self) -> str:
+        mask = "causal" if self.causal else "full"
+        return (f"{self.method} P={self.world_size} B={self.batch} S={self.seq_len} H={self.heads}/"
+                f"{self.kv_heads} D={self.head_dim} {self.dtype} {mask} {self.pass_}")
+
+
+def _matches(rule: dict[str, Any], point: dict[str, Any]) -> bool:
+    for axis, wanted in rule.items():
+        values = wanted if isinstance(wanted, (list, tuple)) else [wanted]
+        if point[axis] not in values:
+            return False
+    return True
+
+
+def expand(cfg: SuiteConfig, *, hardware: str, device: str, topology: str = "single-node",
+           nodes: int = 1) -> list[TrialSpec]:
+    """Cartesian product of the sweep axes minus exclude rules, ordered for the runner:
+    by world size (one worker group each), then problem (so inputs and the float64 reference are
+    reused), then method and pass."""
+    s = cfg.sweep
+    specs = []
+    for ws, b, sl, h, kvh, hd, dt, causal, m, ps in itertools.product(
+            s.world_size, s.batch, s.seq_len, s.heads, s.kv_heads, s.head_dim, s.dtype, s.causal,
+            s.methods, s.passes):
+        point = dict(method=m, world_size=ws, batch=b, seq_len=sl, heads=h, kv_heads=kvh, head_dim=hd,
+                     dtype=dt, causal=causal, **{"pass": ps})
+        if any(_matches(rule, point) for rule in s.exclude):
+            continue
+        options = dict(s.method_options.get(m, {}))
+        ud, rd, impl = _method_facts(m, options, cfg.run.kernel, ws)
+        specs.append(TrialSpec(
+            method=m, impl=impl, executor=cfg.run.executor, hardware=hardware, topology=topology,
+            world_size=ws, nodes=nodes, ulysses_degree=ud, ring_degree=rd, batch=b, seq_len=sl, heads=h,
+            kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal), pass_=ps, kernel=cfg.run.kernel,
+            options=json.dumps(options, sort_keys=True), device=device))
+    return specs
+
+
+def _method_facts(name: str, options: dict, kernel: str, world_size: int) -> tuple[int, int, str]:
+    """(ulysses_degree, ring_degree, impl) of a method, or placeholders if it is unavailable here."""
+    if name not in methods.available():
+        return 0, 0, "unavailable"
+    try:
+        m = methods.get_method(name, kernel=kernel, **options)
+        ud, rd = m.degrees(world_size)
+    except (ValueError, TypeError):
+        return 0, 0, methods.method_class(name).impl
+    return ud, rd, m.impl

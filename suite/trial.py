@@ -1,0 +1,191 @@
+"""One trial: what each rank does (`run_trial`) and how the parent turns the ranks' reports into
+one result row (`make_record`).
+
+Per rank: build the method, shard the global inputs by its layout, check out/lse (and dq/dk/dv)
+against the float64 reference, run one iteration through a byte-counting comm, warm up, then
+time `repeats` iterations. Every rank reports; only the parent writes anything.
+"""
+from __future__ import annotations
+
+import json
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from methods import kernels
+from methods.comm import CommLedger, CountingComm
+from methods.comm.base import Comm
+from suite import metrics as M
+from suite.check import ProblemCache, build_problem, max_abs_err
+from suite.plan import TrialSpec
+from suite.timing import group_samples, summarize, time_iterations
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """What a rank needs to run trials (picklable; sent to workers once)."""
+
+    warmup: int
+    repeats: int
+    check: bool
+    check_max_seq_len: int
+    seed: int
+
+
+# ---------------------------------------------------------------------------------------------
+# On each rank
+# ---------------------------------------------------------------------------------------------
+def run_trial(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.device,
+              cache: ProblemCache) -> dict[str, Any]:
+    """Run `spec` on this rank. Never raises: errors come back as {"ok": False, "error": ...}."""
+    t0 = time.perf_counter()
+    try:
+        report = _run(spec, settings, comm, device, cache)
+        report["ok"] = True
+    except Exception as exc:  # noqa: BLE001 - every failure becomes a recorded row
+        oom = device.type == "cuda" and isinstance(exc, torch.cuda.OutOfMemoryError)
+        report = {"ok": False, "oom": oom, "error": f"{type(exc).__name__}: {exc}"[:2000],
+                  "traceback": traceback.format_exc(limit=30)[-8000:]}
+        if oom:
+            torch.cuda.empty_cache()
+    report["rank"] = comm.rank
+    report["wall_s"] = time.perf_counter() - t0
+    return report
+
+
+def _run(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.device,
+         cache: ProblemCache) -> dict[str, Any]:
+    if comm.world_size != spec.world_size:
+        raise RuntimeError(f"trial needs world_size {spec.world_size}, comm has {comm.world_size}")
+    method = spec.build_method()
+    layout = method.layout(spec.case())
+    checked = settings.check and spec.seq_len <= settings.check_max_seq_len
+    prob = cache.get((spec.problem_key(), checked, settings.seed, str(device)), lambda: build_problem(
+        *spec.problem_key(), seed=settings.seed, device=device, with_reference=checked))
+    rank = comm.rank
+    q, k, v, dout = (layout.shard(x, rank) for x in (prob.q, prob.k, prob.v, prob.dout))
+    report: dict[str, Any] = {"checked": checked, "errors": {}, "tol": {},
+                              "kernel_used": kernels.resolve_kernel(spec.kernel, device, q.dtype)}
+
+    # 1. Correctness against float64 attention on the unsharded inputs.
+    if checked:
+        qg, kg, vg = (x.detach().clone().requires_grad_(spec.pass_ == "fwd_bwd") for x in (q, k, v))
+        out, lse = method.attention(qg, kg, vg, causal=spec.causal, comm=comm, return_lse=True)
+        got = {"out": out.detach(), "lse": lse}
+        if spec.pass_ == "fwd_bwd":
+            got.update(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (qg, kg, vg), dout)))
+        for name, tensor in got.items():
+            ref = layout.shard(prob.ref[name], rank, dim=2 if name == "lse" else 1)
+            report["errors"][name] = max_abs_err(tensor, ref)
+            report["tol"][name] = prob.tol[name]
+        del out, lse, got
+
+    # 2. One iteration through a counting comm: bytes per rank (it is also the first warm-up).
+    step = _make_step(method, spec, q, k, v, dout)
+    ledger = CommLedger()
+    step(CountingComm(comm, ledger))
+    report["bytes_sent"], report["bytes_recv"] = ledger.bytes_sent, ledger.bytes_recv
+    report["comm_ops"] = dict(sorted(ledger.counts().items()))
+
+    # 3. Warm-up, then timed repeats.
+    for _ in range(max(0, settings.warmup - 1)):
+        step(comm)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    report["samples_ms"] = time_iterations(lambda: step(comm), comm=comm, repeats=settings.repeats, device=device)
+    report["peak_mem"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    return report
+
+
+def _make_step(method, spec: TrialSpec, q, k, v, dout):
+    """The timed unit: forward without an autograd graph, or forward + backward."""
+    if spec.pass_ == "fwd":
+        def step(c: Comm) -> None:
+            with torch.no_grad():
+                method.attention(q, k, v, causal=spec.causal, comm=c)
+        return step
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+
+    def step(c: Comm) -> None:
+        out = method.attention(qg, kg, vg, causal=spec.causal, comm=c)
+        torch.autograd.grad(out, (qg, kg, vg), dout)
+    return step
+
+
+# ---------------------------------------------------------------------------------------------
+# In the parent
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    """What the executor saw of one trial: every rank's report, or why not."""
+
+    kind: str                                  # "reported", "failed", "timeout"
+    reports: list[Optional[dict]]
+    message: str = ""
+
+
+def _base_record(spec: TrialSpec, settings: RunSettings, run_id: str, started_at: str) -> dict[str, Any]:
+    rec = {M.KEY: spec.key, **spec.identity()}
+    rec.update({M.SEED: settings.seed, M.WARMUP: settings.warmup, M.REPEATS: settings.repeats,
+                M.STARTED_AT: started_at, M.RUN_ID: run_id, M.CHECKED: False})
+    return rec
+
+
+def skipped_record(spec: TrialSpec, reason: str, settings: RunSettings, run_id: str, started_at: str) -> dict:
+    rec = _base_record(spec, settings, run_id, started_at)
+    rec.update({M.STATUS: M.SKIPPED, M.REASON: reason})
+    return _complete(rec)
+
+
+def make_record(spec: TrialSpec, outcome: Outcome, settings: RunSettings, run_id: str, started_at: str,
+                wall_s: float) -> dict[str, Any]:
+    """One result row from the ranks' reports (max over ranks for errors, times and bytes)."""
+    rec = _base_record(spec, settings, run_id, started_at)
+    rec[M.DURATION_S] = wall_s
+    reports = [r for r in outcome.reports if r is not None]
+    failed = [r for r in reports if not r.get("ok")]
+    if outcome.kind == "timeout" and not failed:
+        rec.update({M.STATUS: M.TIMEOUT, M.REASON: outcome.message})
+        return _complete(rec)
+    if failed or outcome.kind == "failed":
+        msgs = [f"rank {r['rank']}: {'out of memory: ' if r.get('oom') else ''}{r['error']}" for r in failed]
+        if outcome.message:
+            msgs.append(outcome.message)
+        rec.update({M.STATUS: M.FAILED, M.REASON: "; ".join(msgs)[:4000],
+                    M.ERROR_TRACE: failed[0]["traceback"] if failed else None})
+        return _complete(rec)
+
+    first = reports[0]
+    rec[M.CHECKED] = first["checked"]
+    rec[M.KERNEL_USED] = first["kernel_used"]
+    bad = []
+    for name in first["errors"]:
+        err = max(r["errors"][name] for r in reports)
+        tol = first["tol"][name]
+        rec[M.ERR[name]], rec[M.TOL[name]] = err, tol
+        if not err <= tol:  # also catches NaN
+            bad.append(f"{name}: error {err:.3g} > tolerance {tol:.3g}")
+    samples = group_samples([r["samples_ms"] for r in reports])
+    med, lo, hi = summarize(samples)
+    flops = M.attention_flops(spec.batch, spec.seq_len, spec.heads, spec.head_dim, spec.causal, spec.pass_)
+    rec.update({
+        M.TIME_MS_SAMPLES: samples, M.TIME_MS_MEDIAN: med, M.TIME_MS_MIN: lo, M.TIME_MS_MAX: hi,
+        M.TFLOPS_PER_GPU: M.tflops_per_gpu(flops, med / 1e3, spec.world_size),
+        M.TOKENS_PER_S: M.tokens_per_s(spec.batch, spec.seq_len, med / 1e3),
+        M.BYTES_SENT: max(r["bytes_sent"] for r in reports),
+        M.BYTES_RECV: max(r["bytes_recv"] for r in reports),
+        M.COMM_OPS: json.dumps(first["comm_ops"], sort_keys=True),
+        M.PEAK_MEM: max(r["peak_mem"] for r in reports) if first["peak_mem"] is not None else None,
+        M.STATUS: M.INCORRECT if bad else M.OK,
+        M.REASON: "; ".join(bad) if bad else "",
+    })
+    return _complete(rec)
+
+
+def _complete(rec: dict[str, Any]) -> dict[str, Any]:
+    """Every row has every column (None where not applicable), in the documented order."""
+    return {c: rec.get(c) for c in M.COLUMNS}

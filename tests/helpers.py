@@ -1,0 +1,85 @@
+"""Shared test helpers: a float64 oracle for sharded methods, and a small multi-process runner."""
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import traceback
+from datetime import timedelta
+
+import torch
+
+import methods
+from suite.check import build_problem, max_abs_err
+
+TENSORS = ("out", "lse", "dq", "dk", "dv")
+
+
+def run_method_rank(method, case, prob, comm) -> dict:
+    """Run `method` on this rank's shards of `prob`; return its local out, lse and grads."""
+    layout = method.layout(case)
+    r = comm.rank
+    q, k, v = (layout.shard(x, r).requires_grad_() for x in (prob.q, prob.k, prob.v))
+    out, lse = method.attention(q, k, v, causal=case.causal, comm=comm, return_lse=True)
+    dq, dk, dv = torch.autograd.grad(out, (q, k, v), layout.shard(prob.dout, r))
+    return {"out": out.detach(), "lse": lse, "dq": dq, "dk": dk, "dv": dv}
+
+
+def local_errors(method, case, prob, rank: int, res: dict) -> dict[str, float]:
+    """This rank's max |method - float64 reference| per tensor."""
+    layout = method.layout(case)
+    return {t: max_abs_err(res[t], layout.shard(prob.ref[t], rank, dim=2 if t == "lse" else 1)) for t in TENSORS}
+
+
+def errors_vs_reference(method, case, prob, per_rank: list[dict]) -> dict[str, tuple[float, float]]:
+    """(max error over ranks, tolerance) per tensor, against the float64 reference."""
+    errs = [local_errors(method, case, prob, r, res) for r, res in enumerate(per_rank)]
+    return {t: (max(e[t] for e in errs), prob.tol[t]) for t in TENSORS}
+
+
+def problem_for(case, seed=0):
+    return build_problem(case.batch, case.seq_len, case.heads, case.kv_heads, case.head_dim, case.dtype,
+                         case.causal, seed=seed, device=torch.device("cpu"), with_reference=True)
+
+
+# -- real processes over gloo ----------------------------------------------------------------------
+def _entry(rank, world_size, port, fn, args, results):
+    try:
+        torch.set_num_threads(1)
+        import torch.distributed as dist
+        from methods.comm import DistComm
+        store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                                timeout=timedelta(seconds=60))
+        results.put((rank, True, fn(DistComm(), *args)))
+        dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001
+        results.put((rank, False, traceback.format_exc()))
+
+
+def run_dist(world_size: int, fn, *args, timeout_s: float = 240.0) -> list:
+    """Run fn(comm, *args) on `world_size` gloo processes; return per-rank results (rank order).
+    `fn` must be importable (module level)."""
+    import torch.distributed as dist
+    ctx = mp.get_context("spawn")
+    store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_entry, args=(r, world_size, store.port, fn, args, results), daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    out = [None] * world_size
+    try:
+        for _ in range(world_size):
+            rank, ok, value = results.get(timeout=timeout_s)
+            if not ok:
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            out[rank] = value
+    except queue.Empty:
+        raise AssertionError(f"distributed test timed out after {timeout_s}s") from None
+    finally:
+        for p in procs:
+            p.join(timeout=10)
+            if p.is_alive():
+                p.kill()
+    return out
