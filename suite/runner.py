@@ -101,8 +101,9 @@ class SweepResult:
 
 
 def run_sweep(cfg: SuiteConfig, config_yaml: str, *, resume: Optional[str] = None, dry_run: bool = False,
-              out: TextIO = sys.stdout, progress: bool = True) -> Optional[SweepResult]:
+              out: Optional[TextIO] = None, progress: bool = True) -> Optional[SweepResult]:
     """Run (or, with `dry_run`, only plan) a sweep. `resume`: a run folder, or "latest"."""
+    out = out or sys.stdout  # looked up now, not at import (pytest swaps sys.stdout)
     methods.load_plugins(cfg.run.plugins)
     launch = external_launch() if cfg.run.executor == "dist" else None
     if launch is not None:

@@ -1,10 +1,12 @@
-"""Test-only methods loaded through `run.plugins` to exercise the harness's failure paths.
+"""Test-only methods, loaded through `run.plugins`, that exercise the harness's failure paths.
 
-- `faulty`: ring attention, except that chosen ranks raise, hang or die in the forward pass
-  (the other ranks then block in the ring exchange, as they would with a real bug).
-- `wrong`: ring attention that forgets the causal mask on the diagonal block: it runs, and the
-  float64 check must record it as incorrect.
-- `slow`: ring attention that sleeps before every call (to kill a sweep mid-way).
+Each is ring attention with one fault planted on rank 1 (the other ranks then block in the ring
+exchange, as they would with a real bug):
+- `faulty`: raises in the forward pass.
+- `hanging`: sleeps for an hour in the forward pass.
+- `dying`: the worker process exits abruptly (as on a segfault or an OOM kill).
+- `wrong`: no fault in control flow; it forgets the causal mask, so the float64 check must flag it.
+- `slow`: sleeps 0.3 s per call (to kill a sweep mid-way).
 """
 import os
 import time
@@ -16,19 +18,32 @@ from methods.ring import Ring
 @register
 class Faulty(Ring):
     name = "faulty"
-    description = "test only: ring that fails, hangs or dies on chosen ranks"
-
-    def __init__(self, kernel: str = "auto", fail_ranks: tuple = (), hang_ranks: tuple = (),
-                 die_ranks: tuple = ()):
-        super().__init__(kernel)
-        self.fail_ranks, self.hang_ranks, self.die_ranks = set(fail_ranks), set(hang_ranks), set(die_ranks)
+    description = "test only: ring that raises on rank 1"
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse):
-        if comm.rank in self.fail_ranks:
-            raise RuntimeError(f"injected failure on rank {comm.rank}")
-        if comm.rank in self.hang_ranks:
+        if comm.rank == 1:
+            raise RuntimeError("injected failure on rank 1")
+        return super().forward(q, k, v, comm=comm, causal=causal, scale=scale, return_lse=return_lse)
+
+
+@register
+class Hanging(Ring):
+    name = "hanging"
+    description = "test only: ring that hangs on rank 1"
+
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
+        if comm.rank == 1:
             time.sleep(3600)
-        if comm.rank in self.die_ranks:
+        return super().forward(q, k, v, comm=comm, causal=causal, scale=scale, return_lse=return_lse)
+
+
+@register
+class Dying(Ring):
+    name = "dying"
+    description = "test only: ring whose rank 1 process exits abruptly"
+
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
+        if comm.rank == 1:
             os._exit(17)
         return super().forward(q, k, v, comm=comm, causal=causal, scale=scale, return_lse=return_lse)
 
@@ -36,7 +51,7 @@ class Faulty(Ring):
 @register
 class Wrong(Ring):
     name = "wrong"
-    description = "test only: ring without the causal mask on the diagonal block"
+    description = "test only: ring without the causal mask"
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse):
         return super().forward(q, k, v, comm=comm, causal=False, scale=scale, return_lse=return_lse)

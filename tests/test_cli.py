@@ -1,0 +1,48 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from suite.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_list_runs_without_a_gpu_and_says_what_is_unavailable(capsys):
+    assert main(["list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("reference", "ring", "ulysses", "cpu_flash", "flash_attn", "threads"):
+        assert name in out
+    import torch
+    if not torch.cuda.is_available():
+        assert "no CUDA device" in out
+        flash_line = next(line for line in out.splitlines() if line.startswith("flash_attn"))
+        assert " no " in flash_line
+
+
+@pytest.mark.parametrize("cmd", [[], ["run"], ["list"], ["ui"], ["relog"]])
+def test_help_for_every_command(cmd):
+    out = subprocess.run([sys.executable, "-m", "suite", *cmd, "--help"], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0 and "usage: python -m suite" in out.stdout
+
+
+def test_config_error_starts_nothing(write_config, tmp_path, capsys):
+    path = write_config("name: bad\nsweep:\n  methods: [ring, nosuchmethod]\n")
+    assert main(["run", str(path)]) == 2
+    assert "unknown method 'nosuchmethod'" in capsys.readouterr().err
+    assert not (tmp_path / "results").exists()
+
+
+def test_dry_run_prints_the_plan_with_skip_reasons(write_config, tmp_path, capsys):
+    path = write_config("name: plan\nsweep: {methods: [ulysses], world_size: [3], heads: [4], seq_len: [48]}\n")
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "4 planned trials" in out and "skip: ulysses needs heads divisible by world_size" in out
+    assert not (tmp_path / "results").exists()
+
+
+def test_resume_without_an_earlier_run_is_a_clear_error(write_config, capsys):
+    path = write_config("name: fresh\n")
+    assert main(["run", str(path), "--resume"]) == 2
+    assert "no earlier run of 'fresh'" in capsys.readouterr().err

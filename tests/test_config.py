@@ -1,0 +1,100 @@
+import pytest
+
+from suite.config import ConfigError, load_config
+from suite.plan import expand
+
+BASE = """
+name: t
+sweep:
+  methods: [reference, ring, ulysses]
+  world_size: [1, 2]
+  seq_len: [64]
+  heads: [4]
+  kv_heads: [4, 2]
+  head_dim: [8]
+  causal: [true, false]
+  passes: [fwd, fwd_bwd]
+  exclude:
+    - {method: reference, world_size: 2}
+"""
+
+
+def test_loads_yaml_into_typed_config_with_defaults(write_config):
+    cfg, text = load_config(write_config(BASE))
+    assert cfg.name == "t" and cfg.sweep.kv_heads == [4, 2] and cfg.run.executor == "dist"
+    assert cfg.run.repeats == 10 and cfg.tracking.mlflow is True  # schema defaults
+    assert "kv_heads" in text and "repeats: 10" in text  # the resolved config that gets saved
+
+
+def test_overrides_in_hydra_syntax(write_config):
+    cfg, _ = load_config(write_config(BASE), ["run.repeats=3", "sweep.seq_len=[32,48]", "sweep.world_size=1,4",
+                                              "sweep.causal=[false]", "tracking.uri=sqlite:///x.db"])
+    assert cfg.run.repeats == 3 and cfg.sweep.seq_len == [32, 48] and cfg.sweep.world_size == [1, 4]
+    assert cfg.sweep.causal == [False] and cfg.tracking.uri == "sqlite:///x.db"
+
+
+@pytest.mark.parametrize("yaml_or_override,expected", [
+    ("run:\n  repeet: 3\n", "unknown config key 'run.repeet'; allowed keys under run: executor"),
+    ("sweep:\n  methods: [ring, rnig]\n", "sweep.methods: unknown method 'rnig'; registered methods:"),
+    ("run:\n  repeats: many\n", "run.repeats"),
+    ("run:\n  executor: mpi\n", "run.executor: 'mpi' is not allowed; choose one of ['dist', 'threads']"),
+    ("sweep:\n  passes: [forward]\n", "sweep.passes: 'forward' is not allowed"),
+    ("sweep:\n  dtype: [fp8]\n", "sweep.dtype: 'fp8' is not allowed"),
+    ("sweep:\n  world_size: [0]\n", "sweep.world_size: values must be >= 1"),
+    ("sweep:\n  exclude: [{metod: ring}]\n", "sweep.exclude[0]: unknown axis 'metod'"),
+    ("sweep:\n  method_options: {ring: {ulysses_degree: 2}}\n", "unknown option 'ulysses_degree'"),
+    ("bogus: 1\n", "unknown config key 'bogus'"),
+])
+def test_bad_config_names_the_key_and_the_fix(write_config, yaml_or_override, expected):
+    path = write_config("name: t\n" + yaml_or_override)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize("override,expected", [
+    ("run.repeet=3", "unknown config key 'run.repeet'; allowed keys under run:"),
+    ("run.repeats=many", "run.repeats"),
+    ("+run.extra=1", "only key=value"),
+    ("run.repeats", "bad override"),
+])
+def test_bad_override_names_the_key(write_config, override, expected):
+    with pytest.raises(ConfigError) as err:
+        load_config(write_config(BASE), [override])
+    assert expected in str(err.value)
+
+
+def test_missing_name_and_missing_file(write_config, tmp_path):
+    with pytest.raises(ConfigError, match="name"):
+        load_config(write_config("sweep:\n  seq_len: [8]\n"))
+    with pytest.raises(ConfigError, match="not found"):
+        load_config(tmp_path / "nope.yaml")
+
+
+def test_plan_is_the_product_minus_excludes_with_stable_keys(write_config):
+    cfg, _ = load_config(write_config(BASE))
+    plan = expand(cfg, hardware="cpu:test", device="cpu")
+    # 3 methods x 2 ws x 2 kv x 2 causal x 2 passes = 48, minus reference at ws 2 (8)
+    assert len(plan) == 40
+    assert not any(s.method == "reference" and s.world_size == 2 for s in plan)
+    keys = [s.key for s in plan]
+    assert len(set(keys)) == len(keys)
+    again = expand(load_config(write_config(BASE))[0], hardware="cpu:test", device="cpu")
+    assert [s.key for s in again] == keys  # stable across loads and processes (no hash randomisation)
+    assert expand(cfg, hardware="other", device="cpu")[0].key != keys[0]  # hardware is identity
+    # ordered by world size, then problem: trials sharing inputs are adjacent
+    assert [s.world_size for s in plan] == sorted(s.world_size for s in plan)
+    ring = next(s for s in plan if s.method == "ring" and s.world_size == 2)
+    assert (ring.ulysses_degree, ring.ring_degree) == (1, 2)
+    uly = next(s for s in plan if s.method == "ulysses" and s.world_size == 2)
+    assert (uly.ulysses_degree, uly.ring_degree) == (2, 1)
+
+
+def test_every_shipped_config_validates():
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1] / "configs"
+    paths = sorted(root.glob("*.yaml"))
+    assert paths
+    for path in paths:
+        cfg, _ = load_config(path)
+        assert expand(cfg, hardware="x", device="cpu")

@@ -1,0 +1,31 @@
+import json
+
+from suite.results import ResultsStore
+
+
+def test_append_is_durable_and_torn_tails_are_dropped(tmp_path):
+    store = ResultsStore.create(tmp_path, "s", "name: s\n", {"cpu": "x"})
+    store.append({"key": "a", "v": 1.0, "nan": float("nan")})
+    store.append({"key": "b", "v": 2.0})
+    assert (store.run_dir / "config.yaml").read_text() == "name: s\n"
+    assert json.loads((store.run_dir / "environment.json").read_text()) == {"cpu": "x"}
+    with open(store.trials_path, "a") as f:  # a sweep killed in the middle of a write
+        f.write('{"key": "c", "v"')
+    assert [r["key"] for r in store.records()] == ["a", "b"]
+    assert store.records()[0]["nan"] is None  # NaN is stored as null (valid JSON)
+    reopened = ResultsStore.open(store.run_dir)
+    reopened.append({"key": "d"})
+    assert reopened.completed_keys() == {"a", "b", "d"}
+    assert store.trials_path.read_text().count("\n") == 3
+
+
+def test_latest_run_and_parquet(tmp_path):
+    first = ResultsStore.create(tmp_path, "s", "", {})
+    second = ResultsStore.create(tmp_path, "s", "", {})  # same second: a distinct folder
+    assert first.run_dir != second.run_dir
+    assert ResultsStore.latest(tmp_path, "s").run_dir == max(first.run_dir, second.run_dir)
+    assert ResultsStore.latest(tmp_path, "other") is None
+    second.append({"key": "a", "time_ms_samples": [1.0, 2.0], "x": None})
+    import pandas as pd
+    df = pd.read_parquet(second.compact())
+    assert df["key"].tolist() == ["a"] and json.loads(df["time_ms_samples"][0]) == [1.0, 2.0]

@@ -1,0 +1,191 @@
+"""End-to-end sweeps through the real harness: processes over gloo, results store, MLflow,
+and every failure behaviour of DESIGN.md section 11."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+
+from suite import metrics as M
+from suite.config import load_config
+from suite.results import ResultsStore
+from suite.runner import run_sweep
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def sweep(path, *overrides, resume=None):
+    cfg, text = load_config(path, list(overrides))
+    return run_sweep(cfg, text, resume=resume, progress=False, out=open(os.devnull, "w"))
+
+
+def test_multiprocess_sweep_is_checked_recorded_and_logged_to_mlflow(write_config, tmp_path):
+    db = tmp_path / "mlflow.db"
+    path = write_config(f"""
+    name: e2e
+    sweep:
+      methods: [reference, ring, ulysses]
+      world_size: [1, 2, 3]
+      batch: [2]
+      seq_len: [48]
+      heads: [4]
+      kv_heads: [4, 2]
+      head_dim: [8]
+      causal: [true, false]
+      passes: [fwd, fwd_bwd]
+      exclude: [{{method: reference, world_size: [2, 3]}}]
+    run: {{warmup: 1, repeats: 3, timeout_s: 60}}
+    tracking: {{uri: "sqlite:///{db}"}}
+    """)
+    res = sweep(path)
+    recs = res.records
+    assert len(recs) == 56 and len({r["key"] for r in recs}) == 56  # 3x3x2x2x2 - 16
+    by = {(r["method"], r["world_size"], r["kv_heads"], r["causal"], r["pass"]): r for r in recs}
+    for r in recs:
+        assert r["executor"] == "dist" and r["hardware"].startswith("cpu:")
+        if r["method"] == "ulysses" and r["world_size"] == 3:  # 4 heads over 3 ranks
+            assert r[M.STATUS] == M.SKIPPED and "heads divisible by world_size" in r[M.REASON]
+            continue
+        assert r[M.STATUS] == M.OK, r
+        assert r[M.CHECKED] and r[M.ERR["out"]] <= r[M.TOL["out"]] and r[M.ERR["lse"]] is not None
+        assert (r[M.ERR["dq"]] is not None) == (r["pass"] == "fwd_bwd")
+        assert len(r[M.TIME_MS_SAMPLES]) == 3
+        assert r[M.TIME_MS_MIN] <= r[M.TIME_MS_MEDIAN] <= r[M.TIME_MS_MAX] and r[M.TFLOPS_PER_GPU] > 0
+        assert (r[M.BYTES_SENT] > 0) == (r["world_size"] > 1)
+    # ring at P=2: K and V of 24 tokens, 2 KV heads, D 8, fp32, batch 2 -> 2*2*24*2*8*4 bytes forward
+    assert by[("ring", 2, 2, True, "fwd")][M.BYTES_SENT] == 2 * 2 * 24 * 2 * 8 * 4
+    # the store: resolved config, environment, JSON lines and parquet with the same rows
+    run_dir = res.run_dir
+    assert (run_dir / "config.yaml").exists() and json.loads((run_dir / "environment.json").read_text())["torch"]
+    import pandas as pd
+    assert len(pd.read_parquet(run_dir / "trials.parquet")) == 56
+    # MLflow: one parent run, one nested child per trial, identity in params, numbers in metrics
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(f"sqlite:///{db}")
+    exp = client.get_experiment_by_name("e2e")
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parents[0].info.run_id]
+    assert len(parents) == 1 and len(children) == 56
+    assert parents[0].info.status == "FINISHED"
+    ok_child = next(c for c in children if c.data.params["method"] == "ring" and c.data.tags["status"] == "ok")
+    assert {"time_ms_median", "err_out", "bytes_sent_per_rank"} <= set(ok_child.data.metrics)
+    assert len(client.get_metric_history(ok_child.info.run_id, "time_ms")) == 3
+    arts = {a.path for a in client.list_artifacts(parents[0].info.run_id, "results")}
+    assert {"results/trials.jsonl", "results/config.yaml"} <= arts
+
+
+def test_failures_hangs_deaths_and_wrong_answers_are_recorded_and_the_sweep_goes_on(write_config):
+    path = write_config("""
+    name: faults
+    sweep:
+      methods: [faulty, hanging, dying, wrong, ring]
+      world_size: [2]
+      seq_len: [32]
+      heads: [2]
+      kv_heads: [2]
+      head_dim: [8]
+      causal: [true]
+      passes: [fwd]
+    run: {warmup: 1, repeats: 2, timeout_s: 8, fail_grace_s: 2, plugins: [tests.plugins.faulty]}
+    tracking: {mlflow: false}
+    """)
+    res = sweep(path)
+    status = {r["method"]: r for r in res.records}
+    assert status["faulty"][M.STATUS] == M.FAILED
+    assert "rank 1: RuntimeError: injected failure on rank 1" in status["faulty"][M.REASON]
+    assert "injected failure" in status["faulty"][M.ERROR_TRACE]
+    assert status["hanging"][M.STATUS] == M.TIMEOUT and "run.timeout_s" in status["hanging"][M.REASON]
+    assert status["dying"][M.STATUS] == M.FAILED and "exited with code 17" in status["dying"][M.REASON]
+    assert status["wrong"][M.STATUS] == M.INCORRECT and "out: error" in status["wrong"][M.REASON]
+    assert status["ring"][M.STATUS] == M.OK  # a fresh group after all that
+    assert status["hanging"][M.DURATION_S] < 8 + 10
+
+
+def test_killed_sweep_resumes_without_rerunning_or_losing_trials(write_config, tmp_path):
+    path = write_config("""
+    name: killme
+    sweep:
+      methods: [slow]
+      world_size: [2]
+      seq_len: [16, 32, 48]
+      heads: [2]
+      kv_heads: [2]
+      head_dim: [8]
+      causal: [true, false]
+      passes: [fwd, fwd_bwd]
+    run: {warmup: 1, repeats: 1, plugins: [tests.plugins.faulty]}
+    tracking: {mlflow: false}
+    """)
+    proc = subprocess.Popen([sys.executable, "-m", "suite", "run", str(path), "--no-progress"], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    trials = None
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        found = list((tmp_path / "results" / "killme").glob("*/trials.jsonl"))
+        if found and found[0].read_text().count("\n") >= 3:
+            trials = found[0]
+            break
+        time.sleep(0.2)
+    assert trials is not None, "the sweep never recorded 3 trials"
+    import psutil
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    proc.send_signal(signal.SIGKILL)  # a crash, not a polite stop
+    proc.wait(timeout=30)
+    before = trials.read_text().splitlines(keepends=True)
+    before = [line for line in before if line.endswith("\n")]
+    assert 3 <= len(before) < 12
+    _, alive = psutil.wait_procs(workers, timeout=15)  # workers notice the parent is gone
+    assert not alive, f"orphaned workers: {alive}"
+    res = sweep(path, resume="latest")
+    assert res.run_dir == trials.parent
+    after = trials.read_text().splitlines(keepends=True)
+    assert after[:len(before)] == before  # finished trials untouched, not rerun
+    keys = [json.loads(line)["key"] for line in after]
+    assert len(keys) == 12 and len(set(keys)) == 12
+    assert all(json.loads(line)[M.STATUS] == M.OK for line in after)
+
+
+def test_threads_executor_and_unreachable_mlflow(write_config):
+    path = write_config("""
+    name: threads
+    sweep: {methods: [ring, ulysses], world_size: [1, 4], seq_len: [32], heads: [4], kv_heads: [2],
+            head_dim: [8], causal: [true], passes: [fwd_bwd]}
+    run: {executor: threads, warmup: 1, repeats: 2}
+    tracking: {uri: "http://127.0.0.1:9"}
+    """)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = sweep(path)
+    assert any("MLflow disabled" in str(w.message) for w in caught)
+    assert res.mlflow_disabled and len(res.records) == 4
+    assert all(r[M.STATUS] == M.OK and r["executor"] == "threads" for r in res.records)
+    assert ResultsStore.open(res.run_dir).completed_keys() == {r["key"] for r in res.records}
+
+
+def test_external_launcher_torchrun(write_config, tmp_path):
+    path = write_config("""
+    name: ext
+    sweep: {methods: [ring, ulysses], world_size: [1, 2], seq_len: [32], heads: [2], kv_heads: [2],
+            head_dim: [8], causal: [true], passes: [fwd]}
+    run: {warmup: 1, repeats: 2, timeout_s: 60}
+    tracking: {mlflow: false}
+    """)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "suite", "run", str(path), "--no-progress"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=240)
+    assert out.returncode == 0, out.stderr[-3000:]
+    recs = ResultsStore.latest(tmp_path / "results", "ext").records()
+    assert len(recs) == 4
+    for r in recs:
+        if r["world_size"] == 2:
+            assert r[M.STATUS] == M.OK and r["executor"] == "dist" and r[M.BYTES_SENT] > 0
+        else:
+            assert r[M.STATUS] == M.SKIPPED and "own launch" in r[M.REASON]
