@@ -134,5 +134,6 @@ def run_external(cfg: SuiteConfig, config_yaml: str, launch: dict, *, resume: Op
     wall = time.perf_counter() - t_start
     records = store.records()
     print(summary_table(records), file=out)
-    _print_footer(records, wall, store, tracker, out)
+    _print_footer(records, [r for r in records if r[M.KEY] in {s.key for s, _ in actions}], wall, store,
+                  tracker, out)
     return SweepResult(store.run_dir, records, wall, getattr(tracker, "uri", None), tracker.disabled_reason)

@@ -152,6 +152,7 @@ class LocalDistExecutor:
         self._timeout_s, self._startup_timeout_s, self._grace_s = timeout_s, startup_timeout_s, grace_s
         self._group: Optional[LocalGroup] = None
         self.groups_started = 0
+        self.startup_s = 0.0  # time spent starting worker groups (harness overhead, reported)
 
     def _group_for(self, world_size: int) -> LocalGroup:
         if self._group is not None and self._group.world_size == world_size:
@@ -161,7 +162,11 @@ class LocalDistExecutor:
                                   threads=threads_per_rank(self._threads, world_size), plugins=self._plugins,
                                   comm_timeout_s=self._timeout_s + 60, run=self._run)
         self.groups_started += 1
-        self._group = LocalGroup(settings, self._startup_timeout_s)
+        t0 = time.perf_counter()
+        try:
+            self._group = LocalGroup(settings, self._startup_timeout_s)
+        finally:
+            self.startup_s += time.perf_counter() - t0
         return self._group
 
     def run(self, spec: TrialSpec) -> Outcome:

@@ -168,9 +168,11 @@ def _drive(cfg: SuiteConfig, config_yaml: str, plan: list[TrialSpec], executor, 
             if not ok:
                 record = skipped_record(spec, reason, settings, run_id, started)
             else:
-                t0 = time.perf_counter()
+                t0, startup0 = time.perf_counter(), getattr(executor, "startup_s", 0.0)
                 outcome: Outcome = executor.run(spec)
-                record = make_record(spec, outcome, settings, run_id, started, time.perf_counter() - t0)
+                # the trial's own time: without starting the worker group it may have needed
+                wall = time.perf_counter() - t0 - (getattr(executor, "startup_s", 0.0) - startup0)
+                record = make_record(spec, outcome, settings, run_id, started, wall)
             store.append(record)
             tracker.log_trial(record, spec.label())
             bar.update(1)
@@ -187,17 +189,22 @@ def _drive(cfg: SuiteConfig, config_yaml: str, plan: list[TrialSpec], executor, 
     wall = time.perf_counter() - t_start
     records = store.records()
     print(summary_table(records), file=out)
-    _print_footer(records, wall, store, tracker, out)
+    this_run = [r for r in records if r[M.KEY] in {s.key for s in todo}]
+    _print_footer(records, this_run, wall, store, tracker, out, getattr(executor, "startup_s", 0.0),
+                  getattr(executor, "groups_started", 0))
     return SweepResult(store.run_dir, records, wall, getattr(tracker, "uri", None), tracker.disabled_reason)
 
 
-def _print_footer(records: list[dict], wall: float, store: ResultsStore, tracker, out: TextIO) -> None:
+def _print_footer(records: list[dict], this_run: list[dict], wall: float, store: ResultsStore, tracker,
+                  out: TextIO, startup_s: float = 0.0, groups: int = 0) -> None:
     counts: dict[str, int] = {}
     for r in records:
         counts[r[M.STATUS]] = counts.get(r[M.STATUS], 0) + 1
-    trial_s = sum(r.get(M.DURATION_S) or 0.0 for r in records)
+    trial_s = sum(r.get(M.DURATION_S) or 0.0 for r in this_run)
     print(f"\n{len(records)} trials: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), file=out)
-    print(f"wall time {wall:.1f}s; sum of trial times {trial_s:.1f}s; results in {store.run_dir}", file=out)
+    print(f"wall time {wall:.1f}s = trials {trial_s:.1f}s + worker start-up {startup_s:.1f}s ({groups} groups) "
+          f"+ other {wall - trial_s - startup_s:.1f}s (MLflow logging took {tracker.seconds:.1f}s in the "
+          f"background); results in {store.run_dir}", file=out)
     if tracker.enabled:
         print(f"MLflow: {tracker.uri} (experiment {tracker.experiment!r}); browse with `python -m suite ui`",
               file=out)
