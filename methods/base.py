@@ -127,6 +127,23 @@ class Method:
         out, lse = SPAttention.apply(q, k, v, self, comm, bool(causal), scale, bool(return_lse))
         return (out, lse) if return_lse else out
 
+    def attention_fwd_bwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
+                          causal: bool, comm: Comm, softmax_scale: Optional[float] = None):
+        """Forward and backward by direct calls, without the autograd engine.
+
+        Same computation as `attention` followed by autograd; needed for virtual ranks as threads on
+        one GPU, where autograd runs every CUDA backward on one per-device thread, so a rank waiting
+        for another rank's message inside its backward would block that rank's backward forever.
+
+        Returns (out, lse, dq, dk, dv) with the shapes of `attention` (lse [B, H, S_local] float32).
+        """
+        check_local_inputs(q, k, v)
+        scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        with torch.no_grad():
+            out, lse, residuals = self.forward(q, k, v, comm=comm, causal=bool(causal), scale=scale, return_lse=True)
+            dq, dk, dv = self.backward(dout.contiguous(), residuals, comm=comm, causal=bool(causal), scale=scale)
+        return out, lse, dq, dk, dv
+
     def options(self) -> dict[str, Any]:
         """The options this method was built with (recorded with each trial)."""
         return {"kernel": self.kernel}

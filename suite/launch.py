@@ -186,6 +186,12 @@ class LocalDistExecutor:
             self._group.close()
             self._group = None
 
+    def abort(self) -> None:
+        """Kill the current group without waiting for its trial (Ctrl-C)."""
+        if self._group is not None:
+            self._group.kill()
+            self._group = None
+
 
 class _RankFailed(Exception):
     def __init__(self, report: dict):
@@ -202,12 +208,15 @@ class ThreadExecutor:
         self._device = torch.device(device)
         self._run, self._timeout_s = run, timeout_s
         self._cache = ProblemCache()
+        # On CUDA, autograd runs all backward work of a device on one thread: virtual ranks that
+        # wait for each other inside backward would deadlock there, so call backward directly.
+        self._autograd = self._device.type != "cuda"
 
     def run(self, spec: TrialSpec) -> Outcome:
         from methods.comm import run_threads
 
         def rank_fn(comm):
-            report = run_trial(spec, self._run, comm, self._device, self._cache)
+            report = run_trial(spec, self._run, comm, self._device, self._cache, autograd=self._autograd)
             if not report["ok"]:
                 raise _RankFailed(report)  # aborts the other virtual ranks at once
             return report
@@ -221,4 +230,7 @@ class ThreadExecutor:
             return Outcome(kind, [], f"{type(exc).__name__}: {exc}")
 
     def close(self) -> None:
+        pass
+
+    def abort(self) -> None:
         pass

@@ -180,6 +180,7 @@ def _drive(cfg: SuiteConfig, config_yaml: str, plan: list[TrialSpec], executor, 
                 bar.write(f"  {record[M.STATUS]}: {spec.label()}: {str(record[M.REASON])[:300]}")
     except BaseException:
         status = "KILLED"
+        executor.abort()  # do not wait for a trial in flight
         raise
     finally:
         bar.close()

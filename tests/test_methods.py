@@ -154,3 +154,22 @@ def test_registry_errors_list_the_valid_choices():
         class Dup(methods.Method):
             name = "ring"
     assert {"reference", "ring", "ulysses"} <= set(methods.available())
+
+
+@pytest.mark.parametrize("name,world_size", [("ring", 3), ("ulysses", 2)])
+def test_direct_forward_backward_equals_autograd(name, world_size):
+    """attention_fwd_bwd (no autograd engine; virtual ranks on one GPU) computes what autograd does."""
+    case = Case(2, 48, 4, 2, 8, "float32", True, world_size)
+    m = methods.get_method(name)
+    prob = problem_for(case)
+    lay = m.layout(case)
+
+    def both(comm):
+        r = comm.rank
+        q, k, v, do = (lay.shard(x, r) for x in (prob.q, prob.k, prob.v, prob.dout))
+        direct = m.attention_fwd_bwd(q, k, v, do, causal=True, comm=comm)
+        via_autograd = run_method_rank(m, case, prob, comm)
+        return direct, via_autograd
+    for direct, via in run_threads(world_size, both):
+        for got, t in zip(direct, TENSORS):
+            assert torch.equal(got, via[t]), t

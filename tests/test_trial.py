@@ -1,0 +1,78 @@
+import pytest
+import torch
+
+from methods.comm import run_threads
+from suite import metrics as M
+from suite.check import ProblemCache
+from suite.plan import TrialSpec
+from suite.trial import Outcome, RunSettings, make_record, run_trial, skipped_record
+
+SETTINGS = RunSettings(warmup=1, repeats=3, check=True, check_max_seq_len=1 << 20, seed=0)
+
+
+def spec(**kw):
+    base = dict(method="ring", impl="own", executor="threads", hardware="cpu:test", topology="single-node",
+                world_size=2, nodes=1, ulysses_degree=1, ring_degree=2, batch=2, seq_len=32, heads=4, kv_heads=2,
+                head_dim=8, dtype="float32", causal=True, pass_="fwd_bwd", kernel="auto")
+    base.update(kw)
+    return TrialSpec(**base)
+
+
+@pytest.mark.parametrize("autograd", [True, False])
+def test_ranks_report_errors_bytes_and_samples(autograd):
+    s = spec()
+    cache = ProblemCache()
+    reports = run_threads(2, lambda c: run_trial(s, SETTINGS, c, torch.device("cpu"), cache, autograd=autograd))
+    for r in reports:
+        assert r["ok"], r.get("traceback")
+        assert set(r["errors"]) == {"out", "lse", "dq", "dk", "dv"}
+        assert all(r["errors"][t] <= r["tol"][t] for t in r["errors"])
+        assert len(r["samples_ms"]) == 3 and r["kernel_used"] == "cpu_flash"
+        # ring, P=2, fwd+bwd, one K block = B*L*Hkv*D*4 bytes: forward K,V; backward K,V again
+        # plus the fp32 dK,dV accumulators on P=2 hops; 1 + 3 exchanges
+        block = 2 * 16 * 2 * 8 * 4
+        assert r["bytes_sent"] == r["bytes_recv"] == 2 * block + 2 * block + 2 * 2 * block
+        assert r["comm_ops"] == {"p2p": 4}
+
+
+def test_record_takes_the_worst_rank():
+    s = spec()
+    base = {"ok": True, "checked": True, "kernel_used": "cpu_flash", "comm_ops": {"p2p": 1}, "peak_mem": None,
+            "tol": {"out": 1e-5}}
+    r0 = dict(base, rank=0, errors={"out": 1e-7}, samples_ms=[1.0, 5.0, 2.0], bytes_sent=10, bytes_recv=10)
+    r1 = dict(base, rank=1, errors={"out": 3e-6}, samples_ms=[2.0, 1.0, 3.0], bytes_sent=12, bytes_recv=8)
+    rec = make_record(s, Outcome("reported", [r0, r1]), SETTINGS, "run", "t", 1.0)
+    assert rec[M.STATUS] == M.OK and rec[M.ERR["out"]] == 3e-6
+    assert rec[M.TIME_MS_SAMPLES] == [2.0, 5.0, 3.0]  # per iteration: the slowest rank
+    assert (rec[M.TIME_MS_MEDIAN], rec[M.TIME_MS_MIN], rec[M.TIME_MS_MAX]) == (3.0, 2.0, 5.0)
+    assert rec[M.BYTES_SENT] == 12 and rec[M.BYTES_RECV] == 10
+    flops = 4 * 2 * 32 * 32 * 4 * 8 / 2 * 3.5
+    assert rec[M.TFLOPS_PER_GPU] == pytest.approx(flops / (3e-3 * 2) / 1e12)
+    assert rec[M.TOKENS_PER_S] == pytest.approx(64 / 3e-3)
+    assert list(rec) == list(M.COLUMNS)
+
+    r1_bad = dict(r1, errors={"out": float("nan")})
+    rec = make_record(s, Outcome("reported", [r0, r1_bad]), SETTINGS, "run", "t", 1.0)
+    assert rec[M.STATUS] == M.INCORRECT and "out: error nan" in rec[M.REASON]
+
+
+def test_failed_timeout_and_skipped_records():
+    s = spec()
+    err = {"ok": False, "rank": 1, "error": "RuntimeError: boom", "traceback": "Traceback...", "oom": False}
+    rec = make_record(s, Outcome("failed", [None, err], "ranks [0] did not finish"), SETTINGS, "run", "t", 2.0)
+    assert rec[M.STATUS] == M.FAILED and rec[M.REASON].startswith("rank 1: RuntimeError: boom")
+    assert "ranks [0] did not finish" in rec[M.REASON] and rec[M.ERROR_TRACE] == "Traceback..."
+    oom = dict(err, oom=True, error="OutOfMemoryError: CUDA out of memory")
+    assert "out of memory" in make_record(s, Outcome("reported", [oom, oom]), SETTINGS, "r", "t", 1)[M.REASON]
+    rec = make_record(s, Outcome("timeout", [None, None], "no report within 5s"), SETTINGS, "run", "t", 5.0)
+    assert rec[M.STATUS] == M.TIMEOUT and rec[M.TIME_MS_MEDIAN] is None
+    rec = skipped_record(s, "needs CUDA", SETTINGS, "run", "t")
+    assert rec[M.STATUS] == M.SKIPPED and rec[M.REASON] == "needs CUDA" and rec["pass"] == "fwd_bwd"
+
+
+def test_unchecked_above_the_reference_limit():
+    s = spec(pass_="fwd")
+    settings = RunSettings(warmup=0, repeats=1, check=True, check_max_seq_len=16, seed=0)
+    reports = run_threads(2, lambda c: run_trial(s, settings, c, torch.device("cpu"), ProblemCache()))
+    rec = make_record(s, Outcome("reported", reports), settings, "run", "t", 1.0)
+    assert rec[M.STATUS] == M.OK and rec[M.CHECKED] is False and rec[M.ERR["out"]] is None
