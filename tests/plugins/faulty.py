@@ -6,7 +6,7 @@ exchange, as they would with a real bug):
 - `hanging`: sleeps for an hour in the forward pass.
 - `dying`: the worker process exits abruptly (as on a segfault or an OOM kill).
 - `wrong`: no fault in control flow; it forgets the causal mask, so the float64 check must flag it.
-- `slow`: sleeps 0.3 s per call (to kill a sweep mid-way).
+- `slow`: sleeps 0.3 s per call on every rank (to kill a sweep mid-way).
 """
 import os
 import time
@@ -15,53 +15,53 @@ from methods.registry import register
 from methods.ring import Ring
 
 
-@register
-class Faulty(Ring):
-    name = "faulty"
-    description = "test only: ring that raises on rank 1"
+class _FaultyRing(Ring):
+    def fault(self, rank: int) -> None:
+        """Called on every rank before the forward pass."""
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse):
-        if comm.rank == 1:
+        self.fault(comm.rank)
+        return super().forward(q, k, v, comm=comm, causal=causal, scale=scale, return_lse=return_lse)
+
+
+@register
+class Faulty(_FaultyRing):
+    name, description = "faulty", "test only: ring that raises on rank 1"
+
+    def fault(self, rank):
+        if rank == 1:
             raise RuntimeError("injected failure on rank 1")
-        return super().forward(q, k, v, comm=comm, causal=causal, scale=scale, return_lse=return_lse)
 
 
 @register
-class Hanging(Ring):
-    name = "hanging"
-    description = "test only: ring that hangs on rank 1"
+class Hanging(_FaultyRing):
+    name, description = "hanging", "test only: ring that hangs on rank 1"
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
-        if comm.rank == 1:
+    def fault(self, rank):
+        if rank == 1:
             time.sleep(3600)
-        return super().forward(q, k, v, comm=comm, causal=causal, scale=scale, return_lse=return_lse)
 
 
 @register
-class Dying(Ring):
-    name = "dying"
-    description = "test only: ring whose rank 1 process exits abruptly"
+class Dying(_FaultyRing):
+    name, description = "dying", "test only: ring whose rank 1 process exits abruptly"
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
-        if comm.rank == 1:
+    def fault(self, rank):
+        if rank == 1:
             os._exit(17)
-        return super().forward(q, k, v, comm=comm, causal=causal, scale=scale, return_lse=return_lse)
+
+
+@register
+class Slow(_FaultyRing):
+    name, description = "slow", "test only: ring that sleeps 0.3 s per call"
+
+    def fault(self, rank):
+        time.sleep(0.3)
 
 
 @register
 class Wrong(Ring):
-    name = "wrong"
-    description = "test only: ring without the causal mask"
+    name, description = "wrong", "test only: ring without the causal mask"
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse):
         return super().forward(q, k, v, comm=comm, causal=False, scale=scale, return_lse=return_lse)
-
-
-@register
-class Slow(Ring):
-    name = "slow"
-    description = "test only: ring that sleeps 0.3 s per call"
-
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
-        time.sleep(0.3)
-        return super().forward(q, k, v, comm=comm, causal=causal, scale=scale, return_lse=return_lse)
