@@ -1,7 +1,7 @@
 """Sequence-parallel attention methods behind one interface (DESIGN.md section 4).
 
     import methods
-    methods.available()                      # ['reference', 'ring', 'ulysses', ...]
+    methods.available()                      # ["reference", "ring", "ulysses", ...]
     m = methods.get_method("ring", kernel="auto")
     out = m.attention(q_local, k_local, v_local, causal=True, comm=comm)
 
@@ -12,7 +12,7 @@ from methods.registry import (available, get_method, load_plugins, method_class,
                               register_unavailable, unavailable)
 
 # Own methods register themselves on import.
-from methods import reference, ring, ulysses  # noqa: E402,F401
+from methods import allgather_kv, burst, reference, ring, stripe_ring, tasp, ulysses, usp, zigzag_ring  # noqa: E402,F401
 
 __all__ = ["Case", "Method", "SPAttention", "available", "get_method", "load_plugins",
            "method_class", "register", "register_unavailable", "unavailable"]

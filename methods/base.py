@@ -68,9 +68,9 @@ class Method:
         """Whether this method can run on this machine at all (e.g. its library imports), and why not."""
         return True, ""
 
-    def degrees(self, world_size: int) -> tuple[int, int]:
-        """(ulysses_degree, ring_degree) of this method at `world_size` (their product)."""
-        return 1, world_size
+    def degrees(self, case: Case) -> tuple[int, int]:
+        """(ulysses_degree, ring_degree) of this method for `case` (their product is the world size)."""
+        return 1, case.world_size
 
     def layout(self, case: Case) -> layouts.Layout:
         """Which global positions each rank holds (raises ValueError if the sizes do not fit)."""

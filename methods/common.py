@@ -1,26 +1,13 @@
-"""Pieces shared by several methods: ring exchange and the Ulysses all-to-all reshuffles.
+"""Pieces shared by several methods: the Ulysses all-to-all reshuffles.
 
-(The online-softmax merge lives in methods/kernels.py with the kernels it combines.)
+(The online-softmax merge lives in methods/kernels.py with the kernels it combines; the K/V ring
+loop in methods/kv_ring.py.)
 """
 from __future__ import annotations
 
-from typing import Sequence
-
 import torch
 
-from methods.comm.base import P2P, Comm, Work
-
-
-def ring_shift(comm: Comm, sends: Sequence[torch.Tensor], recvs: Sequence[torch.Tensor]) -> Work:
-    """Send each tensor of `sends` to rank+1 and receive the matching one of `recvs` from rank-1.
-
-    Sends and receives are posted in the same order on every rank, so the i-th receive pairs
-    with the i-th send of the previous rank (also when P = 2 and both neighbours are one rank).
-    """
-    p, r = comm.world_size, comm.rank
-    nxt, prv = (r + 1) % p, (r - 1) % p
-    ops = [P2P("send", t, nxt) for t in sends] + [P2P("recv", t, prv) for t in recvs]
-    return comm.exchange(ops)
+from methods.comm.base import Comm
 
 
 def seq_to_heads(comm: Comm, x: torch.Tensor) -> torch.Tensor:
@@ -55,3 +42,47 @@ def lse_heads_to_seq(comm: Comm, lse: torch.Tensor) -> torch.Tensor:
     recv = torch.empty_like(send)
     comm.all_to_all(recv, send)                                                # [P(head group), B, H/P, S_local]
     return recv.permute(1, 0, 2, 3).reshape(b, p * hp, s // p)                  # [B, H, S_local]
+
+
+# -- Ulysses head scatter (DeepSpeed-Ulysses, and the Ulysses half of USP) ---------------------------
+def kv_replication(kv_heads: int, degree: int) -> int:
+    """How many times each KV head is replicated before the head scatter (1 = none).
+
+    With fewer KV heads than Ulysses ranks (GQA), each KV head is copied degree/kv_heads times so
+    that every rank gets one (verl, LoongTrain do the same); dK/dV are summed over the copies.
+    """
+    return 1 if kv_heads % degree == 0 else degree // kv_heads
+
+
+def check_ulysses_heads(heads: int, kv_heads: int, degree: int) -> str:
+    """'' if `degree` Ulysses ranks can split these heads, else the reason."""
+    if heads % degree != 0:
+        return f"ulysses needs heads divisible by the ulysses degree: {heads} % {degree} != 0"
+    if kv_heads % degree != 0 and degree % kv_heads != 0:
+        return (f"ulysses needs kv_heads divisible by the ulysses degree or the degree divisible by kv_heads "
+                f"(KV replication): kv_heads={kv_heads}, degree={degree}")
+    return ""
+
+
+def ulysses_scatter_heads(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+    """q [B, L, H, D], k, v [B, L, Hkv, D] (this rank's tokens, all heads) -> every token of the
+    group for this rank's heads: q_h [B, L*U, H/U, D], k_h, v_h [B, L*U, Hkv'/U, D], and the KV
+    replication factor (Hkv' = Hkv * replication). U = comm.world_size."""
+    degree = comm.world_size
+    reason = check_ulysses_heads(q.shape[2], k.shape[2], degree)
+    if reason:
+        raise ValueError(reason)
+    rep = kv_replication(k.shape[2], degree)
+    if rep > 1:
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)   # [B, L, U, D]
+    return seq_to_heads(comm, q), seq_to_heads(comm, k), seq_to_heads(comm, v), rep
+
+
+def ulysses_gather_grads(comm: Comm, dq_h: torch.Tensor, dk_h: torch.Tensor, dv_h: torch.Tensor, rep: int):
+    """Inverse of `ulysses_scatter_heads` for the gradients (summing the KV replicas' gradients)."""
+    dq, dk, dv = heads_to_seq(comm, dq_h), heads_to_seq(comm, dk_h), heads_to_seq(comm, dv_h)
+    if rep > 1:
+        b, l, h_sent, d = dk.shape
+        dk = dk.view(b, l, h_sent // rep, rep, d).sum(dim=3)
+        dv = dv.view(b, l, h_sent // rep, rep, d).sum(dim=3)
+    return dq, dk, dv

@@ -23,16 +23,56 @@ Backends:
 """
 from __future__ import annotations
 
+import contextlib
 import math
-from typing import Optional
+import time
+from typing import Optional, Union
 
 import torch
 
 KERNELS = ("math", "cpu_flash", "flash_attn")
 KERNEL_CHOICES = ("auto",) + KERNELS
+# Measurement only (never a config choice): blocks return zeros at once, so a run with it times
+# a method's communication and bookkeeping without its attention ("comm-only" runs).
+NOOP = "noop"
 
 _CPU_FWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _CPU_BWD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+class TimedKernel:
+    """A kernel choice that also measures the time this rank spends in block kernels.
+
+    Pass it wherever a kernel name goes (a method's `kernel`); it dispatches to `name` and adds up
+    the time of every block_forward / block_backward call: wall time on CPU, CUDA events on GPU
+    (read `seconds` after the work is done). Used for the overhead breakdown of a trial.
+    """
+
+    def __init__(self, name: str = "auto"):
+        self.name = name
+        self.calls = 0
+        self._cpu_s = 0.0
+        self._events: list = []
+
+    @contextlib.contextmanager
+    def measure(self, device: torch.device):
+        self.calls += 1
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._cpu_s += time.perf_counter() - t0
+
+    @property
+    def seconds(self) -> float:
+        if self._events:
+            torch.cuda.synchronize()
+        return self._cpu_s + sum(s.elapsed_time(e) for s, e in self._events) / 1e3
 
 
 def default_scale(head_dim: int) -> float:
@@ -169,9 +209,9 @@ def math_forward(q, k, v, *, scale, causal_offset, upcast=True):
     return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
 
-def math_backward(dout, q, k, v, out, lse, *, scale, causal_offset, upcast=True):
+def math_backward(dout, q, k, v, out, lse, *, scale, causal_offset, upcast=True, delta=None):
     """Gradients of attention for one block given the global out and lse (FlashAttention-2's
-    backward: dS = P * (dP - rowsum(dO * O)))."""
+    backward: dS = P * (dP - rowsum(dO * O))); `delta` [B, H, Sq] may replace `out`."""
     cd = _compute_dtype(q.dtype, upcast)
     h, hkv = q.shape[2], k.shape[2]
     s = _math_scores(q, k, scale, causal_offset, cd)
@@ -180,7 +220,10 @@ def math_backward(dout, q, k, v, out, lse, *, scale, causal_offset, upcast=True)
     vh = _repeat_kv(v, h).to(cd).transpose(1, 2)                    # [B, H, Sk, D]
     qh = q.to(cd).transpose(1, 2)
     kh = _repeat_kv(k, h).to(cd).transpose(1, 2)
-    delta = (do * out.to(cd).transpose(1, 2)).sum(-1, keepdim=True)  # [B, H, Sq, 1]
+    if delta is None:
+        delta = (do * out.to(cd).transpose(1, 2)).sum(-1, keepdim=True)  # [B, H, Sq, 1]
+    else:
+        delta = delta.to(cd).unsqueeze(-1)
     dv = torch.matmul(p.transpose(-1, -2), do)                      # [B, H, Sk, D]
     dp = torch.matmul(do, vh.transpose(-1, -2))                     # [B, H, Sq, Sk]
     ds = p * (dp - delta)
@@ -233,55 +276,95 @@ def _cpu_backward(dout, q, k, v, out, lse, *, scale, causal_offset):
 # ---------------------------------------------------------------------------------------------
 # Public block API
 # ---------------------------------------------------------------------------------------------
+KernelChoice = Union[str, TimedKernel]
+
+
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                  causal_offset: Optional[int], kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                  causal_offset: Optional[int], kernel: KernelChoice = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block of queries against one block of keys.
 
     Args:
         q: [B, Sq, H, D]; k, v: [B, Sk, Hkv, D]; same dtype and device.
         scale: softmax scale (usually 1/sqrt(D)).
         causal_offset: None (full) or c (query i sees key j iff j <= i + c).
-        kernel: backend name or "auto".
+        kernel: backend name, "auto", or a TimedKernel wrapping one.
     Returns:
         out [B, Sq, H, D] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs; -inf
-        where a row sees no key).
+        where a row sees no key); both contiguous.
     """
     _check_shapes(q, k, v)
+    if isinstance(kernel, TimedKernel):
+        with kernel.measure(q.device):
+            return block_forward(q, k, v, scale=scale, causal_offset=causal_offset, kernel=kernel.name)
     sq, sk = q.shape[1], k.shape[1]
+    if kernel == NOOP:
+        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], sq, dtype=acc_dtype(q.dtype), device=q.device)
     if is_empty(sq, sk, causal_offset):
         return (torch.zeros_like(q),
                 torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device))
     backend = resolve_kernel(kernel, q.device, q.dtype)
     if backend == "cpu_flash":
-        return _cpu_forward(q, k, v, scale=scale, causal_offset=causal_offset)
-    if backend == "flash_attn":
+        out, lse = _cpu_forward(q, k, v, scale=scale, causal_offset=causal_offset)
+    elif backend == "flash_attn":
         from methods import _flash_attn
-        return _flash_attn.forward(q, k, v, scale=scale, causal_offset=causal_offset)
-    return math_forward(q, k, v, scale=scale, causal_offset=causal_offset)
+        out, lse = _flash_attn.forward(q, k, v, scale=scale, causal_offset=causal_offset)
+    else:
+        out, lse = math_forward(q, k, v, scale=scale, causal_offset=causal_offset)
+    # Contiguous results (the CPU op's lse is strided, math's out a transposed view): methods
+    # send them as they are, and communication needs contiguous buffers.
+    return out.contiguous(), lse.contiguous()
+
+
+def out_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+    """An `out` [B, S, H, D] whose rowsum(dout * out) equals `delta` [B, H, S].
+
+    Flash backward kernels take the output only to compute D = rowsum(dO * O); a method that ships
+    D instead of O (BurstAttention) passes this stand-in: out = dO * D / |dO|^2 per row (0 where
+    dO is 0, where D is 0 too). Built in fp32 (float64 for float64); in bf16 its rounding perturbs D by at most 2^-9
+    relative (all terms of the rowsum share a sign), no more than rounding O itself does.
+    """
+    dt = acc_dtype(dout.dtype)
+    d = dout.to(dt)
+    norm = (d * d).sum(-1)                                            # [B, S, H]
+    ratio = torch.where(norm > 0, delta.to(dt).transpose(1, 2) / norm.clamp_min(1e-30), torch.zeros_like(norm))
+    return (d * ratio.unsqueeze(-1)).to(dout.dtype)
 
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: torch.Tensor, lse: torch.Tensor, *, scale: float, causal_offset: Optional[int],
-                   kernel: str = "auto") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   out: Optional[torch.Tensor], lse: torch.Tensor, *, scale: float, causal_offset: Optional[int],
+                   kernel: KernelChoice = "auto", delta: Optional[torch.Tensor] = None
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block (see `block_forward`).
 
     Args:
         dout, out: [B, Sq, H, D], the *global* output rows of these queries and their gradient.
         lse: [B, H, Sq] float32, the *global* log-sum-exp of these queries.
+        delta: [B, H, Sq] float32, rowsum(dout * out) of the global output, instead of `out`
+            (pass exactly one of the two).
     Returns:
         dq [B, Sq, H, D], dk and dv [B, Sk, Hkv, D], in the input dtype: this block's contribution.
     """
     _check_shapes(q, k, v)
+    if (out is None) == (delta is None):
+        raise ValueError("block_backward needs exactly one of out and delta")
+    if isinstance(kernel, TimedKernel):
+        with kernel.measure(q.device):
+            return block_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset,
+                                  kernel=kernel.name, delta=delta)
     sq, sk = q.shape[1], k.shape[1]
-    if is_empty(sq, sk, causal_offset):
+    if is_empty(sq, sk, causal_offset) or kernel == NOOP:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     backend = resolve_kernel(kernel, q.device, q.dtype)
+    if backend == "math":
+        return math_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset, delta=delta)
+    if out is None:
+        out = out_with_delta(dout, delta)
     if backend == "cpu_flash":
         return _cpu_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset)
     if backend == "flash_attn":
         from methods import _flash_attn
         return _flash_attn.backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset)
-    return math_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset)
+    raise AssertionError(f"unhandled kernel {backend}")
 
 
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:

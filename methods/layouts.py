@@ -8,6 +8,9 @@ positions (what RoPE and the loss labels need). Layouts:
 - zigzag: the sequence in 2P chunks; rank r holds chunks r and 2P-1-r (balanced causal work;
   ring-flash-attn's zigzag, Megatron/TE's load balancing, PyTorch's head-tail).
 - stripe: rank r holds positions r, r+P, r+2P, ... (Striped Attention).
+- usp: USP's load-balanced layout for ulysses_degree U x ring_degree R = P (global rank
+  g = ring_rank * U + ulysses_rank): ring rank r's zigzag pair (chunks r and 2R-1-r of 2R) is cut
+  into U equal pieces, and Ulysses rank u holds piece u. U = P gives contiguous, U = 1 zigzag.
 """
 from __future__ import annotations
 
@@ -16,7 +19,7 @@ from typing import Sequence
 
 import torch
 
-LAYOUTS = ("contiguous", "zigzag", "stripe")
+LAYOUTS = ("contiguous", "zigzag", "stripe", "usp")
 
 
 @dataclass(frozen=True, eq=False)
@@ -86,9 +89,21 @@ def stripe(seq_len: int, world_size: int) -> Layout:
                   tuple(torch.arange(r, seq_len, world_size) for r in range(world_size)))
 
 
-def make(kind: str, seq_len: int, world_size: int) -> Layout:
-    """Build the layout named `kind` (one of LAYOUTS)."""
-    builders = {"contiguous": contiguous, "zigzag": zigzag, "stripe": stripe}
+def usp(seq_len: int, world_size: int, ulysses_degree: int) -> Layout:
+    if ulysses_degree < 1 or world_size % ulysses_degree != 0:
+        raise ValueError(f"usp layout needs ulysses_degree dividing world_size: {ulysses_degree} vs {world_size}")
+    ring_degree = world_size // ulysses_degree
+    if seq_len % (2 * ring_degree) != 0 or seq_len % world_size != 0:
+        raise ValueError(f"usp layout needs seq_len divisible by 2 x ring_degree ({2 * ring_degree}) and by "
+                         f"world_size ({world_size}); got seq_len={seq_len}")
+    pairs = zigzag(seq_len, ring_degree)
+    return Layout("usp", seq_len, world_size,
+                  tuple(piece for r in range(ring_degree) for piece in pairs.positions(r).chunk(ulysses_degree)))
+
+
+def make(kind: str, seq_len: int, world_size: int, **params) -> Layout:
+    """Build the layout named `kind` (one of LAYOUTS); `params` e.g. ulysses_degree for usp."""
+    builders = {"contiguous": contiguous, "zigzag": zigzag, "stripe": stripe, "usp": usp}
     if kind not in builders:
         raise ValueError(f"unknown layout {kind!r}; choose one of {LAYOUTS}")
-    return builders[kind](seq_len, world_size)
+    return builders[kind](seq_len, world_size, **params)

@@ -19,7 +19,7 @@ class Reference(Method):
     description = "single-device attention (the baseline), world_size 1 only"
     layout_kind = "contiguous"
 
-    def degrees(self, world_size: int) -> tuple[int, int]:
+    def degrees(self, case: Case) -> tuple[int, int]:
         return 1, 1
 
     def supports(self, case: Case) -> tuple[bool, str]:

@@ -8,8 +8,8 @@ to heads, the local kernel backward runs, dq, dk, dv go back to the sequence lay
 
 Head constraints: heads % P == 0. KV heads: kv_heads % P == 0, or, with GQA and fewer KV heads
 than ranks, P % kv_heads == 0: each KV head is then replicated P/kv_heads times before the
-all-to-all (one KV head per rank; verl and LoongTrain do the same), and dK/dV are summed over the
-replicas. Let Hkv' = max(kv_heads, P) be the KV heads sent.
+all-to-all (one KV head per rank) and dK/dV are summed over the replicas (methods/common.py).
+Let Hkv' = max(kv_heads, P) be the KV heads sent.
 
 Communication per rank (L = S/P, e = bytes per element; all-to-all keeps 1/P of each buffer
 local, so (P-1)/P of it leaves the rank):
@@ -24,13 +24,9 @@ from __future__ import annotations
 
 from methods import kernels
 from methods.base import Case, Method
-from methods.common import heads_to_seq, lse_heads_to_seq, seq_to_heads
+from methods.common import (check_ulysses_heads, heads_to_seq, lse_heads_to_seq, seq_to_heads,
+                            ulysses_gather_grads, ulysses_scatter_heads)
 from methods.registry import register
-
-
-def kv_replication(kv_heads: int, world_size: int) -> int:
-    """How many times each KV head is replicated before the all-to-all (1 = none)."""
-    return 1 if kv_heads % world_size == 0 else world_size // kv_heads
 
 
 @register
@@ -39,29 +35,19 @@ class Ulysses(Method):
     description = "DeepSpeed-Ulysses: all-to-all sequence<->heads around one local attention"
     layout_kind = "contiguous"
 
-    def degrees(self, world_size: int) -> tuple[int, int]:
-        return world_size, 1
+    def degrees(self, case: Case) -> tuple[int, int]:
+        return case.world_size, 1
 
     def supports(self, case: Case) -> tuple[bool, str]:
-        p = case.world_size
-        if case.heads % p != 0:
-            return False, f"ulysses needs heads divisible by world_size: {case.heads} % {p} != 0"
-        if case.kv_heads % p != 0 and p % case.kv_heads != 0:
-            return False, (f"ulysses needs kv_heads divisible by world_size or world_size divisible by "
-                           f"kv_heads (KV replication): kv_heads={case.kv_heads}, world_size={p}")
-        return super().supports(case)
+        reason = check_ulysses_heads(case.heads, case.kv_heads, case.world_size)
+        return (False, reason) if reason else super().supports(case)
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse):
-        p = comm.world_size
         offset = 0 if causal else None
-        if p == 1:
+        if comm.world_size == 1:
             out, lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=offset, kernel=self.kernel)
-            return out, lse, (q, k, v, out, lse)
-        check_heads(q.shape[2], k.shape[2], p)
-        rep = kv_replication(k.shape[2], p)
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)  # [B, L, P, D]
-        q_h, k_h, v_h = seq_to_heads(comm, q), seq_to_heads(comm, k), seq_to_heads(comm, v)  # [B, S, H/P, D]
+            return out, lse, (q, k, v, out, lse, 1)
+        q_h, k_h, v_h, rep = ulysses_scatter_heads(comm, q, k, v)              # [B, S, H/P, D]
         out_h, lse_h = kernels.block_forward(q_h, k_h, v_h, scale=scale, causal_offset=offset,
                                              kernel=self.kernel)             # [B, S, H/P, D], [B, H/P, S]
         out = heads_to_seq(comm, out_h)                                      # [B, L, H, D]
@@ -69,27 +55,11 @@ class Ulysses(Method):
         return out, lse, (q_h, k_h, v_h, out_h, lse_h, rep)
 
     def backward(self, dout, residuals, *, comm, causal, scale):
-        q_h, k_h, v_h, out_h, lse_h, *rest = residuals
-        p = comm.world_size
+        q_h, k_h, v_h, out_h, lse_h, rep = residuals
         offset = 0 if causal else None
-        if p == 1:
+        if comm.world_size == 1:
             return kernels.block_backward(dout, q_h, k_h, v_h, out_h, lse_h, scale=scale,
                                           causal_offset=offset, kernel=self.kernel)
-        dout_h = seq_to_heads(comm, dout)
-        dq_h, dk_h, dv_h = kernels.block_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, scale=scale,
-                                                  causal_offset=offset, kernel=self.kernel)
-        dq, dk, dv = heads_to_seq(comm, dq_h), heads_to_seq(comm, dk_h), heads_to_seq(comm, dv_h)
-        rep = rest[0]
-        if rep > 1:  # sum the gradients of each KV head's replicas
-            b, l, h_sent, d = dk.shape
-            dk = dk.view(b, l, h_sent // rep, rep, d).sum(dim=3)
-            dv = dv.view(b, l, h_sent // rep, rep, d).sum(dim=3)
-        return dq, dk, dv
-
-
-def check_heads(heads: int, kv_heads: int, world_size: int) -> None:
-    if heads % world_size != 0:
-        raise ValueError(f"ulysses needs heads divisible by world_size: {heads} % {world_size} != 0")
-    if kv_heads % world_size != 0 and world_size % kv_heads != 0:
-        raise ValueError(f"ulysses needs kv_heads % world_size == 0 or world_size % kv_heads == 0; "
-                         f"got kv_heads={kv_heads}, world_size={world_size}")
+        dq_h, dk_h, dv_h = kernels.block_backward(seq_to_heads(comm, dout), q_h, k_h, v_h, out_h, lse_h,
+                                                  scale=scale, causal_offset=offset, kernel=self.kernel)
+        return ulysses_gather_grads(comm, dq_h, dk_h, dv_h, rep)

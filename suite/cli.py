@@ -50,7 +50,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    # Overrides may come before or after options (`run cfg.yaml --resume run.repeats=3`): argparse
+    # stops the positional list at the first option, so the rest arrive as unknown words.
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        if args.command != "run" or any(word.startswith("-") or "=" not in word for word in extra):
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+        args.overrides = list(args.overrides) + extra
     if args.command == "run":
         return _run(args)
     if args.command == "list":

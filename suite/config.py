@@ -22,7 +22,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 # Sweep axes as they appear in trial identities (and in exclude rules).
 AXES = ("method", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
-        "causal", "pass")
+        "causal", "pass", "ulysses_degree", "ring_degree")
 
 
 class ConfigError(ValueError):
@@ -49,10 +49,12 @@ class SweepConfig:
     passes: list[str] = field(default_factory=lambda: ["fwd", "fwd_bwd"])
     """fwd (forward only, no autograd graph) and/or fwd_bwd (forward + backward)."""
     exclude: list[dict[str, Any]] = field(default_factory=list)
-    """Rules removing trials: each maps axis names (see AXES) to a value or a list of values; a
-    trial matching every entry of a rule is not planned. E.g. {method: reference, world_size: [2, 4]}."""
+    """Rules removing trials: each maps axis names (see AXES) or method option names to a value or a
+    list of values; a trial matching every entry of a rule is not planned.
+    E.g. {method: reference, world_size: [2, 4]} or {method: burst, ranks_per_node: 2, world_size: 2}."""
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Per-method constructor options, e.g. {usp: {ulysses_degree: 2}}."""
+    """Per-method constructor options, e.g. {usp: {ulysses_degree: 2}}; a list of values is an axis
+    of that method's trials, e.g. {usp: {ulysses_degree: [1, 2, 4]}} (the USP degree grid)."""
 
 
 @dataclass
@@ -74,6 +76,9 @@ class RunConfig:
     """Timed iterations; every sample is kept."""
     check: bool = True
     """Compare out, lse (and dq, dk, dv for fwd_bwd) with float64 attention on the unsharded inputs."""
+    breakdown: bool = True
+    """After timing: one iteration split into kernel / exposed-communication / bookkeeping time, and
+    `repeats` compute-only and comm-only iterations (CCR, overlap efficiency)."""
     check_max_seq_len: int = 65536
     """Above this global length the float64 reference is not computed (the row says checked=false)."""
     seed: int = 0
@@ -256,10 +261,12 @@ def validate(cfg: SuiteConfig) -> None:
         _choice(d, "sweep.dtype", tuple(DTYPES))
     for p in s.passes:
         _choice(p, "sweep.passes", PASSES)
+    option_keys = {k for opts in s.method_options.values() for k in opts}
     for i, rule in enumerate(s.exclude):
         _require(bool(rule), f"sweep.exclude[{i}]", "an empty rule would exclude everything")
         for k in rule:
-            _require(k in AXES, f"sweep.exclude[{i}]", f"unknown axis {k!r}; axes are {list(AXES)}")
+            _require(k in AXES or k in option_keys, f"sweep.exclude[{i}]",
+                     f"unknown axis {k!r}; axes are {list(AXES)} and the options in sweep.method_options")
     for m, opts in s.method_options.items():
         _require(m in s.methods, "sweep.method_options", f"options for {m!r}, which is not in sweep.methods")
         if m in methods.available():

@@ -30,19 +30,28 @@ BYTES_RECV = "bytes_recv_per_rank"
 COMM_OPS = "comm_ops"
 PEAK_MEM = "peak_mem_bytes"
 KERNEL_USED = "kernel_used"
+# time split (DESIGN.md 7), measured after the timed repeats
+KERNEL_MS = "kernel_ms"                  # time in block kernels, one iteration, mean over ranks
+COMM_WAIT_MS = "comm_wait_ms"            # time blocked in communication calls/waits, mean over ranks
+OVERHEAD_RATIO = "overhead_ratio"        # iteration / (kernel + comm wait): the method's own bookkeeping
+COMPUTE_ONLY_MS = "compute_only_ms"      # median iteration with communication replaced by no-ops
+COMM_ONLY_MS = "comm_only_ms"            # median iteration with block kernels replaced by no-ops
+CCR = "ccr"                              # compute_only / comm_only
+OVERLAP_EFF = "overlap_efficiency"       # (compute_only + comm_only - time) / min(compute_only, comm_only)
 DURATION_S = "trial_wall_s"
 STARTED_AT = "started_at"
 RUN_ID = "run_id"
 SEED, WARMUP, REPEATS = "seed", "warmup", "repeats"
 ERROR_TRACE = "error_trace"
 
+BREAKDOWN = (KERNEL_MS, COMM_WAIT_MS, OVERHEAD_RATIO, COMPUTE_ONLY_MS, COMM_ONLY_MS, CCR, OVERLAP_EFF)
 NUMERIC_METRICS = (TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX, TFLOPS_PER_GPU, TOKENS_PER_S, BYTES_SENT,
-                   BYTES_RECV, PEAK_MEM, DURATION_S) + tuple(ERR.values()) + tuple(TOL.values())
+                   BYTES_RECV, PEAK_MEM, DURATION_S) + BREAKDOWN + tuple(ERR.values()) + tuple(TOL.values())
 
 COLUMNS = ((KEY,) + IDENTITY + (STATUS, REASON, CHECKED) + tuple(ERR.values()) + tuple(TOL.values())
            + (TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX, TFLOPS_PER_GPU, TOKENS_PER_S, BYTES_SENT, BYTES_RECV,
-              PEAK_MEM, KERNEL_USED, COMM_OPS, TIME_MS_SAMPLES, SEED, WARMUP, REPEATS, DURATION_S,
-              STARTED_AT, RUN_ID, ERROR_TRACE))
+              PEAK_MEM) + BREAKDOWN + (KERNEL_USED, COMM_OPS, TIME_MS_SAMPLES, SEED, WARMUP, REPEATS, DURATION_S,
+                                       STARTED_AT, RUN_ID, ERROR_TRACE))
 
 
 def attention_flops(batch: int, seq_len: int, heads: int, head_dim: int, causal: bool, pass_: str) -> float:

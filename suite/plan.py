@@ -76,44 +76,55 @@ class TrialSpec:
 
 
 def _matches(rule: dict[str, Any], point: dict[str, Any]) -> bool:
+    """A rule matches when every axis it names has one of the listed values (an option the trial's
+    method does not have never matches)."""
     for axis, wanted in rule.items():
         values = wanted if isinstance(wanted, (list, tuple)) else [wanted]
-        if point[axis] not in values:
+        if axis not in point or point[axis] not in values:
             return False
     return True
 
 
+def option_points(options: dict[str, Any]) -> list[dict[str, Any]]:
+    """Method options with list values are axes: {ulysses_degree: [1, 2]} -> two option sets."""
+    keys = sorted(options)
+    values = [v if isinstance(v, (list, tuple)) else [v] for v in (options[k] for k in keys)]
+    return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
+
+
 def expand(cfg: SuiteConfig, *, hardware: str, device: str, topology: str = "single-node",
            nodes: int = 1) -> list[TrialSpec]:
-    """Cartesian product of the sweep axes minus exclude rules, ordered for the runner:
-    by world size (one worker group each), then problem (so inputs and the float64 reference are
-    reused), then method and pass."""
+    """Cartesian product of the sweep axes (and of list-valued method options) minus exclude
+    rules, ordered for the runner: by world size (one worker group each), then problem (so inputs
+    and the float64 reference are reused), then method and pass."""
     s = cfg.sweep
     specs = []
-    for ws, b, sl, h, kvh, hd, dt, causal, m, ps in itertools.product(
-            s.world_size, s.batch, s.seq_len, s.heads, s.kv_heads, s.head_dim, s.dtype, s.causal,
-            s.methods, s.passes):
-        point = dict(method=m, world_size=ws, batch=b, seq_len=sl, heads=h, kv_heads=kvh, head_dim=hd,
-                     dtype=dt, causal=causal, **{"pass": ps})
-        if any(_matches(rule, point) for rule in s.exclude):
-            continue
-        options = dict(s.method_options.get(m, {}))
-        ud, rd, impl = _method_facts(m, options, cfg.run.kernel, ws)
-        specs.append(TrialSpec(
-            method=m, impl=impl, executor=cfg.run.executor, hardware=hardware, topology=topology,
-            world_size=ws, nodes=nodes, ulysses_degree=ud, ring_degree=rd, batch=b, seq_len=sl, heads=h,
-            kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal), pass_=ps, kernel=cfg.run.kernel,
-            options=json.dumps(options, sort_keys=True), device=device))
+    axes = itertools.product(s.world_size, s.batch, s.seq_len, s.heads, s.kv_heads, s.head_dim, s.dtype,
+                             s.causal, s.methods, s.passes)
+    for ws, b, sl, h, kvh, hd, dt, causal, m, ps in axes:
+        case = Case(batch=b, seq_len=sl, heads=h, kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal),
+                    world_size=ws, device=device)
+        for options in option_points(dict(s.method_options.get(m, {}))):
+            ud, rd, impl = _method_facts(m, options, cfg.run.kernel, case)
+            point = dict(options, method=m, world_size=ws, batch=b, seq_len=sl, heads=h, kv_heads=kvh, head_dim=hd,
+                         dtype=dt, causal=causal, ulysses_degree=ud, ring_degree=rd, **{"pass": ps})
+            if any(_matches(rule, point) for rule in s.exclude):
+                continue
+            specs.append(TrialSpec(
+                method=m, impl=impl, executor=cfg.run.executor, hardware=hardware, topology=topology,
+                world_size=ws, nodes=nodes, ulysses_degree=ud, ring_degree=rd, batch=b, seq_len=sl, heads=h,
+                kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal), pass_=ps, kernel=cfg.run.kernel,
+                options=json.dumps(options, sort_keys=True), device=device))
     return specs
 
 
-def _method_facts(name: str, options: dict, kernel: str, world_size: int) -> tuple[int, int, str]:
+def _method_facts(name: str, options: dict, kernel: str, case: Case) -> tuple[int, int, str]:
     """(ulysses_degree, ring_degree, impl) of a method, or placeholders if it is unavailable here."""
     if name not in methods.available():
         return 0, 0, "unavailable"
     try:
         m = methods.get_method(name, kernel=kernel, **options)
-        ud, rd = m.degrees(world_size)
+        ud, rd = m.degrees(case)
     except (ValueError, TypeError):
         return 0, 0, methods.method_class(name).impl
     return ud, rd, m.impl

@@ -64,7 +64,7 @@ def check_supported(spec: TrialSpec) -> tuple[bool, str]:
 def run_settings(cfg: SuiteConfig) -> RunSettings:
     r = cfg.run
     return RunSettings(warmup=r.warmup, repeats=r.repeats, check=r.check, check_max_seq_len=r.check_max_seq_len,
-                       seed=r.seed)
+                       seed=r.seed, breakdown=r.breakdown)
 
 
 def sweep_params(cfg: SuiteConfig) -> dict:

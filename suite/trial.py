@@ -17,7 +17,7 @@ from typing import Any, Optional
 import torch
 
 from methods import kernels
-from methods.comm import CommLedger, CountingComm
+from methods.comm import CommLedger, CountingComm, NullComm, TimingComm
 from methods.comm.base import Comm
 from suite import metrics as M
 from suite.check import ProblemCache, build_problem, max_abs_err
@@ -34,6 +34,7 @@ class RunSettings:
     check: bool
     check_max_seq_len: int
     seed: int
+    breakdown: bool = True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,7 +93,7 @@ def _run(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.devic
         for name, tensor in got.items():
             ref = layout.shard(prob.ref[name], rank, dim=2 if name == "lse" else 1)
             report["errors"][name] = max_abs_err(tensor, ref)
-            report["tol"][name] = prob.tol[name]
+            report["tol"][name] = prob.tolerance(name, spec.world_size)
         del got
 
     # 2. One iteration through a counting comm: bytes per rank (it is also the first warm-up).
@@ -110,7 +111,41 @@ def _run(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.devic
         torch.cuda.reset_peak_memory_stats(device)
     report["samples_ms"] = time_iterations(lambda: step(comm), comm=comm, repeats=settings.repeats, device=device)
     report["peak_mem"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+
+    # 4. Where the time goes (after timing, so it cannot disturb the timed samples).
+    if settings.breakdown:
+        report.update(_breakdown(method, step, comm, device, settings.repeats))
     return report
+
+
+def _breakdown(method, step, comm: Comm, device: torch.device, repeats: int) -> dict[str, Any]:
+    """Time split of one rank (DESIGN.md 7):
+
+    - one iteration with a timed kernel and a timing comm: time in block kernels, time blocked in
+      communication, and the iteration's total (the rest is the method's own bookkeeping);
+    - compute-only: `repeats` iterations with communication replaced by a no-op comm;
+    - comm-only: `repeats` iterations with the block kernels replaced by no-ops.
+    """
+    kernel = method.kernel
+    timed, tcomm = kernels.TimedKernel(kernel), TimingComm(comm)
+    try:
+        method.kernel = timed
+        comm.barrier()
+        t0 = time.perf_counter()
+        step(tcomm)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        total_s = time.perf_counter() - t0
+        kernel_s = timed.seconds
+        method.kernel = kernel
+        null = NullComm(comm.rank, comm.world_size)
+        compute_only = time_iterations(lambda: step(null), comm=comm, repeats=repeats, device=device)
+        method.kernel = kernels.NOOP
+        comm_only = time_iterations(lambda: step(comm), comm=comm, repeats=repeats, device=device)
+    finally:
+        method.kernel = kernel
+    return {"iter_ms": total_s * 1e3, "kernel_ms": kernel_s * 1e3, "comm_wait_ms": tcomm.seconds * 1e3,
+            "compute_only_ms": compute_only, "comm_only_ms": comm_only}
 
 
 def _make_step(method, spec: TrialSpec, q, k, v, dout, autograd: bool):
@@ -188,6 +223,8 @@ def make_record(spec: TrialSpec, outcome: Outcome, settings: RunSettings, run_id
     samples = group_samples([r["samples_ms"] for r in reports])
     med, lo, hi = summarize(samples)
     flops = M.attention_flops(spec.batch, spec.seq_len, spec.heads, spec.head_dim, spec.causal, spec.pass_)
+    if "kernel_ms" in first:
+        rec.update(_breakdown_columns(reports, med))
     rec.update({
         M.TIME_MS_SAMPLES: samples, M.TIME_MS_MEDIAN: med, M.TIME_MS_MIN: lo, M.TIME_MS_MAX: hi,
         M.TFLOPS_PER_GPU: M.tflops_per_gpu(flops, med / 1e3, spec.world_size),
@@ -200,6 +237,23 @@ def make_record(spec: TrialSpec, outcome: Outcome, settings: RunSettings, run_id
         M.REASON: "; ".join(bad) if bad else "",
     })
     return _complete(rec)
+
+
+def _breakdown_columns(reports: list[dict], total_ms: float) -> dict[str, Any]:
+    """Kernel, exposed-communication and bookkeeping split (mean over ranks), compute-only and
+    comm-only times (per-iteration max over ranks, median), CCR and overlap efficiency."""
+    p = len(reports)
+    kernel = sum(r["kernel_ms"] for r in reports) / p
+    wait = sum(r["comm_wait_ms"] for r in reports) / p
+    ratio = sum(r["iter_ms"] / (r["kernel_ms"] + r["comm_wait_ms"]) for r in reports
+                if r["kernel_ms"] + r["comm_wait_ms"] > 0) / p
+    compute = summarize(group_samples([r["compute_only_ms"] for r in reports]))[0]
+    comm = summarize(group_samples([r["comm_only_ms"] for r in reports]))[0]
+    has_comm = any(r["comm_wait_ms"] > 0 for r in reports) and comm > 0
+    return {M.KERNEL_MS: kernel, M.COMM_WAIT_MS: wait, M.OVERHEAD_RATIO: ratio,
+            M.COMPUTE_ONLY_MS: compute, M.COMM_ONLY_MS: comm if has_comm else None,
+            M.CCR: compute / comm if has_comm else None,
+            M.OVERLAP_EFF: (compute + comm - total_ms) / min(compute, comm) if has_comm else None}
 
 
 def _worst(errors) -> float:

@@ -34,7 +34,7 @@ def local_errors(method, case, prob, rank: int, res: dict) -> dict[str, float]:
 def errors_vs_reference(method, case, prob, per_rank: list[dict]) -> dict[str, tuple[float, float]]:
     """(max error over ranks, tolerance) per tensor, against the float64 reference."""
     errs = [local_errors(method, case, prob, r, res) for r, res in enumerate(per_rank)]
-    return {t: (max(e[t] for e in errs), prob.tol[t]) for t in TENSORS}
+    return {t: (max(e[t] for e in errs), prob.tolerance(t, case.world_size)) for t in TENSORS}
 
 
 def problem_for(case, seed=0):

@@ -38,7 +38,7 @@ def test_dry_run_prints_the_plan_with_skip_reasons(write_config, tmp_path, capsy
     path = write_config("name: plan\nsweep: {methods: [ulysses], world_size: [3], heads: [4], seq_len: [48]}\n")
     assert main(["run", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "4 planned trials" in out and "skip: ulysses needs heads divisible by world_size" in out
+    assert "4 planned trials" in out and "skip: ulysses needs heads divisible by the ulysses degree" in out
     assert not (tmp_path / "results").exists()
 
 
@@ -46,3 +46,12 @@ def test_resume_without_an_earlier_run_is_a_clear_error(write_config, capsys):
     path = write_config("name: fresh\n")
     assert main(["run", str(path), "--resume"]) == 2
     assert "no earlier run of 'fresh'" in capsys.readouterr().err
+
+
+def test_overrides_before_or_after_options(write_config, tmp_path, capsys):
+    path = write_config("name: order\nsweep: {methods: [ring], world_size: [2], seq_len: [48]}\n")
+    assert main(["run", str(path), "--dry-run", "sweep.world_size=[3]", "sweep.methods=[ulysses]"]) == 0
+    out = capsys.readouterr().out
+    assert "ulysses P=3" in out and "ring" not in out
+    with pytest.raises(SystemExit):
+        main(["run", str(path), "--dry-run", "--bogus"])

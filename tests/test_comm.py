@@ -25,6 +25,9 @@ def exercise(comm):
     t = torch.tensor([float(r + 1)])
     comm.all_reduce(t)
     out["ar"] = t.item()
+    rs = torch.empty(2)
+    comm.reduce_scatter(rs, torch.arange(2.0 * p) * (r + 1))  # chunk j of rank r: (r+1)*[2j, 2j+1]
+    out["rs"] = rs.tolist()
     # split into even / odd ranks, then a ring inside the sub-group
     groups = [list(range(0, p, 2)), list(range(1, p, 2))] if p > 1 else [[0]]
     sub = comm.split(groups)
@@ -43,6 +46,7 @@ def check(results, p):
         assert got["a2a"] == [10.0 * src + r for src in range(p)]
         assert got["ag"] == list(map(float, range(p)))
         assert got["ar"] == p * (p + 1) / 2
+        assert got["rs"] == [2.0 * r * p * (p + 1) / 2, (2.0 * r + 1) * p * (p + 1) / 2]
         mine = list(range(r % 2, p, 2)) if p > 1 else [0]
         assert got["sub"] == (mine.index(r), len(mine))
         assert got["sub_sum"] == float(sum(mine))
@@ -68,14 +72,17 @@ def test_counting_comm_bytes():
         c.all_to_all(torch.empty(8), x)
         c.all_gather(torch.empty(8 * p), x)
         c.split([[0, 1], [2, 3]]).all_reduce(torch.zeros(4))  # 16 bytes in a group of 2
+        c.reduce_scatter(torch.empty(2), torch.zeros(8))    # 8 of 32 bytes stay; 3 peers x 8 bytes arrive
         return ledger
     ledgers = run_threads(4, fn)
-    for led in ledgers:
+    for rank, led in enumerate(ledgers):
         kinds = [rec.kind for rec in led.records]
-        assert kinds == ["p2p", "all_to_all", "all_gather", "all_reduce"]
-        assert [rec.bytes_sent for rec in led.records] == [32, 24, 96, 16]
-        assert [rec.bytes_recv for rec in led.records] == [32, 24, 96, 16]
-        assert led.bytes_sent == 168 and led.counts()["p2p"] == 1
+        assert kinds == ["p2p", "all_to_all", "all_gather", "all_reduce", "reduce_scatter"]
+        assert [rec.bytes_sent for rec in led.records] == [32, 24, 96, 16, 24]
+        assert [rec.bytes_recv for rec in led.records] == [32, 24, 96, 16, 24]
+        assert led.bytes_sent == 192 and led.counts()["p2p"] == 1
+        r = led.records[0]
+        assert r.per_peer == {(rank + 1) % 4: (32, 0), (rank - 1) % 4: (0, 32)}  # the per-link view
     assert ledgers[2].records[3].peers == (2, 3)  # sub-group peers reported as outer ranks
 
 

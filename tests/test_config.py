@@ -98,3 +98,24 @@ def test_every_shipped_config_validates():
     for path in paths:
         cfg, _ = load_config(path)
         assert expand(cfg, hardware="x", device="cpu")
+
+
+def test_list_valued_method_options_are_axes(write_config):
+    cfg, _ = load_config(write_config("""
+name: grid
+sweep:
+  methods: [usp, ring]
+  world_size: [4]
+  seq_len: [48]
+  heads: [8]
+  kv_heads: [8]
+  causal: [true]
+  passes: [fwd]
+  method_options: {usp: {ulysses_degree: [1, 2, 4]}}
+  exclude: [{method: usp, ring_degree: 4}]
+"""))
+    plan = expand(cfg, hardware="x", device="cpu")
+    usp = [(s.ulysses_degree, s.ring_degree) for s in plan if s.method == "usp"]
+    assert usp == [(2, 2), (4, 1)]  # (1, 4) excluded by its ring degree
+    assert len({s.key for s in plan}) == len(plan) == 3
+    assert [s.method_options for s in plan if s.method == "usp"] == [{"ulysses_degree": 2}, {"ulysses_degree": 4}]

@@ -98,3 +98,26 @@ def test_block_kernels_reject_mismatched_inputs():
         kernels.block_forward(q, torch.randn(1, 4, 3, 8), torch.randn(1, 4, 3, 8), scale=1.0, causal_offset=None)
     with pytest.raises(ValueError, match="dtypes differ"):
         kernels.block_forward(q, q.double(), q.double(), scale=1.0, causal_offset=None)
+
+
+@pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_backward_from_delta_equals_backward_from_out(kernel, dtype):
+    """BurstAttention ships D = rowsum(dO * O) instead of O; the gradients must not change."""
+    torch.manual_seed(3)
+    q = torch.randn(2, 9, 4, 16, dtype=dtype)
+    k = torch.randn(2, 9, 2, 16, dtype=dtype)
+    v = torch.randn(2, 9, 2, 16, dtype=dtype)
+    out, lse = kernels.block_forward(q, k, v, scale=0.25, causal_offset=0, kernel=kernel)
+    dout = torch.randn_like(out)
+    dout[0, 3] = 0  # rows with dO = 0 (and so D = 0) must not divide by zero
+    delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    from_out = kernels.block_backward(dout, q, k, v, out, lse, scale=0.25, causal_offset=0, kernel=kernel)
+    from_delta = kernels.block_backward(dout, q, k, v, None, lse, scale=0.25, causal_offset=0, kernel=kernel,
+                                        delta=delta)
+    tol = 1e-6 if dtype == torch.float32 else 2e-2
+    for a, b in zip(from_out, from_delta):
+        assert torch.isfinite(b).all()
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol)
+    with pytest.raises(ValueError, match="exactly one"):
+        kernels.block_backward(dout, q, k, v, out, lse, scale=0.25, causal_offset=0, delta=delta)

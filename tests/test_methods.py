@@ -1,6 +1,7 @@
-"""Own methods against float64 attention on the unsharded inputs, under ThreadComm (virtual ranks).
+"""Every own method against float64 attention on the unsharded inputs, under ThreadComm (virtual
+ranks), plus communication volume and causal balance. Real processes: test_methods_dist.py.
 
-Pass rule (DESIGN.md 7): error <= 2 x error of naive same-dtype attention + 2 eps floor.
+Pass rule (DESIGN.md 7): error <= 2 x error of naive same-dtype attention + 4 eps floor.
 """
 import pytest
 import torch
@@ -8,12 +9,27 @@ import torch
 import methods
 from methods import Case
 from methods.comm import CommLedger, CountingComm, run_threads
+from methods.kernels import is_full
 from tests.helpers import TENSORS, errors_vs_reference, problem_for, run_method_rank
 
-HEADS = [(5, 5), (6, 2), (4, 1)]  # odd MHA, GQA, MQA
+# (name, options): every own method, with the option settings that change its algorithm
+OWN = [("ring", {}), ("zigzag_ring", {}), ("stripe_ring", {}), ("ulysses", {}), ("usp", {}),
+       ("usp", {"ulysses_degree": 2}), ("allgather_kv", {}), ("burst", {}), ("burst", {"ranks_per_node": 2}),
+       ("tasp", {})]
+IDS = [n + "".join(f"-{k}={v}" for k, v in o.items()) for n, o in OWN]
+WORLD_SIZES = [1, 2, 3, 4, 5, 6, 8]
+HEADS = [(8, 8), (8, 2), (5, 5)]  # MHA, GQA, an odd head count
 
 
-def assert_matches_reference(name, case, **options):
+def seq_len_for(name: str, world_size: int) -> int:
+    """A length every layout of `name` accepts at `world_size`, never a power of two (factor 3)."""
+    if name == "tasp":
+        from methods.tasp import num_cycles
+        return 2 * world_size * num_cycles(world_size) * 3
+    return 2 * world_size * 3
+
+
+def check(name, options, case):
     m = methods.get_method(name, **options)
     ok, why = m.supports(case)
     assert ok, why
@@ -21,52 +37,75 @@ def assert_matches_reference(name, case, **options):
     per_rank = run_threads(case.world_size, lambda comm: run_method_rank(m, case, prob, comm))
     errs = errors_vs_reference(m, case, prob, per_rank)
     bad = {t: e for t, e in errs.items() if not e[0] <= e[1]}
-    assert not bad, f"{name} {case}: (error, tolerance) {bad}"
+    assert not bad, f"{name} {options} {case}: (error, tolerance) {bad}"
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("heads,kv_heads", HEADS)
-def test_ring_matches_float64(world_size, causal, heads, kv_heads):
-    # seq 60 is not a power of two; 60/4 = 15 tokens per rank
-    assert_matches_reference("ring", Case(2, 60, heads, kv_heads, 16, "float32", causal, world_size))
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("heads,kv_heads", [(12, 12), (12, 6), (12, 3), (8, 2), (5, 5)])
-def test_ulysses_matches_float64_or_says_why_not(world_size, causal, heads, kv_heads):
-    case = Case(2, 60, heads, kv_heads, 16, "float32", causal, world_size)
-    ok, why = methods.get_method("ulysses").supports(case)
-    if heads % world_size:
-        assert not ok and "heads divisible by world_size" in why
+@pytest.mark.parametrize("name,options", OWN, ids=IDS)
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("heads,kv_heads", HEADS, ids=["mha", "gqa", "odd"])
+def test_method_matches_float64_or_says_why_not(name, options, world_size, causal, heads, kv_heads):
+    case = Case(2, seq_len_for(name, world_size), heads, kv_heads, 8, "float32", causal, world_size)
+    m = methods.get_method(name, **options)
+    ok, why = m.supports(case)
+    if not ok:
+        # the only reasons a point may be refused: heads the Ulysses split cannot take, or a
+        # degree/node size that does not divide the world size
+        assert any(s in why for s in ("heads divisible", "kv_heads", "does not divide")), why
         return
-    if kv_heads % world_size and world_size % kv_heads:
-        assert not ok and "kv_heads" in why
-        return
-    assert_matches_reference("ulysses", case)
+    check(name, options, case)
 
 
-@pytest.mark.parametrize("causal", [True, False])
-def test_reference_matches_float64_and_is_single_device(causal):
-    assert_matches_reference("reference", Case(3, 37, 5, 5, 16, "float32", causal, 1))
-    ok, why = methods.get_method("reference").supports(Case(1, 8, 2, 2, 8, "float32", causal, 2))
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 6, 8])
+def test_every_usp_factorisation(world_size):
+    for u in [d for d in range(1, world_size + 1) if world_size % d == 0]:
+        check("usp", {"ulysses_degree": u}, Case(2, 2 * world_size * 3, 24, 24, 8, "float32", True, world_size))
+
+
+@pytest.mark.parametrize("world_size,per_node", [(4, 2), (6, 2), (6, 3), (8, 4)])
+def test_burst_two_level_ring(world_size, per_node):
+    for causal in (True, False):
+        check("burst", {"ranks_per_node": per_node},
+              Case(2, 2 * world_size * 3, 4, 2, 8, "float32", causal, world_size))
+
+
+@pytest.mark.parametrize("name,options", OWN, ids=IDS)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_within_the_pass_rule(name, options, dtype):
+    check(name, options, Case(2, seq_len_for(name, 4) * 4, 8, 2, 32, dtype, True, 4))
+
+
+def test_reference_is_single_device():
+    check("reference", {}, Case(3, 37, 5, 5, 16, "float32", True, 1))
+    ok, why = methods.get_method("reference").supports(Case(1, 8, 2, 2, 8, "float32", True, 2))
     assert not ok and "world_size 1" in why
 
 
-@pytest.mark.parametrize("name,world_size,dtype", [("ring", 4, "bfloat16"), ("ring", 3, "float16"),
-                                                   ("ulysses", 2, "bfloat16"), ("ulysses", 4, "float16")])
-def test_low_precision_within_the_pass_rule(name, world_size, dtype):
-    assert_matches_reference(name, Case(2, 96, 8, 2, 32, dtype, True, world_size))
-
-
 def test_float64_inputs_stay_float64_exact():
-    assert_matches_reference("ring", Case(1, 24, 4, 2, 8, "float64", True, 3))
+    check("ring", {}, Case(1, 24, 4, 2, 8, "float64", True, 3))
+    check("burst", {}, Case(1, 24, 4, 2, 8, "float64", True, 3))
 
 
 @pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
 def test_every_cpu_kernel_gives_the_same_answer(kernel):
-    assert_matches_reference("ring", Case(2, 40, 4, 2, 16, "float32", True, 4), kernel=kernel)
+    for name in ("ring", "stripe_ring", "burst", "tasp"):
+        check(name, {"kernel": kernel}, Case(2, seq_len_for(name, 4), 4, 2, 16, "float32", True, 4))
+
+
+def test_edge_cases_agree_with_usp():
+    """USP with ulysses_degree = P is Ulysses and with 1 it is zigzag_ring: same outputs."""
+    case = Case(2, 48, 8, 8, 8, "float32", True, 4)
+    prob = problem_for(case)
+
+    def outputs(name, **opts):
+        m = methods.get_method(name, **opts)
+        per_rank = run_threads(4, lambda c: run_method_rank(m, case, prob, c))
+        return {t: m.layout(case).unshard([r[t] for r in per_rank], dim=2 if t == "lse" else 1) for t in TENSORS}
+    pairs = [(outputs("usp", ulysses_degree=4), outputs("ulysses")),
+             (outputs("usp", ulysses_degree=1), outputs("zigzag_ring"))]
+    for a, b in pairs:
+        for t in TENSORS:
+            torch.testing.assert_close(a[t], b[t], rtol=0, atol=2e-6)
 
 
 def test_the_check_catches_a_wrong_method():
@@ -81,9 +120,27 @@ def test_the_check_catches_a_wrong_method():
     assert errs["out"][0] > 100 * errs["out"][1]
 
 
-# -- communication volume: counted bytes equal each method's documented formula ----------------------
-def counted_fwd_bwd(name, case):
+@pytest.mark.parametrize("name,world_size", [("ring", 3), ("ulysses", 2), ("burst", 4), ("tasp", 3)])
+def test_direct_forward_backward_equals_autograd(name, world_size):
+    """attention_fwd_bwd (no autograd engine; virtual ranks on one GPU) computes what autograd does."""
+    case = Case(2, seq_len_for(name, world_size), 4, 2, 8, "float32", True, world_size)
     m = methods.get_method(name)
+    prob = problem_for(case)
+    lay = m.layout(case)
+
+    def both(comm):
+        r = comm.rank
+        q, k, v, do = (lay.shard(x, r) for x in (prob.q, prob.k, prob.v, prob.dout))
+        return m.attention_fwd_bwd(q, k, v, do, causal=True, comm=comm), run_method_rank(m, case, prob, comm)
+    for direct, via in run_threads(world_size, both):
+        for got, t in zip(direct, TENSORS):
+            assert torch.equal(got, via[t]), t
+
+
+# -- communication volume: counted bytes equal each method's documented formula ----------------------
+def counted(name, case, **options):
+    """Per rank: (forward (sent, recv), backward (sent, recv), forward p2p records)."""
+    m = methods.get_method(name, **options)
     prob = problem_for(case)
     lay = m.layout(case)
 
@@ -93,32 +150,140 @@ def counted_fwd_bwd(name, case):
         q, k, v = (lay.shard(x, comm.rank).requires_grad_() for x in (prob.q, prob.k, prob.v))
         out = m.attention(q, k, v, causal=case.causal, comm=c)
         fwd = (led.bytes_sent, led.bytes_recv)
+        fwd_records = list(led.records)
         torch.autograd.grad(out, (q, k, v), lay.shard(prob.dout, comm.rank))
-        return fwd, (led.bytes_sent - fwd[0], led.bytes_recv - fwd[1])
+        return fwd, (led.bytes_sent - fwd[0], led.bytes_recv - fwd[1]), fwd_records
     return run_threads(case.world_size, fn)
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def assert_bytes(name, case, fwd, bwd, **options):
+    for got_fwd, got_bwd, _ in counted(name, case, **options):
+        assert got_fwd == (fwd, fwd), (name, options, "forward", got_fwd, fwd)
+        assert got_bwd == (bwd, bwd), (name, options, "backward", got_bwd, bwd)
+
+
+B, HEADS_Q, HKV, D = 2, 8, 2, 8
+
+
+@pytest.mark.parametrize("name", ["ring", "zigzag_ring", "stripe_ring", "tasp"])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_ring_bytes_equal_the_docstring_formula(world_size, dtype):
-    case = Case(2, 24, 4, 2, 8, dtype, True, world_size)
-    b, l, hkv, d, p = 2, 24 // world_size, 2, 8, world_size
-    e = torch.finfo(getattr(torch, dtype)).bits // 8
-    a = 4  # fp32 dK/dV accumulators travel
-    fwd = (p - 1) * 2 * b * l * hkv * d * e
-    bwd = (p - 1) * 2 * b * l * hkv * d * e + (p * 2 * b * l * hkv * d * a if p > 1 else 0)
-    for got_fwd, got_bwd in counted_fwd_bwd("ring", case):
-        assert got_fwd == (fwd, fwd) and got_bwd == (bwd, bwd)
+def test_kv_ring_family_bytes(name, world_size, dtype):
+    p, e, a = world_size, torch.finfo(getattr(torch, dtype)).bits // 8, 4
+    case = Case(B, seq_len_for(name, p), HEADS_Q, HKV, D, dtype, True, p)
+    l = case.seq_len // p
+    kv = 2 * B * l * HKV * D
+    assert_bytes(name, case, (p - 1) * kv * e, (p - 1) * kv * e + (p * kv * a if p > 1 else 0))
 
 
 @pytest.mark.parametrize("world_size,kv_heads", [(2, 4), (4, 4), (4, 2), (4, 1)])
-def test_ulysses_bytes_equal_the_docstring_formula(world_size, kv_heads):
-    case = Case(2, 24, 8, kv_heads, 8, "float32", False, world_size)
-    b, l, h, d, p, e = 2, 24 // world_size, 8, 8, world_size, 4
-    hkv_sent = max(kv_heads, p)
-    each = (p - 1) * b * l * d * e * (2 * h + 2 * hkv_sent) // p
-    for got_fwd, got_bwd in counted_fwd_bwd("ulysses", case):
-        assert got_fwd == (each, each) and got_bwd == (each, each)
+def test_ulysses_bytes(world_size, kv_heads):
+    p, e = world_size, 4
+    case = Case(B, 24, HEADS_Q, kv_heads, D, "float32", False, p)
+    each = (p - 1) * B * (24 // p) * D * e * (2 * HEADS_Q + 2 * max(kv_heads, p)) // p
+    assert_bytes("ulysses", case, each, each)
+
+
+@pytest.mark.parametrize("world_size,u,kv_heads", [(4, 2, 2), (4, 2, 1), (6, 3, 3), (6, 2, 6), (8, 4, 2)])
+def test_usp_bytes(world_size, u, kv_heads):
+    p, e, a = world_size, 4, 4
+    r = p // u
+    case = Case(B, 2 * p * 3, 12 if p == 6 else HEADS_Q, kv_heads, D, "float32", True, p)
+    h, l = case.heads, case.seq_len // p
+    hkv = max(kv_heads, u)
+    a2a = (u - 1) * B * l * D * e * (2 * h + 2 * hkv) // u
+    ring_kv = 2 * B * (u * l) * (hkv // u) * D
+    assert_bytes("usp", case, a2a + (r - 1) * ring_kv * e,
+                 a2a + (r - 1) * ring_kv * e + (r * ring_kv * a if r > 1 else 0), ulysses_degree=u)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_allgather_kv_bytes(world_size):
+    p, e, a = world_size, 4, 4
+    case = Case(B, 2 * p * 3, HEADS_Q, HKV, D, "float32", True, p)
+    kv = 2 * B * (case.seq_len // p) * HKV * D
+    assert_bytes("allgather_kv", case, (p - 1) * kv * e, (p - 1) * kv * e + (p - 1) * kv * a)
+
+
+@pytest.mark.parametrize("world_size,per_node", [(1, 0), (2, 0), (3, 0), (4, 0), (4, 2), (6, 3)])
+def test_burst_bytes_query_ring_backward(world_size, per_node):
+    """Forward: the K/V ring. Backward: Q, dO (H heads, input dtype) and D, lse (fp32 per row)
+    make P-1 hops, the fp32 dQ accumulator P hops; K, V, dK, dV never move."""
+    p, e, a = world_size, 4, 4
+    case = Case(B, 2 * p * 3, HEADS_Q, HKV, D, "float32", True, p)
+    l = case.seq_len // p
+    fwd = (p - 1) * 2 * B * l * HKV * D * e
+    bwd = (p - 1) * (2 * B * l * HEADS_Q * D * e + 2 * B * HEADS_Q * l * 4) + (p * B * l * HEADS_Q * D * a if p > 1 else 0)
+    assert_bytes("burst", case, fwd, bwd, ranks_per_node=per_node)
+
+
+def test_burst_two_level_ring_crosses_nodes_once_per_cycle():
+    """8 ranks as 2 nodes x 4: of the 7 forward hops a rank receives, only 1 crosses nodes."""
+    case = Case(B, 48, 4, 2, D, "float32", False, 8)
+    for rank, (_, _, records) in enumerate(counted("burst", case, ranks_per_node=4)):
+        peers = [peer for rec in records for peer in rec.per_peer if rec.per_peer[peer][1] > 0]
+        assert len(peers) == 7
+        assert sum(peer // 4 != rank // 4 for peer in peers) == 1
+
+
+@pytest.mark.parametrize("world_size", [3, 5, 8])
+def test_tasp_spreads_each_round_over_every_link(world_size):
+    """With a full decomposition each forward round sends one equal unit to every other rank."""
+    from methods.tasp import num_cycles
+    p = world_size
+    k = num_cycles(p)
+    assert k == p - 1
+    case = Case(B, seq_len_for("tasp", p), HEADS_Q, HKV, D, "float32", False, p)
+    unit = 2 * B * (case.seq_len // p // k) * HKV * D * 4  # K and V of one unit
+    for rank, (_, _, records) in enumerate(counted("tasp", case)):
+        assert len(records) == p - 1  # one batched exchange per round
+        for rec in records:
+            assert set(rec.per_peer) == set(range(p)) - {rank}
+            assert all(sent == recv == unit for sent, recv in rec.per_peer.values())
+
+
+# -- causal balance ------------------------------------------------------------------------------------
+def visible_pairs(q_len: int, k_len: int, offset) -> int:
+    if is_full(q_len, k_len, offset):
+        return q_len * k_len
+    return sum(max(0, min(k_len, i + offset + 1)) for i in range(q_len))
+
+
+def _rows(sl: slice, n: int) -> int:
+    return len(range(*sl.indices(n)))
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+def test_zigzag_and_burst_do_equal_causal_work_per_step(world_size):
+    from methods.burst import query_ring_plan
+    from methods.zigzag_ring import zigzag_plan
+    l = 2 * 5
+    for make in (zigzag_plan, query_ring_plan):
+        for step in range(world_size):
+            work = set()
+            for rank in range(world_size):
+                blocks = make(True, rank, l)((rank - step) % world_size)
+                work.add(sum(visible_pairs(_rows(b.q_rows, l), _rows(b.k_rows, l), b.causal_offset) for b in blocks))
+            assert len(work) == 1, (make.__name__, step, work)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6, 8])
+def test_zigzag_tasp_does_equal_causal_work_per_step(world_size):
+    from methods.tasp import cycle_tables, step_calls
+    _, pred = cycle_tables(world_size)
+    k, c = len(pred), 3
+    for step in range(1, world_size):
+        work = {sum(_rows(rows, 2 * k * c) * sum(_rows(sl, 2 * c) for _, sl in parts)
+                    for rows, parts in step_calls(True, rank, pred, step, k, c)) for rank in range(world_size)}
+        assert work == {2 * k * k * c * c}, (step, work)  # k units of 2kc^2 pairs each
+
+
+def test_stripe_work_differs_by_at_most_one_diagonal():
+    from methods.stripe_ring import stripe_plan
+    p, l = 4, 9
+    for step in range(p):
+        work = [sum(visible_pairs(l, l, b.causal_offset) for b in stripe_plan(True, r)((r - step) % p)) for r in range(p)]
+        assert max(work) - min(work) <= l
 
 
 # -- bad input: a clear error naming the constraint, never a wrong answer or a hang --------------------
@@ -136,10 +301,14 @@ def test_bad_inputs_raise_clear_errors():
         call(x, x[:, :, :3], x[:, :, :3])
     with pytest.raises(ValueError, match=r"\[batch, seq, heads, head_dim\]"):
         call(x[0], x[0], x[0])
-    with pytest.raises(ValueError, match="divisible"):
-        ring.layout(Case(1, 10, 4, 4, 8, "float32", True, 4))
-    ok, why = ring.supports(Case(1, 10, 4, 4, 8, "float32", True, 4))
-    assert not ok and "divisible by 4" in why
+    for name, case, need in [("ring", Case(1, 10, 4, 4, 8, "float32", True, 4), "divisible by 4"),
+                             ("zigzag_ring", Case(1, 12, 4, 4, 8, "float32", True, 4), "divisible by 8"),
+                             ("tasp", Case(1, 24, 4, 4, 8, "float32", True, 4), "divisible by 2 x world_size x cycles"),
+                             ("usp", Case(1, 16, 4, 4, 8, "float32", True, 4), "ulysses_degree 3 does not divide"),
+                             ("ulysses", Case(1, 16, 6, 6, 8, "float32", True, 4), "heads divisible")]:
+        m = methods.get_method(name, **({"ulysses_degree": 3} if name == "usp" else {}))
+        ok, why = m.supports(case)
+        assert not ok and need in why, (name, why)
     ok, why = ring.supports(Case(1, 8, 4, 4, 8, "float32", True, 2, device="cuda"))
     assert torch.cuda.is_available() or (not ok and "CUDA" in why)
 
@@ -153,23 +322,5 @@ def test_registry_errors_list_the_valid_choices():
         @methods.register
         class Dup(methods.Method):
             name = "ring"
-    assert {"reference", "ring", "ulysses"} <= set(methods.available())
-
-
-@pytest.mark.parametrize("name,world_size", [("ring", 3), ("ulysses", 2)])
-def test_direct_forward_backward_equals_autograd(name, world_size):
-    """attention_fwd_bwd (no autograd engine; virtual ranks on one GPU) computes what autograd does."""
-    case = Case(2, 48, 4, 2, 8, "float32", True, world_size)
-    m = methods.get_method(name)
-    prob = problem_for(case)
-    lay = m.layout(case)
-
-    def both(comm):
-        r = comm.rank
-        q, k, v, do = (lay.shard(x, r) for x in (prob.q, prob.k, prob.v, prob.dout))
-        direct = m.attention_fwd_bwd(q, k, v, do, causal=True, comm=comm)
-        via_autograd = run_method_rank(m, case, prob, comm)
-        return direct, via_autograd
-    for direct, via in run_threads(world_size, both):
-        for got, t in zip(direct, TENSORS):
-            assert torch.equal(got, via[t]), t
+    assert {"reference", "ring", "zigzag_ring", "stripe_ring", "ulysses", "usp", "allgather_kv", "burst",
+            "tasp"} <= set(methods.available())

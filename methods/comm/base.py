@@ -77,6 +77,11 @@ class Comm(Protocol):
         """Gather along dim 0: chunk i of `output` (of world_size equal chunks) is rank i's `input`."""
         ...
 
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Sum over ranks, then scatter along dim 0: `output` is chunk `rank` (of world_size equal
+        chunks) of the elementwise sum of every rank's `input`."""
+        ...
+
     def all_reduce(self, tensor: torch.Tensor) -> None:
         """Sum `tensor` over ranks, in place (same result bit for bit on every rank)."""
         ...

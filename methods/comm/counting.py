@@ -9,6 +9,8 @@ asks for, the quantity the papers' communication formulas describe.
 - exchange: each send counts its tensor's bytes to that peer, each receive its buffer's bytes.
 - all_to_all (equal splits, P ranks): sent = input bytes * (P-1)/P, received = output bytes * (P-1)/P.
 - all_gather: sent = input bytes * (P-1) (each peer needs our chunk), received = output bytes * (P-1)/P.
+- reduce_scatter: sent = input bytes * (P-1)/P (every other rank's chunk of our input),
+  received = output bytes * (P-1) (every other rank's contribution to our chunk).
 - all_reduce: counted as a reduce-scatter + all-gather: sent = received = 2 * bytes * (P-1)/P.
 """
 from __future__ import annotations
@@ -24,12 +26,17 @@ from methods.comm.base import P2P, Comm, Work
 
 @dataclass
 class CommRecord:
-    """One recorded operation: its kind, the bytes it moved for this rank, and its peers."""
+    """One recorded operation: its kind, the bytes it moved for this rank, and its peers.
+
+    For point-to-point exchanges `per_peer` maps each peer to (bytes sent to it, bytes received
+    from it): the per-link view (e.g. TASP spreads one round over many links, ring uses one).
+    """
 
     kind: str
     bytes_sent: int
     bytes_recv: int
     peers: tuple[int, ...] = ()
+    per_peer: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -83,10 +90,15 @@ class CountingComm:
         return self._group_ranks[peer]
 
     def exchange(self, ops: Sequence[P2P]) -> Work:
-        sent = sum(_nbytes(o.tensor) for o in ops if o.op == "send")
-        recv = sum(_nbytes(o.tensor) for o in ops if o.op == "recv")
-        peers = tuple(sorted({self._outer(o.peer) for o in ops}))
-        self.ledger.records.append(CommRecord("p2p", sent, recv, peers))
+        per_peer: dict[int, tuple[int, int]] = {}
+        for o in ops:
+            peer = self._outer(o.peer)
+            s, r = per_peer.get(peer, (0, 0))
+            n = _nbytes(o.tensor)
+            per_peer[peer] = (s + n, r) if o.op == "send" else (s, r + n)
+        sent = sum(s for s, _ in per_peer.values())
+        recv = sum(r for _, r in per_peer.values())
+        self.ledger.records.append(CommRecord("p2p", sent, recv, tuple(sorted(per_peer)), per_peer))
         return self.inner.exchange(ops)
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
@@ -100,6 +112,12 @@ class CountingComm:
         self.ledger.records.append(CommRecord(
             "all_gather", _nbytes(input) * (p - 1), _nbytes(output) * (p - 1) // p, self._group_ranks))
         self.inner.all_gather(output, input)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        p = self.world_size
+        self.ledger.records.append(CommRecord(
+            "reduce_scatter", _nbytes(input) * (p - 1) // p, _nbytes(output) * (p - 1), self._group_ranks))
+        self.inner.reduce_scatter(output, input)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         p = self.world_size

@@ -15,6 +15,7 @@ from methods.comm.base import P2P, DoneWork, check_contiguous, validate_partitio
 
 # torch 2.13 deprecates all_gather_into_tensor in favour of all_gather_single (FutureWarning).
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 class _DistWork:
@@ -72,6 +73,10 @@ class DistComm:
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         check_contiguous(output, input)
         _all_gather_single(output, input, group=self.group)
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        check_contiguous(output, input)
+        _reduce_scatter_single(output, input, group=self.group)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         check_contiguous(tensor)

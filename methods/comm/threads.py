@@ -138,6 +138,7 @@ class ThreadComm:
 
     def exchange(self, ops: Sequence[P2P]) -> _ThreadWork | DoneWork:
         recvs = []
+        check_contiguous(*(op.tensor for op in ops))  # the same rule as DistComm, so tests here catch it
         for op in ops:
             if not 0 <= op.peer < self.world_size or op.peer == self._rank:
                 raise CommError(f"rank {self._rank}: invalid peer {op.peer} in a world of {self.world_size}")
@@ -163,6 +164,16 @@ class ThreadComm:
         for src, out_chunk in enumerate(output.chunk(self.world_size, dim=0)):
             out_chunk.copy_(inputs[src])
         self._world.finish_collective()
+
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        check_contiguous(output, input)
+        inputs = self._world.collective(self._rank, input)
+        p = self.world_size
+        total = inputs[0].chunk(p, dim=0)[self._rank].clone()
+        for t in inputs[1:]:  # fixed rank order, as all_reduce
+            total += t.chunk(p, dim=0)[self._rank]
+        self._world.finish_collective()
+        output.copy_(total)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         check_contiguous(tensor)

@@ -1,0 +1,118 @@
+"""BurstAttention (Sun et al., 2024; arXiv 2403.09347): a K/V ring forward, a query-ring backward.
+
+Forward (GAO): the K/V ring with online softmax and double-buffered transfers, as in
+methods/kv_ring.py, over the zigzag layout for causal balance (the paper's code does the same).
+
+Backward (the paper's Algorithm 2): K, V, dK and dV stay where they are; the *queries* travel.
+Each rank first computes D = rowsum(dO * O) for its own rows, then circulates the packet
+(Q, dO, D, lse) of each query block around the ring. At every step a rank recomputes the scores
+of the visiting queries against its own K/V with the global lse, adds to its own dK/dV, and adds
+to the visiting block's partial dQ, which travels one step behind its packet (so that transfer
+overlaps the next step's compute) and takes one extra hop home at the end. Shipping D instead of
+O needs a kernel backward that accepts D: see kernels.out_with_delta.
+
+Zigzag masks in the backward, for visiting queries of `src` and this rank's keys (r):
+src == r: local causal block; src < r: src's back-chunk queries see all our keys (its front chunk
+sees none); src > r: all visiting queries see our front chunk (none of our back chunk).
+
+Topology: with `ranks_per_node` set and ranks spanning nodes, both rings run as the two-level
+ring of the paper's code (methods/kv_ring.TwoLevelRoute): intra-node ring steps, with the
+inter-node hop sent at the start of each cycle and hidden behind it.
+
+Communication per rank (L = S/P local tokens, e input bytes, a = 4 accumulator bytes, 8 for
+float64; the dQ accumulator travels in fp32, trap 9 of our notes: Burst's code ships it in the
+input dtype):
+    forward:  sent = received = (P-1) * 2*B*L*Hkv*D*e                        (K, V)
+    backward: sent = received = (P-1) * (2*B*L*H*D*e + 2*B*H*L*4)           (Q, dO; D, lse)
+                                + P * B*L*H*D*a                              (dQ, P hops)
+With GQA the query packet carries H heads where a K/V ring carries Hkv: for H/Hkv > 4/3 this
+backward moves more bytes than the K/V + dK/dV ring (a property of the algorithm, not a bug).
+Memory beyond inputs and outputs: two packets in flight, two dQ accumulators, fp32 dK/dV.
+"""
+from __future__ import annotations
+
+import torch
+
+from methods import kernels
+from methods.base import Case, Method
+from methods.kv_ring import ALL, Block, Plan, full_plan, kv_ring_forward, make_route
+from methods.registry import register
+from methods.zigzag_ring import zigzag_plan
+
+
+def query_ring_plan(causal: bool, rank: int, local_len: int) -> Plan:
+    """Blocks (visiting query rows, local key rows) of the zigzag layout, queries visiting."""
+    if not causal:
+        return full_plan
+    half = local_len // 2
+    front, back = slice(0, half), slice(half, local_len)
+
+    def plan(src: int) -> list[Block]:
+        if src == rank:
+            return [Block(ALL, ALL, 0)]
+        if src < rank:
+            return [Block(back, ALL, None)]
+        return [Block(ALL, front, None)]
+    return plan
+
+
+@register
+class Burst(Method):
+    name = "burst"
+    description = "BurstAttention: K/V ring forward, query ring backward (K, V, dK, dV stay), zigzag layout"
+    layout_kind = "zigzag"
+
+    def __init__(self, kernel: str = "auto", ranks_per_node: int = 0):
+        super().__init__(kernel)
+        if ranks_per_node < 0:
+            raise ValueError(f"burst: ranks_per_node must be >= 0 (0 = one ring), got {ranks_per_node}")
+        self.ranks_per_node = ranks_per_node
+
+    def options(self):
+        return {**super().options(), "ranks_per_node": self.ranks_per_node}
+
+    def supports(self, case: Case) -> tuple[bool, str]:
+        if self.ranks_per_node and case.world_size % self.ranks_per_node != 0 and \
+                self.ranks_per_node < case.world_size:
+            return False, f"burst: ranks_per_node {self.ranks_per_node} does not divide world_size {case.world_size}"
+        return super().supports(case)
+
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
+        route = make_route(comm, self.ranks_per_node)
+        out, lse = kv_ring_forward(q, k, v, comm=comm, plan=zigzag_plan(causal, comm.rank, q.shape[1]),
+                                   scale=scale, kernel=self.kernel, route=route)
+        return out, lse, (q, k, v, out, lse)
+
+    def backward(self, dout, residuals, *, comm, causal, scale):
+        q, k, v, out, lse = residuals
+        p = comm.world_size
+        route = make_route(comm, self.ranks_per_node)
+        plan = query_ring_plan(causal, comm.rank, q.shape[1])
+        acc = kernels.acc_dtype(q.dtype)
+        delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()   # D: [B, H, L]
+        packet = [q, dout, delta, lse]                     # the visiting query block (own, at step 0)
+        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        finish_dq = None
+        for step in range(p):
+            if step + 1 < p:
+                finish_packet = route.start_move(step, packet)
+            q_vis, dout_vis, delta_vis, lse_vis = packet
+            pending = []  # partial dQ of the visiting block, added once its accumulator has arrived
+            for blk in plan(route.src(step)):
+                bdq, bdk, bdv = kernels.block_backward(
+                    dout_vis[:, blk.q_rows], q_vis[:, blk.q_rows], k[:, blk.k_rows], v[:, blk.k_rows], None,
+                    lse_vis[:, :, blk.q_rows], delta=delta_vis[:, :, blk.q_rows], scale=scale,
+                    causal_offset=blk.causal_offset, kernel=self.kernel)
+                dk[:, blk.k_rows] += bdk
+                dv[:, blk.k_rows] += bdv
+                pending.append((blk.q_rows, bdq))
+            dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device) if step == 0 else finish_dq()[0]
+            for rows, bdq in pending:
+                dq_acc[:, rows] += bdq
+            if p > 1:
+                finish_dq = route.start_follow(step, [dq_acc])
+            if step + 1 < p:
+                packet = finish_packet()
+        dq = finish_dq()[0] if p > 1 else dq_acc  # the last hop brings our own block's dQ home
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -1,0 +1,239 @@
+"""The K/V ring shared by Ring Attention, zigzag ring, striped ring and USP's inner ring.
+
+These methods differ only in *which* (query rows, key rows) of the K/V block a rank holds at a
+step it must compute, and with which causal mask. Each method gives a `plan(src)`: for the K/V
+block that came from ring rank `src`, the list of `Block`s to compute (empty to skip the step).
+The loop, the double buffering, the merge and the dK/dV accumulator ring live here, once.
+
+Forward, P steps: at step s rank r holds the K/V block of src = (r - s) mod P. It starts passing
+that block to r+1 (receiving the next from r-1) *before* computing with it, so the transfer
+overlaps the block's attention; block results are folded into fp32 accumulators (online softmax).
+(A `Route` generalises "r+1": the two-level ring for ranks spanning nodes is one.)
+
+Backward, P steps over the same ring: each block's dK/dV accumulator travels *with* it. At step
+s rank r computes its contribution to the block it holds, then adds it to the accumulator of that
+block, which arrives from r-1 (sent one step earlier, so that transfer overlapped this step's
+compute), and sends the sum on. After the last step one more hop brings each accumulator home.
+Block backwards use the global out and lse saved by the forward, so block gradients are exact.
+dQ and the dK/dV accumulators are fp32 (float64 for float64 inputs) and travel in that dtype.
+
+Communication per rank and call (L local tokens, e bytes per input element, a bytes per
+accumulator element: 4, or 8 for float64; P ring size):
+    forward:  (P-1) * 2*B*L*Hkv*D*e            (K and V, P-1 hops)
+    backward: (P-1) * 2*B*L*Hkv*D*e + P * 2*B*L*Hkv*D*a   (K, V again; dK, dV accumulators, P hops)
+sent and received alike. Memory beyond inputs and outputs: two K/V blocks in flight, the fp32
+out/lse accumulators; backward: the fp32 dQ and two dK/dV accumulators.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+import torch
+
+from methods import kernels
+from methods.comm.base import P2P, Comm
+
+ALL = slice(None)
+
+
+# ---------------------------------------------------------------------------------------------
+# Routes: where the circulating block is at each step
+# ---------------------------------------------------------------------------------------------
+class Route:
+    """How a circulating block (K/V, or BurstAttention's query packet) visits every rank.
+
+    P steps; at step t this rank holds the block owned by `src(t)`. `start_move(t, tensors)`
+    begins passing the block held at step t on and returns `finish()`, which returns the block
+    for step t+1. `start_follow(t, tensors)` sends accumulators (e.g. dK/dV) of the block held at
+    step t to the rank that holds it at step t+1, and returns `finish()` giving the accumulators
+    of the block held at t+1; after the last step it delivers each accumulator to the block's
+    owner (one extra hop). Every rank calls the same sequence of steps.
+    """
+
+    def __init__(self, comm: Comm):
+        self.comm = comm
+        self.p, self.rank = comm.world_size, comm.rank
+
+    def src(self, step: int) -> int:
+        raise NotImplementedError
+
+    def next_holder(self, step: int) -> int:
+        """Who holds, at step+1, the block this rank holds at `step` (the owner after the last)."""
+        raise NotImplementedError
+
+    def prev_holder(self, step: int) -> int:
+        """Who held, at step-1, the block this rank holds at `step`."""
+        raise NotImplementedError
+
+    def start_move(self, step: int, tensors: Sequence[torch.Tensor]):
+        return self._swap(tensors, self.next_holder(step), self.prev_holder(step + 1))
+
+    def start_follow(self, step: int, tensors: Sequence[torch.Tensor]):
+        return self._swap(tensors, self.next_holder(step), self.prev_holder(step + 1))
+
+    def _swap(self, tensors, to: int, frm: int):
+        """Send `tensors` to `to`, receive same-shaped ones from `frm`; return finish()."""
+        recv = [torch.empty_like(t) for t in tensors]
+        work = self.comm.exchange([P2P("send", t, to) for t in tensors] + [P2P("recv", t, frm) for t in recv])
+
+        def finish() -> list[torch.Tensor]:
+            work.wait()
+            return recv
+        return finish
+
+
+class RingRoute(Route):
+    """The plain ring: the block held at step t came from rank - t; blocks move to rank + 1."""
+
+    def src(self, step: int) -> int:
+        return (self.rank - step) % self.p
+
+    def next_holder(self, step: int) -> int:
+        return (self.rank + 1) % self.p
+
+    def prev_holder(self, step: int) -> int:
+        return (self.rank - 1) % self.p
+
+
+class TwoLevelRoute(Route):
+    """The topology-aware two-level ring (BurstAttention's code, LoongTrain's double ring).
+
+    Ranks are `nodes` x `per_node` (global rank = node * per_node + local). Step t is position
+    i = t % per_node of cycle k = t // per_node; the rank holds the block of (node - k, local - t).
+    Within a cycle blocks move on the intra-node ring (local + 1). At the start of a cycle the
+    block just received is also sent to the same local rank of the next node, so that inter-node
+    transfer runs behind per_node - 1 intra-node steps and every GPU uses its own NIC; at the end
+    of the cycle it replaces the intra-node hop. Bytes equal the plain ring's (P - 1 hops in all),
+    but only nodes - 1 of them cross nodes, each hidden behind a cycle of compute.
+    Accumulators follow the block's visiting order: local + 1 within a cycle, then (node + 1,
+    local + 1) into the next cycle.
+    """
+
+    def __init__(self, comm: Comm, per_node: int):
+        super().__init__(comm)
+        if per_node < 1 or self.p % per_node != 0:
+            raise ValueError(f"two-level ring needs ranks_per_node dividing world_size: {per_node} vs {self.p}")
+        self.per_node, self.nodes = per_node, self.p // per_node
+        self.node, self.local = divmod(self.rank, per_node)
+        self._inter: Optional[Callable[[], list[torch.Tensor]]] = None
+
+    def _g(self, node: int, local: int) -> int:
+        return (node % self.nodes) * self.per_node + local % self.per_node
+
+    def src(self, step: int) -> int:
+        return self._g(self.node - step // self.per_node, self.local - step)
+
+    def next_holder(self, step: int) -> int:
+        if step % self.per_node < self.per_node - 1:
+            return self._g(self.node, self.local + 1)
+        return self._g(self.node + 1, self.local + 1)
+
+    def prev_holder(self, step: int) -> int:
+        if step % self.per_node > 0:
+            return self._g(self.node, self.local - 1)
+        return self._g(self.node - 1, self.local - 1)
+
+    def start_move(self, step: int, tensors: Sequence[torch.Tensor]):
+        i, k = step % self.per_node, step // self.per_node
+        if i == 0 and k < self.nodes - 1:
+            # the cycle's block goes on to the next node now, behind this cycle's intra steps
+            self._inter = self._swap(tensors, self._g(self.node + 1, self.local), self._g(self.node - 1, self.local))
+        if i < self.per_node - 1:
+            return self._swap(tensors, self._g(self.node, self.local + 1), self._g(self.node, self.local - 1))
+        inter, self._inter = self._inter, None
+        return inter
+
+
+def make_route(comm: Comm, ranks_per_node: int = 0) -> Route:
+    """A plain ring, or the two-level ring when ranks span several nodes of `ranks_per_node`."""
+    if 0 < ranks_per_node < comm.world_size:
+        return TwoLevelRoute(comm, ranks_per_node)
+    return RingRoute(comm)
+
+
+@dataclass(frozen=True)
+class Block:
+    """Compute local queries q[:, q_rows] against keys k[:, k_rows] of the held K/V block."""
+
+    q_rows: slice
+    k_rows: slice
+    causal_offset: Optional[int]  # None: full; c: query i sees key j iff j <= i + c (within the slices)
+
+
+Plan = Callable[[int], list[Block]]
+
+
+def full_plan(src: int) -> list[Block]:
+    """No mask: every query sees the whole block, at every step."""
+    return [Block(ALL, ALL, None)]
+
+
+def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Comm, plan: Plan,
+                    scale: float, kernel: str, route: Optional[Route] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of local q [B, L, H, D] against the K/V [B, L, Hkv, D] of every ring rank.
+
+    Returns out [B, L, H, D] in q.dtype and lse [B, H, L] (fp32; float64 for float64 inputs).
+    `route` defaults to the plain ring over `comm`.
+    """
+    route = route or RingRoute(comm)
+    p = comm.world_size
+    out = lse = None
+    cur_k, cur_v = k, v
+    for step in range(p):
+        if step + 1 < p:
+            finish = route.start_move(step, [cur_k, cur_v])
+        for blk in plan(route.src(step)):
+            block_out, block_lse = kernels.block_forward(
+                q[:, blk.q_rows], cur_k[:, blk.k_rows], cur_v[:, blk.k_rows], scale=scale,
+                causal_offset=blk.causal_offset, kernel=kernel)
+            if out is None and blk.q_rows == ALL:
+                # The first block covering every row initialises the accumulators directly.
+                out, lse = block_out.to(kernels.acc_dtype(q.dtype)), block_lse.clone()
+                continue
+            if out is None:
+                out, lse = kernels.empty_accumulators(q)
+            kernels.merge_(out[:, blk.q_rows], lse[:, :, blk.q_rows], block_out, block_lse)
+        if step + 1 < p:
+            cur_k, cur_v = finish()
+    if out is None:  # a plan that skipped everything: no query saw a key
+        out, lse = kernels.empty_accumulators(q)
+    return out.to(q.dtype), lse
+
+
+def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                     lse: torch.Tensor, *, comm: Comm, plan: Plan, scale: float, kernel: str,
+                     route: Optional[Route] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients of `kv_ring_forward` (same plan and route), given the forward's global out and lse."""
+    route = route or RingRoute(comm)
+    p = comm.world_size
+    acc = kernels.acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    cur_k, cur_v = k, v
+    finish_acc = None
+    for step in range(p):
+        if step + 1 < p:
+            finish_kv = route.start_move(step, [cur_k, cur_v])
+        pending = []  # this rank's dK/dV contributions, added once the accumulator has arrived
+        for blk in plan(route.src(step)):
+            bdq, bdk, bdv = kernels.block_backward(
+                dout[:, blk.q_rows], q[:, blk.q_rows], cur_k[:, blk.k_rows], cur_v[:, blk.k_rows],
+                out[:, blk.q_rows], lse[:, :, blk.q_rows], scale=scale, causal_offset=blk.causal_offset,
+                kernel=kernel)
+            dq[:, blk.q_rows] += bdq
+            pending.append((blk.k_rows, bdk, bdv))
+        if step == 0:
+            dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+            dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
+        else:  # the accumulator of the block we hold, sent by its previous holder last step
+            dk_acc, dv_acc = finish_acc()
+        for rows, bdk, bdv in pending:
+            dk_acc[:, rows] += bdk
+            dv_acc[:, rows] += bdv
+        if p > 1:
+            finish_acc = route.start_follow(step, [dk_acc, dv_acc])
+        if step + 1 < p:
+            cur_k, cur_v = finish_kv()
+    if p > 1:
+        dk_acc, dv_acc = finish_acc()  # the last hop brings our own block's accumulator home
+    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)

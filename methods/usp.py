@@ -1,0 +1,119 @@
+"""USP, Unified Sequence Parallelism (Fang & Zhao, 2024; arXiv 2405.07719): Ulysses x Ring.
+
+The P ranks form a 2D mesh of ulysses_degree U x ring_degree R = P. As in the USP paper and
+yunchang, Ulysses groups are on the fast axis: global rank g = ring_rank * U + ulysses_rank, so
+a Ulysses group is U consecutive ranks (on one node's fast links) and a ring group takes every
+U-th rank. Algorithm 1 of the paper: all-to-all q, k, v inside the Ulysses group (scatter heads,
+gather the group's tokens), run load-balanced ring attention over the ring group on H/U heads,
+all-to-all the output back.
+
+Layout (Algorithm 2): the sequence is cut into 2R chunks; ring rank r's pair is chunks r and
+2R-1-r (zigzag), and Ulysses rank u holds piece u of U equal pieces of that pair. After the
+Ulysses all-to-all every rank of the group holds the whole pair in order, so the ring inside is
+exactly zigzag_ring over R ranks (balanced causal work); without a mask, the plain ring.
+Edge cases: U = P is Ulysses (one ring step), U = 1 is zigzag_ring (no all-to-all).
+
+Constraints: U divides P; heads % U == 0; kv_heads % U == 0 or U % kv_heads == 0 (KV
+replication, as in Ulysses); seq_len divisible by 2R and by P. `ulysses_degree=None` picks the
+largest U <= 8 (one node's fast domain) that the heads allow.
+
+Communication per rank (L = S/P, e bytes per element, a accumulator bytes (4, 8 for float64),
+Hkv' = max(kv_heads, U) the KV heads sent, Hkv'/U of them per rank in the ring):
+    forward:  (U-1)/U * B*L*D*e * (2*H + 2*Hkv')              Ulysses all-to-alls (q, k, v, out)
+              + (R-1) * 2*B*(U*L)*(Hkv'/U)*D*e                 ring: K, V
+    backward: (U-1)/U * B*L*D*e * (2*H + 2*Hkv')              (dout, dq, dk, dv)
+              + (R-1) * 2*B*(U*L)*(Hkv'/U)*D*e + R * 2*B*(U*L)*(Hkv'/U)*D*a
+sent and received alike (lse all-to-all only when the caller asks for it, as in Ulysses).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+from methods import layouts
+from methods.base import Case, Method
+from methods.comm.base import Comm
+from methods.common import (check_ulysses_heads, heads_to_seq, lse_heads_to_seq, seq_to_heads,
+                            ulysses_gather_grads, ulysses_scatter_heads)
+from methods.kv_ring import kv_ring_backward, kv_ring_forward
+from methods.registry import register
+from methods.zigzag_ring import zigzag_plan
+
+MAX_AUTO_ULYSSES = 8
+
+
+def auto_ulysses_degree(world_size: int, heads: int, kv_heads: int) -> int:
+    """The largest Ulysses degree <= 8 that divides world_size and that the heads allow."""
+    return max(d for d in range(1, min(world_size, MAX_AUTO_ULYSSES) + 1)
+               if world_size % d == 0 and not check_ulysses_heads(heads, kv_heads, d))
+
+
+def mesh_groups(world_size: int, ulysses_degree: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(Ulysses groups, ring groups) with Ulysses on the fast axis: g = ring_rank * U + ulysses_rank."""
+    u, r = ulysses_degree, world_size // ulysses_degree
+    return ([[ring * u + x for x in range(u)] for ring in range(r)],
+            [[ring * u + x for ring in range(r)] for x in range(u)])
+
+
+@register
+class USP(Method):
+    name = "usp"
+    description = "USP: Ulysses all-to-all inside groups x zigzag ring across them (ulysses_degree option)"
+    layout_kind = "usp"
+
+    def __init__(self, kernel: str = "auto", ulysses_degree: Optional[int] = None):
+        super().__init__(kernel)
+        if ulysses_degree is not None and ulysses_degree < 1:
+            raise ValueError(f"usp: ulysses_degree must be >= 1, got {ulysses_degree}")
+        self.ulysses_degree = ulysses_degree
+
+    def options(self):
+        return {**super().options(), "ulysses_degree": self.ulysses_degree}
+
+    def _degree(self, world_size: int, heads: int, kv_heads: int) -> int:
+        if self.ulysses_degree is not None:
+            return self.ulysses_degree
+        return auto_ulysses_degree(world_size, heads, kv_heads)
+
+    def degrees(self, case: Case) -> tuple[int, int]:
+        u = self._degree(case.world_size, case.heads, case.kv_heads)
+        return u, case.world_size // u
+
+    def layout(self, case: Case) -> layouts.Layout:
+        u, _ = self.degrees(case)
+        return layouts.usp(case.seq_len, case.world_size, u)
+
+    def supports(self, case: Case) -> tuple[bool, str]:
+        u = self._degree(case.world_size, case.heads, case.kv_heads)
+        if case.world_size % u != 0:
+            return False, f"usp: ulysses_degree {u} does not divide world_size {case.world_size}"
+        reason = check_ulysses_heads(case.heads, case.kv_heads, u)
+        return (False, reason) if reason else super().supports(case)
+
+    def _comms(self, comm: Comm, u: int) -> tuple[Comm, Comm]:
+        if comm.world_size % u != 0:
+            raise ValueError(f"usp: ulysses_degree {u} does not divide world_size {comm.world_size}")
+        ulysses_groups, ring_groups = mesh_groups(comm.world_size, u)
+        return comm.split(ulysses_groups), comm.split(ring_groups)
+
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
+        u = self._degree(comm.world_size, q.shape[2], k.shape[2])
+        uly, ring = self._comms(comm, u)
+        rep = 1
+        if u > 1:
+            q, k, v, rep = ulysses_scatter_heads(uly, q, k, v)              # [B, U*L, H/U, D]: the pair
+        plan = zigzag_plan(causal, ring.rank, q.shape[1])
+        out_h, lse_h = kv_ring_forward(q, k, v, comm=ring, plan=plan, scale=scale, kernel=self.kernel)
+        if u == 1:
+            return out_h, lse_h, (q, k, v, out_h, lse_h, u, rep)
+        out = heads_to_seq(uly, out_h)                                       # [B, L, H, D]
+        lse = lse_heads_to_seq(uly, lse_h) if return_lse else None
+        return out, lse, (q, k, v, out_h, lse_h, u, rep)
+
+    def backward(self, dout, residuals, *, comm, causal, scale):
+        q_h, k_h, v_h, out_h, lse_h, u, rep = residuals
+        uly, ring = self._comms(comm, u)
+        if u > 1:
+            dout = seq_to_heads(uly, dout)
+        grads = kv_ring_backward(dout, q_h, k_h, v_h, out_h, lse_h, comm=ring,
+                                 plan=zigzag_plan(causal, ring.rank, q_h.shape[1]), scale=scale, kernel=self.kernel)
+        return ulysses_gather_grads(uly, *grads, rep) if u > 1 else grads
