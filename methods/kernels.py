@@ -249,8 +249,24 @@ def _cpu_mask(sq, sk, causal_offset, dtype, device):
     return False, mask
 
 
+def _shift(sq: int, sk: int, causal_offset: Optional[int]) -> int:
+    """Rows to drop for the shift trick, or 0: a strictly-lower block (c < 0, Sq == Sk) is the aligned
+    causal block of q[-c:] against k[:c] (rows i < -c see nothing). It avoids an Sq x Sk mask."""
+    if causal_offset is not None and causal_offset < 0 and sq == sk and -causal_offset < sq:
+        return -causal_offset
+    return 0
+
+
 def _cpu_forward(q, k, v, *, scale, causal_offset):
     sq, sk = q.shape[1], k.shape[1]
+    d = _shift(sq, sk, causal_offset)
+    if d:
+        out_s, lse_s = _cpu_forward(q[:, d:], k[:, :sk - d], v[:, :sk - d], scale=scale, causal_offset=0)
+        out = torch.zeros_like(q)
+        out[:, d:] = out_s
+        lse = torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=lse_s.dtype, device=q.device)
+        lse[..., d:] = lse_s
+        return out, lse
     is_causal, mask = _cpu_mask(sq, sk, causal_offset, q.dtype, q.device)
     out, lse = _CPU_FWD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, is_causal,
                         attn_mask=mask, scale=scale)
@@ -264,6 +280,13 @@ def _cpu_forward(q, k, v, *, scale, causal_offset):
 
 def _cpu_backward(dout, q, k, v, out, lse, *, scale, causal_offset):
     sq, sk = q.shape[1], k.shape[1]
+    d = _shift(sq, sk, causal_offset)
+    if d:
+        gq, gk, gv = _cpu_backward(dout[:, d:], q[:, d:], k[:, :sk - d], v[:, :sk - d], out[:, d:], lse[..., d:],
+                                   scale=scale, causal_offset=0)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dq[:, d:], dk[:, :sk - d], dv[:, :sk - d] = gq, gk, gv
+        return dq, dk, dv
     is_causal, mask = _cpu_mask(sq, sk, causal_offset, q.dtype, q.device)
     # A row that sees no key (lse = -inf) would give exp(-inf - -inf) = NaN inside the op;
     # lse = +inf makes its probabilities exactly 0, which is the true gradient (none).

@@ -28,7 +28,7 @@ TOKENS_PER_S = "tokens_per_s"
 BYTES_SENT = "bytes_sent_per_rank"
 BYTES_RECV = "bytes_recv_per_rank"
 COMM_OPS = "comm_ops"
-PEAK_MEM = "peak_mem_bytes"
+PEAK_MEM = "peak_mem_bytes"             # allocated by one iteration beyond what was alive before, max over ranks
 KERNEL_USED = "kernel_used"
 # time split (DESIGN.md 7), measured after the timed repeats
 KERNEL_MS = "kernel_ms"                  # time in block kernels, one iteration, mean over ranks

@@ -21,6 +21,7 @@ from methods.comm import CommLedger, CountingComm, NullComm, TimingComm
 from methods.comm.base import Comm
 from suite import metrics as M
 from suite.check import ProblemCache, build_problem, max_abs_err
+from suite.memtrack import TensorMemoryTracker
 from suite.plan import TrialSpec
 from suite.timing import group_samples, summarize, time_iterations
 
@@ -103,14 +104,22 @@ def _run(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.devic
     report["bytes_sent"], report["bytes_recv"] = ledger.bytes_sent, ledger.bytes_recv
     report["comm_ops"] = dict(sorted(ledger.counts().items()))
 
-    # 3. Warm-up, then timed repeats.
+    # 3. Warm-up, then timed repeats. Peak memory: what an iteration allocates beyond what was
+    #    alive before it (CUDA allocator statistics over the timed iterations; on CPU one untimed
+    #    iteration under a tracker that sees every tensor allocation).
     for _ in range(max(0, settings.warmup - 1)):
         step(comm)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
     report["samples_ms"] = time_iterations(lambda: step(comm), comm=comm, repeats=settings.repeats, device=device)
-    report["peak_mem"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
+    if device.type == "cuda":
+        report["peak_mem"] = torch.cuda.max_memory_allocated(device) - base
+    else:
+        with TensorMemoryTracker() as tracker:
+            step(comm)
+        report["peak_mem"] = tracker.peak_bytes
 
     # 4. Where the time goes (after timing, so it cannot disturb the timed samples).
     if settings.breakdown:

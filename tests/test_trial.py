@@ -33,6 +33,11 @@ def test_ranks_report_errors_bytes_and_samples(autograd):
         block = 2 * 16 * 2 * 8 * 4
         assert r["bytes_sent"] == r["bytes_recv"] == 2 * block + 2 * block + 2 * 2 * block
         assert r["comm_ops"] == {"p2p": 4}
+        # CPU peak memory is tracked: at least the two K/V blocks in flight of the forward
+        assert r["peak_mem"] >= 2 * block
+        # the breakdown: kernel time, blocked time, compute-only and comm-only samples
+        assert 0 < r["kernel_ms"] <= r["iter_ms"] and r["comm_wait_ms"] >= 0
+        assert len(r["compute_only_ms"]) == len(r["comm_only_ms"]) == 3
 
 
 def test_record_takes_the_worst_rank():
@@ -43,6 +48,7 @@ def test_record_takes_the_worst_rank():
     r1 = dict(base, rank=1, errors={"out": 3e-6}, samples_ms=[2.0, 1.0, 3.0], bytes_sent=12, bytes_recv=8)
     rec = make_record(s, Outcome("reported", [r0, r1]), SETTINGS, "run", "t", 1.0)
     assert rec[M.STATUS] == M.OK and rec[M.ERR["out"]] == 3e-6
+    assert rec[M.CCR] is None  # no breakdown reported
     assert rec[M.TIME_MS_SAMPLES] == [2.0, 5.0, 3.0]  # per iteration: the slowest rank
     assert (rec[M.TIME_MS_MEDIAN], rec[M.TIME_MS_MIN], rec[M.TIME_MS_MAX]) == (3.0, 2.0, 5.0)
     assert rec[M.BYTES_SENT] == 12 and rec[M.BYTES_RECV] == 10
@@ -76,3 +82,19 @@ def test_unchecked_above_the_reference_limit():
     reports = run_threads(2, lambda c: run_trial(s, settings, c, torch.device("cpu"), ProblemCache()))
     rec = make_record(s, Outcome("reported", reports), settings, "run", "t", 1.0)
     assert rec[M.STATUS] == M.OK and rec[M.CHECKED] is False and rec[M.ERR["out"]] is None
+
+
+def test_breakdown_columns():
+    s = spec()
+    base = {"ok": True, "checked": False, "kernel_used": "cpu_flash", "comm_ops": {}, "peak_mem": 10,
+            "errors": {}, "tol": {}, "bytes_sent": 0, "bytes_recv": 0, "samples_ms": [10.0, 10.0, 10.0]}
+    r0 = dict(base, rank=0, iter_ms=10.0, kernel_ms=6.0, comm_wait_ms=2.0, compute_only_ms=[7.0, 7.0, 7.0],
+              comm_only_ms=[4.0, 5.0, 4.0])
+    r1 = dict(base, rank=1, iter_ms=12.0, kernel_ms=4.0, comm_wait_ms=4.0, compute_only_ms=[8.0, 6.0, 6.0],
+              comm_only_ms=[3.0, 3.0, 6.0])
+    rec = make_record(s, Outcome("reported", [r0, r1]), SETTINGS, "run", "t", 1.0)
+    assert rec[M.KERNEL_MS] == 5.0 and rec[M.COMM_WAIT_MS] == 3.0
+    assert rec[M.OVERHEAD_RATIO] == pytest.approx((10 / 8 + 12 / 8) / 2)
+    assert rec[M.COMPUTE_ONLY_MS] == 7.0 and rec[M.COMM_ONLY_MS] == 5.0  # median of per-iteration maxima
+    assert rec[M.CCR] == pytest.approx(7 / 5)
+    assert rec[M.OVERLAP_EFF] == pytest.approx((7 + 5 - 10) / 5)

@@ -1,11 +1,11 @@
 """Communication layer: the `Comm` protocol and its executors (DESIGN.md section 5)."""
-from methods.comm.base import P2P, Comm, CommError, DoneWork, Work
+from methods.comm.base import P2P, Comm, CommAborted, CommError, DoneWork, Work
 from methods.comm.counting import CommLedger, CommRecord, CountingComm
 from methods.comm.measure import NullComm, TimingComm
 from methods.comm.threads import ThreadComm, ThreadWorld, run_threads
 
 __all__ = [
-    "P2P", "Comm", "CommError", "DoneWork", "Work",
+    "P2P", "Comm", "CommAborted", "CommError", "DoneWork", "Work",
     "CommLedger", "CommRecord", "CountingComm", "NullComm", "TimingComm",
     "ThreadComm", "ThreadWorld", "run_threads",
     "DistComm",

@@ -23,6 +23,10 @@ class CommError(RuntimeError):
     """A communication operation failed or timed out (peer crashed, hang, misuse)."""
 
 
+class CommAborted(CommError):
+    """This rank was woken because another rank of its group failed (a consequence, not a cause)."""
+
+
 @dataclass(frozen=True)
 class P2P:
     """One operation of a batched point-to-point exchange.

@@ -6,9 +6,9 @@ Python threads copying tensors, never hardware communication; rows it produces c
 `executor=threads`.
 
 Semantics match `DistComm`: point-to-point messages between a pair of ranks arrive in the order
-they were sent; collectives complete only when every rank of the group has called them. Sends
-copy their tensor at once, so a sender may reuse its buffer immediately (stricter backends do not
-allow that, so methods must still wait before reusing send buffers).
+they were sent; an exchange's `wait()` returns once its receives have arrived *and* its sends have
+been taken by their receivers (as with a real transport, a rank cannot run ahead of a slow peer
+and pile up messages); collectives complete only when every rank of the group has called them.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-from methods.comm.base import P2P, CommError, DoneWork, check_contiguous, validate_partition
+from methods.comm.base import P2P, CommAborted, CommError, DoneWork, check_contiguous, validate_partition
 
 _POLL_S = 0.05
 
@@ -54,30 +54,42 @@ class ThreadWorld:
     # -- primitives used by ThreadComm ------------------------------------------------------
     def wait_barrier(self) -> None:
         if self._aborted.is_set():
-            raise CommError("virtual-rank group aborted (another rank failed)")
+            raise CommAborted("virtual-rank group aborted (another rank failed)")
         try:
             self._barrier.wait(timeout=self.timeout_s)
         except threading.BrokenBarrierError:
             if self._aborted.is_set():
-                raise CommError("virtual-rank group aborted (another rank failed)") from None
+                raise CommAborted("virtual-rank group aborted (another rank failed)") from None
             self.abort()
             raise CommError(f"collective timed out after {self.timeout_s}s: a rank never arrived") from None
 
-    def put(self, src: int, dst: int, tensor: torch.Tensor) -> None:
-        self._mailboxes[(src, dst)].put(tensor)
+    def put(self, src: int, dst: int, tensor: torch.Tensor) -> threading.Event:
+        taken = threading.Event()
+        self._mailboxes[(src, dst)].put((tensor, taken))
+        return taken
 
-    def get(self, src: int, dst: int) -> torch.Tensor:
+    def get(self, src: int, dst: int) -> tuple[torch.Tensor, threading.Event]:
+        """The next message from src to dst, and the event to set once it has been copied."""
         deadline = time.monotonic() + self.timeout_s
         box = self._mailboxes[(src, dst)]
         while True:
             if self._aborted.is_set():
-                raise CommError("virtual-rank group aborted (another rank failed)")
+                raise CommAborted("virtual-rank group aborted (another rank failed)")
             try:
                 return box.get(timeout=_POLL_S)
             except queue.Empty:
                 if time.monotonic() > deadline:
                     self.abort()
                     raise CommError(f"recv from rank {src} on rank {dst} timed out after {self.timeout_s}s") from None
+
+    def wait_taken(self, taken: threading.Event, src: int, dst: int) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        while not taken.wait(timeout=_POLL_S):
+            if self._aborted.is_set():
+                raise CommAborted("virtual-rank group aborted (another rank failed)")
+            if time.monotonic() > deadline:
+                self.abort()
+                raise CommError(f"send from rank {src} to rank {dst} not received after {self.timeout_s}s")
 
     def collective(self, rank: int, value: Any) -> list[Any]:
         """Publish `value` for this rank and return every rank's value (after all have published).
@@ -100,21 +112,26 @@ class ThreadWorld:
 
 
 class _ThreadWork:
-    def __init__(self, world: ThreadWorld, rank: int, recvs: list[P2P]):
-        self._world, self._rank, self._recvs = world, rank, recvs
+    def __init__(self, world: ThreadWorld, rank: int, recvs: list[P2P], sends: list[tuple[int, threading.Event]]):
+        self._world, self._rank, self._recvs, self._sends = world, rank, recvs, sends
         self._done = False
 
     def wait(self) -> None:
         if self._done:
             return
         for op in self._recvs:
-            incoming = self._world.get(op.peer, self._rank)
+            incoming, taken = self._world.get(op.peer, self._rank)
             if incoming.shape != op.tensor.shape or incoming.dtype != op.tensor.dtype:
                 raise CommError(
                     f"rank {self._rank} expected {tuple(op.tensor.shape)} {op.tensor.dtype} from rank "
                     f"{op.peer}, got {tuple(incoming.shape)} {incoming.dtype} (mismatched send/recv order)"
                 )
             op.tensor.copy_(incoming)
+            del incoming
+            taken.set()
+        for peer, taken in self._sends:
+            self._world.wait_taken(taken, self._rank, peer)
+        self._recvs = self._sends = []
         self._done = True
 
 
@@ -137,16 +154,16 @@ class ThreadComm:
         return self._world.world_size
 
     def exchange(self, ops: Sequence[P2P]) -> _ThreadWork | DoneWork:
-        recvs = []
+        recvs, sends = [], []
         check_contiguous(*(op.tensor for op in ops))  # the same rule as DistComm, so tests here catch it
         for op in ops:
             if not 0 <= op.peer < self.world_size or op.peer == self._rank:
                 raise CommError(f"rank {self._rank}: invalid peer {op.peer} in a world of {self.world_size}")
             if op.op == "send":
-                self._world.put(self._rank, op.peer, op.tensor.detach().clone())
+                sends.append((op.peer, self._world.put(self._rank, op.peer, op.tensor.detach().clone())))
             else:
                 recvs.append(op)
-        return _ThreadWork(self._world, self._rank, recvs) if recvs else DoneWork()
+        return _ThreadWork(self._world, self._rank, recvs, sends) if ops else DoneWork()
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
         check_contiguous(output, input)
@@ -200,7 +217,8 @@ def run_threads(world_size: int, fn: Callable[[ThreadComm], Any], *, timeout_s: 
     """Run `fn(comm)` on `world_size` virtual ranks; return the per-rank results in rank order.
 
     If any rank raises, the group is aborted (so no rank hangs) and the first real error is
-    re-raised; secondary CommErrors caused by the abort are ignored.
+    re-raised (a rank's own failure before communication errors, and those before the CommAborted
+    of ranks that were only woken by the abort).
     """
     world = ThreadWorld(world_size, timeout_s)
     results: list[Any] = [None] * world_size
@@ -223,8 +241,7 @@ def run_threads(world_size: int, fn: Callable[[ThreadComm], Any], *, timeout_s: 
     if any(t.is_alive() for t in threads):
         world.abort()
         raise CommError(f"virtual ranks still running after {timeout_s}s (hang)")
-    primary = [e for e in errors if e is not None and not isinstance(e, CommError)]
-    secondary = [e for e in errors if e is not None]
-    if primary or secondary:
-        raise (primary or secondary)[0]
+    found = [e for e in errors if e is not None]
+    if found:
+        raise min(found, key=lambda e: 2 if isinstance(e, CommAborted) else 1 if isinstance(e, CommError) else 0)
     return results
