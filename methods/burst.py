@@ -35,25 +35,16 @@ import torch
 
 from methods import kernels
 from methods.base import Case, Method
-from methods.kv_ring import ALL, Block, Plan, full_plan, kv_ring_forward, make_route
+from methods.kv_ring import Plan, kv_ring_forward, make_route
 from methods.registry import register
 from methods.zigzag_ring import zigzag_plan
 
 
 def query_ring_plan(causal: bool, rank: int, local_len: int) -> Plan:
-    """Blocks (visiting query rows, local key rows) of the zigzag layout, queries visiting."""
-    if not causal:
-        return full_plan
-    half = local_len // 2
-    front, back = slice(0, half), slice(half, local_len)
-
-    def plan(src: int) -> list[Block]:
-        if src == rank:
-            return [Block(ALL, ALL, 0)]
-        if src < rank:
-            return [Block(back, ALL, None)]
-        return [Block(ALL, front, None)]
-    return plan
+    """Blocks (rows of the visiting queries of `src`, rows of this rank's keys): the zigzag plan
+    with the two ranks' roles exchanged (zigzag_plan(causal, q_owner)(k_owner) is exactly
+    "q_owner's queries against k_owner's keys")."""
+    return lambda src: zigzag_plan(causal, src, local_len)(rank)
 
 
 @register
