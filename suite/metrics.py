@@ -31,7 +31,7 @@ COMM_OPS = "comm_ops"
 PEAK_MEM = "peak_mem_bytes"             # allocated by one iteration beyond what was alive before, max over ranks
 KERNEL_USED = "kernel_used"
 # time split (DESIGN.md 7), measured after the timed repeats
-KERNEL_MS = "kernel_ms"                  # time in block kernels, one iteration, mean over ranks
+KERNEL_MS = "kernel_ms"                  # time in block kernels, median-total iteration, mean over ranks
 COMM_WAIT_MS = "comm_wait_ms"            # time blocked in communication calls/waits, mean over ranks
 OVERHEAD_RATIO = "overhead_ratio"        # iteration / (kernel + comm wait): the method's own bookkeeping
 COMPUTE_ONLY_MS = "compute_only_ms"      # median iteration with communication replaced by no-ops

@@ -130,22 +130,25 @@ def _run(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.devic
 def _breakdown(method, step, comm: Comm, device: torch.device, repeats: int) -> dict[str, Any]:
     """Time split of one rank (DESIGN.md 7):
 
-    - one iteration with a timed kernel and a timing comm: time in block kernels, time blocked in
-      communication, and the iteration's total (the rest is the method's own bookkeeping);
+    - `repeats` iterations with a timed kernel and a timing comm: time in block kernels, time
+      blocked in communication, and the iteration's total (the rest is the method's own
+      bookkeeping); the iteration with the median total is reported;
     - compute-only: `repeats` iterations with communication replaced by a no-op comm;
     - comm-only: `repeats` iterations with the block kernels replaced by no-ops.
     """
     kernel = method.kernel
-    timed, tcomm = kernels.TimedKernel(kernel), TimingComm(comm)
+    split = []  # (total, kernel, comm wait) seconds per iteration
     try:
-        method.kernel = timed
-        comm.barrier()
-        t0 = time.perf_counter()
-        step(tcomm)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        total_s = time.perf_counter() - t0
-        kernel_s = timed.seconds
+        for _ in range(repeats):
+            timed, tcomm = kernels.TimedKernel(kernel), TimingComm(comm)
+            method.kernel = timed
+            comm.barrier()
+            t0 = time.perf_counter()
+            step(tcomm)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            split.append((time.perf_counter() - t0, timed.seconds, tcomm.seconds))
+        total_s, kernel_s, wait_s = sorted(split)[len(split) // 2]
         method.kernel = kernel
         null = NullComm(comm.rank, comm.world_size)
         compute_only = time_iterations(lambda: step(null), comm=comm, repeats=repeats, device=device)
@@ -153,7 +156,7 @@ def _breakdown(method, step, comm: Comm, device: torch.device, repeats: int) -> 
         comm_only = time_iterations(lambda: step(comm), comm=comm, repeats=repeats, device=device)
     finally:
         method.kernel = kernel
-    return {"iter_ms": total_s * 1e3, "kernel_ms": kernel_s * 1e3, "comm_wait_ms": tcomm.seconds * 1e3,
+    return {"iter_ms": total_s * 1e3, "kernel_ms": kernel_s * 1e3, "comm_wait_ms": wait_s * 1e3,
             "compute_only_ms": compute_only, "comm_only_ms": comm_only}
 
 
