@@ -56,6 +56,7 @@ def test_multiprocess_sweep_is_checked_recorded_and_logged_to_mlflow(write_confi
         assert r[M.CHECKED] and r[M.ERR["out"]] <= r[M.TOL["out"]] and r[M.ERR["lse"]] is not None
         assert (r[M.ERR["dq"]] is not None) == (r["pass"] == "fwd_bwd")
         assert len(r[M.TIME_MS_SAMPLES]) == 3
+        assert r[M.PEAK_MEM] > 0 and r[M.KERNEL_MS] > 0 and r[M.OVERHEAD_RATIO] >= 1.0 - 1e-9
         assert r[M.TIME_MS_MIN] <= r[M.TIME_MS_MEDIAN] <= r[M.TIME_MS_MAX] and r[M.TFLOPS_PER_GPU] > 0
         assert (r[M.BYTES_SENT] > 0) == (r["world_size"] > 1)
     # ring at P=2: K and V of 24 tokens, 2 KV heads, D 8, fp32, batch 2 -> 2*2*24*2*8*4 bytes forward
@@ -93,7 +94,7 @@ def test_failures_hangs_deaths_and_wrong_answers_are_recorded_and_the_sweep_goes
       head_dim: [8]
       causal: [true]
       passes: [fwd]
-    run: {warmup: 1, repeats: 2, timeout_s: 8, fail_grace_s: 2, plugins: [tests.plugins.faulty]}
+    run: {warmup: 1, repeats: 2, timeout_s: 8, fail_grace_s: 2, breakdown: false, plugins: [tests.plugins.faulty]}
     tracking: {mlflow: false}
     """)
     res = sweep(path)
@@ -120,7 +121,7 @@ def test_killed_sweep_resumes_without_rerunning_or_losing_trials(write_config, t
       head_dim: [8]
       causal: [true, false]
       passes: [fwd, fwd_bwd]
-    run: {warmup: 1, repeats: 1, plugins: [tests.plugins.faulty]}
+    run: {warmup: 1, repeats: 1, breakdown: false, plugins: [tests.plugins.faulty]}
     tracking: {mlflow: false}
     """)
     proc = subprocess.Popen([sys.executable, "-m", "suite", "run", str(path), "--no-progress"], cwd=ROOT,
