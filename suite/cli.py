@@ -13,6 +13,8 @@ EPILOG = """examples:
   python -m suite run configs/h100_sweep.yaml --dry-run           # print the planned trials
   python -m suite list
   python -m suite ui
+  python -m suite report                                          # latest run of every sweep
+  python -m suite report results/quickstart --baseline ulysses --out reports/qs
 """
 
 
@@ -42,6 +44,19 @@ def _parser() -> argparse.ArgumentParser:
     ui.add_argument("--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or "
                                                 "sqlite:///<results-root>/mlflow.db)")
 
+    rep = sub.add_parser("report", help="tables, figures and an HTML page from stored results (nothing is rerun)",
+                         description="Regenerate paper-style tables (Markdown, LaTeX, CSV), figures (PNG, PDF) and a "
+                                     "self-contained HTML page from results folders; several sweeps may be combined.")
+    rep.add_argument("results", nargs="*", metavar="RESULTS_DIR",
+                     help="run folders (results/<sweep>/<time>) or sweep folders (their latest run); default: the "
+                          "latest run of every sweep under --results-root")
+    rep.add_argument("--out", default=None, help="output folder (default: reports/<sweep names>)")
+    rep.add_argument("--baseline", default="ring", help="method the speedup tables and figures divide by (default: ring)")
+    rep.add_argument("--results-root", default="results")
+    rep.add_argument("--mlflow-experiment", default=None, help="also read the child runs of this MLflow experiment")
+    rep.add_argument("--mlflow-uri", default=None)
+    rep.add_argument("--no-mlflow", action="store_true", help="do not attach the HTML to the sweeps' MLflow runs")
+
     relog = sub.add_parser("relog", help="log a stored sweep (results folder) to MLflow again")
     relog.add_argument("run_dir")
     relog.add_argument("--uri", default=None)
@@ -64,6 +79,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _list()
     if args.command == "ui":
         return _ui(args)
+    if args.command == "report":
+        return _report(args)
     if args.command == "relog":
         from suite.tracking import relog
         tracker = relog(args.run_dir, args.uri, args.experiment)
@@ -92,6 +109,27 @@ def _run(args) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: every finished trial is saved; continue with --resume", file=sys.stderr)
         return 130
+    return 0
+
+
+def _report(args) -> int:
+    from suite.reports import build_report
+
+    try:
+        rep = build_report(args.results, out=args.out, baseline=args.baseline, results_root=args.results_root,
+                           mlflow_experiment=args.mlflow_experiment, mlflow_uri=args.mlflow_uri,
+                           log_to_mlflow=not args.no_mlflow)
+    except FileNotFoundError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"report of {rep.rows} trial rows in {rep.seconds:.1f}s -> {rep.out_dir}")
+    print(f"  {rep.html}")
+    print(f"  {len(rep.tables)} tables (md, tex, csv) in {rep.out_dir / 'tables'}")
+    print(f"  {len(rep.figures)} figure files (png, pdf) in {rep.out_dir / 'figures'}")
+    for note in rep.notes:
+        print(f"  not drawn: {note}")
+    if rep.logged_to:
+        print(f"  attached to MLflow run(s) {', '.join(rep.logged_to)}")
     return 0
 
 

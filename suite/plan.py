@@ -71,7 +71,9 @@ class TrialSpec:
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
-        return (f"{self.method} P={self.world_size} B={self.batch} S={self.seq_len} H={self.heads}/"
+        opts = self.method_options
+        name = self.method + ("(" + ",".join(f"{k}={v}" for k, v in sorted(opts.items())) + ")" if opts else "")
+        return (f"{name} P={self.world_size} B={self.batch} S={self.seq_len} H={self.heads}/"
                 f"{self.kv_heads} D={self.head_dim} {self.dtype} {mask} {self.pass_}")
 
 

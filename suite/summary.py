@@ -1,6 +1,8 @@
 """The compact table printed at the end of a sweep (method x size: status, time, TFLOP/s, bytes)."""
 from __future__ import annotations
 
+import json
+
 from tabulate import tabulate
 
 from suite import metrics as M
@@ -18,8 +20,10 @@ def summary_table(records: list[dict]) -> str:
     rows = []
     for r in order:
         status = r[M.STATUS] if r[M.STATUS] != M.OK or r.get(M.CHECKED) else "ok (unchecked)"
+        opts = json.loads(r.get("options") or "{}")
+        name = r["method"] + ("(" + ",".join(f"{k}={v}" for k, v in sorted(opts.items())) + ")" if opts else "")
         rows.append([
-            r["method"], r["world_size"], r["seq_len"], r["batch"], f"{r['heads']}/{r['kv_heads']}", r["head_dim"],
+            name, r["world_size"], r["seq_len"], r["batch"], f"{r['heads']}/{r['kv_heads']}", r["head_dim"],
             r["dtype"], "causal" if r["causal"] else "full", r["pass"], status,
             _fmt(r.get(M.TIME_MS_MEDIAN), ".3f"), _fmt(r.get(M.TFLOPS_PER_GPU), ".4f"),
             _fmt(None if r.get(M.BYTES_SENT) is None else r[M.BYTES_SENT] / 2**20, ".2f"),

@@ -1,0 +1,129 @@
+"""Read stored results into one table (several sweeps at once), without rerunning anything.
+
+Sources: results folders (`results/<sweep>/<time>/`, or a sweep folder `results/<sweep>/`, read
+as its latest run), and optionally an MLflow experiment (its child runs, for stores that only
+live in MLflow). Every row keeps where it came from (`sweep`, `run_dir`) and its `executor`, so
+measured and simulated rows are never mistaken for each other.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import pandas as pd
+
+from suite import metrics as M
+from suite.results import CONFIG, ENVIRONMENT, TRIALS, ResultsStore
+
+
+@dataclass
+class Source:
+    """One run that a report draws on."""
+
+    sweep: str
+    run_dir: str
+    config_yaml: str = ""
+    environment: dict = field(default_factory=dict)
+    rows: int = 0
+
+
+@dataclass
+class ResultSet:
+    frame: pd.DataFrame
+    sources: list[Source]
+
+
+def resolve_runs(paths: list[str | Path], root: str | Path = "results") -> list[Path]:
+    """Results folders from user paths: a run folder, a sweep folder (its latest run), or, with no
+    paths, the latest run of every sweep under `root`."""
+    if not paths:
+        root = Path(root)
+        sweeps = sorted(p for p in root.glob("*") if p.is_dir()) if root.exists() else []
+        found = [run for s in sweeps if (run := ResultsStore.latest(root, s.name)) is not None]
+        if not found:
+            raise FileNotFoundError(f"no results under {root}/ (run a sweep first, or name RESULTS_DIR)")
+        return [r.run_dir for r in found]
+    runs = []
+    for p in map(Path, paths):
+        if (p / TRIALS).exists():
+            runs.append(p)
+        elif p.is_dir() and (latest := ResultsStore.latest(p.parent, p.name)) is not None:
+            runs.append(latest.run_dir)
+        else:
+            raise FileNotFoundError(f"{p} is neither a results run folder (with {TRIALS}) nor a sweep folder")
+    return runs
+
+
+def load_runs(run_dirs: list[Path]) -> ResultSet:
+    frames, sources = [], []
+    for run_dir in run_dirs:
+        store = ResultsStore(run_dir)
+        rows = store.records()
+        config = (run_dir / CONFIG).read_text() if (run_dir / CONFIG).exists() else ""
+        env = json.loads((run_dir / ENVIRONMENT).read_text()) if (run_dir / ENVIRONMENT).exists() else {}
+        sweep = run_dir.parent.name
+        sources.append(Source(sweep, str(run_dir), config, env, len(rows)))
+        if rows:
+            df = pd.DataFrame(rows)
+            df["sweep"], df["run_dir"] = sweep, str(run_dir)
+            frames.append(df)
+    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    return ResultSet(normalise(frame), sources)
+
+
+def load_mlflow(experiment: str, uri: Optional[str] = None) -> ResultSet:
+    """The child runs of an MLflow experiment as result rows (identity from params, numbers from
+    metrics, status and reason from tags)."""
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(uri) if uri else MlflowClient()
+    exp = client.get_experiment_by_name(experiment)
+    if exp is None:
+        raise FileNotFoundError(f"no MLflow experiment named {experiment!r} at {client.tracking_uri}")
+    rows = []
+    for run in client.search_runs([exp.experiment_id], max_results=50000):
+        tags = run.data.tags
+        if "mlflow.parentRunId" not in tags:  # the sweep's own run
+            continue
+        row = dict(run.data.params)
+        row.update(run.data.metrics)
+        row.update({k: v for k, v in tags.items() if not k.startswith("mlflow.")})
+        rows.append(row)
+    out = pd.DataFrame(rows)
+    if out.empty:
+        return ResultSet(normalise(out), [Source(experiment, f"mlflow:{experiment}")])
+    for col in ("world_size", "nodes", "ulysses_degree", "ring_degree", "batch", "seq_len", "heads", "kv_heads",
+                "head_dim"):
+        if col in out:
+            out[col] = pd.to_numeric(out[col], errors="coerce")
+    for col in ("causal", M.CHECKED):
+        if col in out:
+            out[col] = out[col].map(lambda v: str(v).lower() == "true")
+    out["sweep"], out["run_dir"] = experiment, f"mlflow:{experiment}"
+    return ResultSet(normalise(out), [Source(experiment, f"mlflow:{experiment}", rows=len(out))])
+
+
+def combine(sets: list[ResultSet]) -> ResultSet:
+    frames = [s.frame for s in sets if not s.frame.empty]
+    frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
+    return ResultSet(normalise(frame), [src for s in sets for src in s.sources])
+
+
+def normalise(df: pd.DataFrame) -> pd.DataFrame:
+    """Every documented column present (missing ones as empty), derived labels added."""
+    df = df.copy()
+    for col in M.COLUMNS + ("sweep", "run_dir"):
+        if col not in df:
+            df[col] = None
+    if df.empty:
+        return df
+    df["mask"] = df["causal"].map(lambda c: "causal" if bool(c) else "full")
+    # shape: everything of the problem but its length, mask and pass (figures draw one shape at a
+    # time: rows of different shapes are never averaged into one point)
+    df["shape"] = df.apply(lambda r: f"B={r['batch']} H={r['heads']}/{r['kv_heads']} D={r['head_dim']} {r['dtype']}",
+                           axis=1)
+    df["config"] = df.apply(lambda r: f"{r['shape']} S={r['seq_len']} {r['mask']} {r['pass']}", axis=1)
+    return df
+
