@@ -30,17 +30,34 @@ def _load():
     fwd, bwd = getattr(fai, "_flash_attn_forward", None), getattr(fai, "_flash_attn_backward", None)
     if fwd is None or bwd is None:
         return f"flash_attn {flash_attn.__version__} lacks _flash_attn_forward/_flash_attn_backward"
-    return (fwd, bwd, set(inspect.signature(fwd).parameters), set(inspect.signature(bwd).parameters),
-            flash_attn.__version__)
+    return fwd, bwd, _parameter_names(fwd), _parameter_names(bwd), flash_attn.__version__
+
+
+def _parameter_names(fn) -> set:
+    """Names of fn's parameters. Since flash-attn 2.7 these functions are torch.library.custom_op
+    objects whose own signature is (*args, **kwargs); the wrapped function (`_init_fn`) has the real
+    one (found in review: filtering kwargs by the outer signature dropped every argument)."""
+    inner = getattr(fn, "_init_fn", fn)
+    params = inspect.signature(inner).parameters
+    if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):
+        raise RuntimeError(f"cannot read the parameters of flash-attn's {getattr(fn, '__name__', fn)}")
+    return set(params)
 
 
 def status() -> tuple[bool, str]:
-    loaded = _load()
+    try:
+        loaded = _load()
+    except RuntimeError as exc:
+        return False, str(exc)
     if isinstance(loaded, str):
         return False, loaded
     if not torch.cuda.is_available():
         return False, f"flash_attn {loaded[4]} importable but no CUDA device"
-    return True, f"flash_attn {loaded[4]} (CUDA, fp16/bf16, head_dim % 8 == 0, <= 256)"
+    return True, f"flash_attn {loaded[4]} (CUDA, fp16/bf16, head_dim a multiple of 8 up to 256)"
+
+
+def head_dim_ok(head_dim: int) -> bool:
+    return head_dim % 8 == 0 and head_dim <= 256
 
 
 def version() -> Optional[str]:
@@ -80,8 +97,10 @@ def forward(q, k, v, *, scale: float, causal_offset: Optional[int]):
     kwargs.update(_window_kwargs(fnames, causal, -1, right))
     ret = fwd(qs.contiguous(), ks.contiguous(), vs.contiguous(), **{k_: v_ for k_, v_ in kwargs.items() if k_ in fnames})
     out_s, lse_s = (ret[0], ret[1]) if len(ret) == 4 else (ret[0], ret[5])
+    # A row that sees no key: our convention is lse = -inf (flash-attn may report +inf).
+    lse_s = torch.where(torch.isposinf(lse_s), torch.full_like(lse_s, float("-inf")), lse_s.float())
     if d == 0:
-        return out_s, lse_s.float()
+        return out_s, lse_s
     out = torch.zeros_like(q)
     out[:, d:] = out_s
     lse = torch.full((b, h, sq), float("-inf"), dtype=torch.float32, device=q.device)

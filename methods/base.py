@@ -87,7 +87,7 @@ class Method:
         if case.device == "cuda" and not torch.cuda.is_available():
             return False, "needs CUDA, which is not available here"
         try:
-            kernels.resolve_kernel(self.kernel, torch.device(case.device), case.torch_dtype)
+            kernels.resolve_kernel(self.kernel, torch.device(case.device), case.torch_dtype, case.head_dim)
         except ValueError as exc:
             return False, str(exc)
         return True, ""
@@ -123,6 +123,9 @@ class Method:
             out [B, S_local, H, D] in q.dtype, or (out, lse) with `return_lse`.
         """
         check_local_inputs(q, k, v)
+        # Views of a fused projection (qkv.unbind) are fine to pass: communication needs contiguous
+        # buffers, so every method sees contiguous inputs (a no-op when they already are).
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         out, lse = SPAttention.apply(q, k, v, self, comm, bool(causal), scale, bool(return_lse))
         return (out, lse) if return_lse else out
@@ -138,6 +141,7 @@ class Method:
         Returns (out, lse, dq, dk, dv) with the shapes of `attention` (lse [B, H, S_local] float32).
         """
         check_local_inputs(q, k, v)
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         with torch.no_grad():
             out, lse, residuals = self.forward(q, k, v, comm=comm, causal=bool(causal), scale=scale, return_lse=True)

@@ -55,8 +55,8 @@ class Burst(Method):
 
     def __init__(self, kernel: str = "auto", ranks_per_node: int = 0):
         super().__init__(kernel)
-        if ranks_per_node < 0:
-            raise ValueError(f"burst: ranks_per_node must be >= 0 (0 = one ring), got {ranks_per_node}")
+        if isinstance(ranks_per_node, bool) or not isinstance(ranks_per_node, int) or ranks_per_node < 0:
+            raise ValueError(f"burst: ranks_per_node must be an integer >= 0 (0 = one ring), got {ranks_per_node!r}")
         self.ranks_per_node = ranks_per_node
 
     def options(self):

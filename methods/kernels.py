@@ -100,13 +100,17 @@ def kernel_status(name: str) -> tuple[bool, str]:
     raise ValueError(f"unknown kernel {name!r}; choose one of {KERNEL_CHOICES}")
 
 
-def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = None) -> str:
     """Turn a configured kernel name ("auto" or a backend) into the backend used for tensors on
-    `device` of `dtype`. Raises ValueError naming the constraint when the choice cannot run."""
+    `device` of `dtype` (and `head_dim`, when known). Raises ValueError naming the constraint when
+    the choice cannot run."""
     if name not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernel {name!r}; choose one of {KERNEL_CHOICES}")
+    from methods import _flash_attn
+    flash_head_ok = head_dim is None or _flash_attn.head_dim_ok(head_dim)
     if name == "auto":
-        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and kernel_status("flash_attn")[0]:
+        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_head_ok \
+                and kernel_status("flash_attn")[0]:
             return "flash_attn"
         if device.type == "cpu":
             return "cpu_flash"
@@ -119,6 +123,8 @@ def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype) -> str:
             raise ValueError(f"kernel 'flash_attn' unavailable: {why}")
         if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
             raise ValueError("kernel 'flash_attn' needs CUDA tensors in float16 or bfloat16")
+        if not flash_head_ok:
+            raise ValueError(f"kernel 'flash_attn' needs head_dim a multiple of 8 up to 256, got {head_dim}")
     return name
 
 
@@ -325,7 +331,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     if is_empty(sq, sk, causal_offset):
         return (torch.zeros_like(q),
                 torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device))
-    backend = resolve_kernel(kernel, q.device, q.dtype)
+    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
     if backend == "cpu_flash":
         out, lse = _cpu_forward(q, k, v, scale=scale, causal_offset=causal_offset)
     elif backend == "flash_attn":
@@ -377,7 +383,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     sq, sk = q.shape[1], k.shape[1]
     if is_empty(sq, sk, causal_offset) or kernel == NOOP:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    backend = resolve_kernel(kernel, q.device, q.dtype)
+    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
     if backend == "math":
         return math_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset, delta=delta)
     if out is None:

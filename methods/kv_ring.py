@@ -72,10 +72,12 @@ class Route:
     def start_follow(self, step: int, tensors: Sequence[torch.Tensor]):
         return self._swap(tensors, self.next_holder(step), self.prev_holder(step + 1))
 
-    def _swap(self, tensors, to: int, frm: int):
-        """Send `tensors` to `to`, receive same-shaped ones from `frm`; return finish()."""
+    def _swap(self, tensors, to: int, frm: int, comm: Optional[Comm] = None):
+        """Send `tensors` to `to`, receive same-shaped ones from `frm` (ranks of `comm`, default the
+        route's comm); return finish()."""
+        comm = comm or self.comm
         recv = [torch.empty_like(t) for t in tensors]
-        work = self.comm.exchange([P2P("send", t, to) for t in tensors] + [P2P("recv", t, frm) for t in recv])
+        work = comm.exchange([P2P("send", t, to) for t in tensors] + [P2P("recv", t, frm) for t in recv])
 
         def finish() -> list[torch.Tensor]:
             work.wait()
@@ -108,6 +110,10 @@ class TwoLevelRoute(Route):
     but only nodes - 1 of them cross nodes, each hidden behind a cycle of compute.
     Accumulators follow the block's visiting order: local + 1 within a cycle, then (node + 1,
     local + 1) into the next cycle.
+
+    Intra-node and inter-node hops use their own sub-communicators (ranks of one node; ranks with
+    the same local index): on NCCL one communicator runs its operations in order on one stream, so
+    sharing one would make every intra-node step wait for the inter-node transfer (found in review).
     """
 
     def __init__(self, comm: Comm, per_node: int):
@@ -117,6 +123,9 @@ class TwoLevelRoute(Route):
         self.per_node, self.nodes = per_node, self.p // per_node
         self.node, self.local = divmod(self.rank, per_node)
         self._inter: Optional[Callable[[], list[torch.Tensor]]] = None
+        # collective: every rank builds the same route (cached by split)
+        self.intra_comm = comm.split([[n * per_node + i for i in range(per_node)] for n in range(self.nodes)])
+        self.inter_comm = comm.split([[n * per_node + i for n in range(self.nodes)] for i in range(per_node)])
 
     def _g(self, node: int, local: int) -> int:
         return (node % self.nodes) * self.per_node + local % self.per_node
@@ -138,9 +147,12 @@ class TwoLevelRoute(Route):
         i, k = step % self.per_node, step // self.per_node
         if i == 0 and k < self.nodes - 1:
             # the cycle's block goes on to the next node now, behind this cycle's intra steps
-            self._inter = self._swap(tensors, self._g(self.node + 1, self.local), self._g(self.node - 1, self.local))
-        if i < self.per_node - 1:
-            return self._swap(tensors, self._g(self.node, self.local + 1), self._g(self.node, self.local - 1))
+            # (inter_comm ranks are node indices)
+            self._inter = self._swap(tensors, (self.node + 1) % self.nodes, (self.node - 1) % self.nodes,
+                                     self.inter_comm)
+        if i < self.per_node - 1:  # intra_comm ranks are local indices
+            return self._swap(tensors, (self.local + 1) % self.per_node, (self.local - 1) % self.per_node,
+                              self.intra_comm)
         inter, self._inter = self._inter, None
         return inter
 

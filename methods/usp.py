@@ -62,8 +62,10 @@ class USP(Method):
 
     def __init__(self, kernel: str = "auto", ulysses_degree: Optional[int] = None):
         super().__init__(kernel)
-        if ulysses_degree is not None and ulysses_degree < 1:
-            raise ValueError(f"usp: ulysses_degree must be >= 1, got {ulysses_degree}")
+        if ulysses_degree is not None and (isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int)
+                                           or ulysses_degree < 1):
+            raise ValueError(f"usp: ulysses_degree must be an integer >= 1 (or null for automatic), "
+                             f"got {ulysses_degree!r}")
         self.ulysses_degree = ulysses_degree
 
     def options(self):

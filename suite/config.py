@@ -84,6 +84,9 @@ class RunConfig:
     seed: int = 0
     timeout_s: float = 300.0
     """Per-trial limit; a trial over it is recorded as timeout and its worker group replaced."""
+    prepare_timeout_s: float = 1800.0
+    """Limit for building a trial's inputs and float64 reference (executor dist); run.timeout_s
+    starts once every rank has them, so a slow reference is never counted against the method."""
     startup_timeout_s: float = 180.0
     """Limit for starting a worker group (process spawn + rendezvous)."""
     fail_grace_s: float = 10.0
@@ -271,11 +274,20 @@ def validate(cfg: SuiteConfig) -> None:
         _require(m in s.methods, "sweep.method_options", f"options for {m!r}, which is not in sweep.methods")
         if m in methods.available():
             from methods.base import option_names
+            from suite.plan import option_points
             allowed = option_names(methods.method_class(m))
-            for k in opts:
+            for k, v in opts.items():
                 _require(k in allowed and k != "kernel", f"sweep.method_options.{m}",
                          f"unknown option {k!r}; options of {m}: {[a for a in allowed if a != 'kernel']} "
                          f"(the kernel is run.kernel)")
+                if isinstance(v, (list, tuple)):
+                    _require(len(v) > 0 and len(set(map(repr, v))) == len(v), f"sweep.method_options.{m}.{k}",
+                             f"a list of values is an axis and needs distinct values; got {list(v)}")
+            for point in option_points(dict(opts)):  # every value must build the method
+                try:
+                    methods.get_method(m, **point)
+                except (TypeError, ValueError) as exc:
+                    raise ConfigError(f"sweep.method_options.{m}: {exc}") from None
     _choice(r.executor, "run.executor", EXECUTORS)
     _choice(r.device, "run.device", DEVICES)
     _choice(r.backend, "run.backend", BACKENDS)
@@ -283,7 +295,7 @@ def validate(cfg: SuiteConfig) -> None:
     _require(r.warmup >= 0, "run.warmup", f"must be >= 0, got {r.warmup}")
     _require(r.repeats >= 1, "run.repeats", f"must be >= 1, got {r.repeats}")
     _require(r.check_max_seq_len >= 1, "run.check_max_seq_len", "must be >= 1")
-    for k in ("timeout_s", "startup_timeout_s"):
+    for k in ("timeout_s", "startup_timeout_s", "prepare_timeout_s"):
         _require(getattr(r, k) > 0, f"run.{k}", f"must be > 0, got {getattr(r, k)}")
     _require(r.fail_grace_s >= 0, "run.fail_grace_s", "must be >= 0")
     _require(r.threads_per_rank >= 0, "run.threads_per_rank", "must be >= 0 (0 = automatic)")

@@ -6,9 +6,13 @@ plan so every rank runs the same trials in the same order), gathers every rank's
 the only writer of results and MLflow. Trials of another world size are recorded as skipped with
 the command to cover them.
 
-Limits compared with the local launcher: a hung trial ends only when the process-group timeout
-(run.timeout_s) makes the stuck collectives raise, and a failed trial cannot get a fresh group,
-so later trials run on the same communicators (the row's reason says so).
+Limits compared with the local launcher: there is no fresh group after a failure, so later trials
+run on the same communicators (the row's reason says so), and hangs depend on the backend. On
+gloo a stuck collective raises after the process-group timeout (run.timeout_s) and the trial is
+recorded as failed. On NCCL, PyTorch's watchdog (TORCH_NCCL_ASYNC_ERROR_HANDLING, default 3) ends
+the processes on a collective timeout, so a hang ends the job; every finished trial is already
+in the store and `--resume` (a new launch) continues after it. Trials that raise are recorded
+under both backends.
 """
 from __future__ import annotations
 
@@ -32,8 +36,8 @@ from suite.trial import Outcome, make_record, run_trial, skipped_record
 
 def run_external(cfg: SuiteConfig, config_yaml: str, launch: dict, *, resume: Optional[str], dry_run: bool,
                  out: TextIO, progress: bool):
-    from suite.runner import (SweepResult, _print_footer, check_supported, open_store, print_plan,
-                              resolve_backend, resolve_device, run_settings, sweep_params)
+    from suite.runner import (SweepResult, _compact, _print_footer, resolve_backend, resolve_device, run_settings,
+                              sweep_params)
     from suite.summary import summary_table
     from suite.tracking import make_tracker
 
@@ -55,30 +59,18 @@ def run_external(cfg: SuiteConfig, config_yaml: str, launch: dict, *, resume: Op
     # Rank 0 plans; everyone runs the same list.
     box: list = [None]
     if rank == 0:
-        hardware = hardware_label(device) if cfg.run.hardware == "auto" else cfg.run.hardware
-        plan = expand(cfg, hardware=hardware, device=device, topology=topology, nodes=nodes)
-        if dry_run:
-            print_plan(plan, out)
-            box[0] = ("dry", [])
-        else:
-            store, resumed = open_store(cfg, config_yaml, device, resume)
-            done = store.completed_keys()
-            actions = []
-            for spec in plan:
-                if spec.key in done:
-                    continue
-                if spec.world_size != world:
-                    actions.append((spec, f"world_size {spec.world_size} needs its own launch: this group has "
-                                          f"{world} ranks (torchrun --nproc-per-node ... with {spec.world_size} "
-                                          f"ranks in all)"))
-                else:
-                    ok, reason = check_supported(spec)
-                    actions.append((spec, None if ok else reason))
-            box[0] = ("run", actions)
+        try:
+            mode, actions, store, resumed = _plan_on_rank0(cfg, config_yaml, device, topology, nodes, world, resume,
+                                                           dry_run, out)
+            box[0] = (mode, actions)
+        except Exception as exc:  # noqa: BLE001 - tell the other ranks instead of leaving them waiting
+            box[0] = ("error", f"{type(exc).__name__}: {exc}")
     dist.broadcast_object_list(box, src=0, group=control)
     mode, actions = box[0]
-    if mode == "dry":
+    if mode in ("error", "dry"):
         dist.destroy_process_group()
+        if mode == "error":
+            raise RuntimeError(f"rank 0 could not plan the sweep: {actions}")
         return None
 
     settings = run_settings(cfg)
@@ -125,7 +117,7 @@ def run_external(cfg: SuiteConfig, config_yaml: str, launch: dict, *, resume: Op
     finally:
         if rank == 0:
             bar.close()
-            store.compact()
+            _compact(store)
             tracker.finish(store, status)
     dist.barrier(group=control)
     dist.destroy_process_group()
@@ -137,3 +129,28 @@ def run_external(cfg: SuiteConfig, config_yaml: str, launch: dict, *, resume: Op
     _print_footer(records, [r for r in records if r[M.KEY] in {s.key for s, _ in actions}], wall, store,
                   tracker, out)
     return SweepResult(store.run_dir, records, wall, getattr(tracker, "uri", None), tracker.disabled_reason)
+
+
+def _plan_on_rank0(cfg, config_yaml, device, topology, nodes, world, resume, dry_run, out):
+    """Rank 0's plan: (mode "dry" or "run", [(spec, skip reason or None)], store, resumed)."""
+    from suite.runner import check_supported, open_store, print_plan
+
+    hardware = hardware_label(device) if cfg.run.hardware == "auto" else cfg.run.hardware
+    plan = expand(cfg, hardware=hardware, device=device, topology=topology, nodes=nodes)
+    if dry_run:
+        print_plan(plan, out)
+        return "dry", [], None, False
+    store, resumed = open_store(cfg, config_yaml, device, resume)
+    done = store.completed_keys()
+    actions = []
+    for spec in plan:
+        if spec.key in done:
+            continue
+        if spec.world_size != world:
+            actions.append((spec, f"world_size {spec.world_size} needs its own launch: this group has "
+                                  f"{world} ranks (torchrun --nproc-per-node ... with {spec.world_size} "
+                                  f"ranks in all)"))
+        else:
+            ok, reason = check_supported(spec)
+            actions.append((spec, None if ok else reason))
+    return "run", actions, store, resumed

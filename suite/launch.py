@@ -84,16 +84,19 @@ class LocalGroup:
     def dead_ranks(self) -> list[tuple[int, Optional[int]]]:
         return [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
 
-    def run(self, spec: TrialSpec, timeout_s: float, grace_s: float) -> tuple[Outcome, bool]:
+    def run(self, spec: TrialSpec, timeout_s: float, grace_s: float,
+            prepare_timeout_s: float = 1800.0) -> tuple[Outcome, bool]:
         """Send `spec` to every rank and collect their reports.
 
-        Returns (outcome, healthy): `healthy` is False when the group must be replaced (a rank
-        failed, hung or died).
+        The limit is `prepare_timeout_s` for building inputs and the float64 reference, then
+        `timeout_s` from the moment every rank has prepared. Returns (outcome, healthy): `healthy`
+        is False when the group must be replaced (a rank failed, hung or died).
         """
         for q in self._tasks:
             q.put(spec)
         reports: list[Optional[dict]] = [None] * self.world_size
-        deadline = time.monotonic() + timeout_s
+        prepared: set[int] = set()
+        deadline = time.monotonic() + prepare_timeout_s  # the trial's own limit starts once all have prepared
         while any(r is None for r in reports):
             now = time.monotonic()
             if now > deadline:
@@ -101,6 +104,10 @@ class LocalGroup:
                 failed = any(rep is not None and not rep["ok"] for rep in reports)
                 if failed:  # someone failed and the others are stuck waiting for it
                     return Outcome("failed", reports, f"ranks {missing} did not finish after the failure"), False
+                if len(prepared) < self.world_size:
+                    return Outcome("timeout", reports, f"ranks {sorted(set(range(self.world_size)) - prepared)} "
+                                                       f"still building inputs and the float64 reference after "
+                                                       f"{prepare_timeout_s:g}s (run.prepare_timeout_s)"), False
                 return Outcome("timeout", reports, f"no report from ranks {missing} within {timeout_s:g}s "
                                                    f"(run.timeout_s)"), False
             try:
@@ -111,8 +118,15 @@ class LocalGroup:
                     desc = ", ".join(f"rank {r} exited with code {c}" for r, c in dead)
                     return Outcome("failed", reports, f"worker died: {desc}"), False
                 continue
-            if kind != "report" or key != spec.key:
+            if key != spec.key:
                 continue  # a stale message from before; cannot happen with fresh groups, but be safe
+            if kind == "prepared":
+                prepared.add(rank)
+                if len(prepared) == self.world_size:  # the trial's own time starts now
+                    deadline = time.monotonic() + timeout_s
+                continue
+            if kind != "report":
+                continue
             reports[rank] = payload
             if not payload["ok"]:
                 deadline = min(deadline, time.monotonic() + grace_s)
@@ -146,10 +160,12 @@ class LocalDistExecutor:
     name = "dist"
 
     def __init__(self, *, device: str, backend: str, run: RunSettings, threads_per_rank: int,
-                 plugins: tuple[str, ...], timeout_s: float, startup_timeout_s: float, grace_s: float):
+                 plugins: tuple[str, ...], timeout_s: float, startup_timeout_s: float, grace_s: float,
+                 prepare_timeout_s: float = 1800.0):
         self._device, self._backend, self._run = device, backend, run
         self._threads, self._plugins = threads_per_rank, plugins
         self._timeout_s, self._startup_timeout_s, self._grace_s = timeout_s, startup_timeout_s, grace_s
+        self._prepare_timeout_s = prepare_timeout_s
         self._group: Optional[LocalGroup] = None
         self.groups_started = 0
         self.startup_s = 0.0  # time spent starting worker groups (harness overhead, reported)
@@ -160,7 +176,7 @@ class LocalDistExecutor:
         self.close()
         settings = WorkerSettings(world_size=world_size, device=self._device, backend=self._backend,
                                   threads=threads_per_rank(self._threads, world_size), plugins=self._plugins,
-                                  comm_timeout_s=self._timeout_s + 60, run=self._run)
+                                  comm_timeout_s=self._timeout_s + self._prepare_timeout_s + 60, run=self._run)
         self.groups_started += 1
         t0 = time.perf_counter()
         try:
@@ -175,7 +191,7 @@ class LocalDistExecutor:
         except GroupStartError as exc:
             self._group = None
             return Outcome("failed", [None] * spec.world_size, f"could not start worker group: {exc}")
-        outcome, healthy = group.run(spec, self._timeout_s, self._grace_s)
+        outcome, healthy = group.run(spec, self._timeout_s, self._grace_s, self._prepare_timeout_s)
         if not healthy:
             group.kill()
             self._group = None
@@ -206,7 +222,7 @@ class ThreadExecutor:
 
     def __init__(self, *, device: str, run: RunSettings, timeout_s: float):
         self._device = torch.device(device)
-        self._run, self._timeout_s = run, timeout_s
+        self._run, self._timeout_s = run, timeout_s  # includes preparing the reference (threads cannot be stopped)
         self._cache = ProblemCache()
         # On CUDA, autograd runs all backward work of a device on one thread: virtual ranks that
         # wait for each other inside backward would deadlock there, so call backward directly.

@@ -13,7 +13,6 @@ Only the parent process writes here.
 from __future__ import annotations
 
 import json
-import math
 import os
 from datetime import datetime
 from pathlib import Path
@@ -24,16 +23,6 @@ PARQUET = "trials.parquet"
 CONFIG = "config.yaml"
 ENVIRONMENT = "environment.json"
 MLFLOW = "mlflow.json"
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else str(value)
-    if isinstance(value, list):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _jsonable(v) for k, v in value.items()}
-    return value
 
 
 class ResultsStore:
@@ -82,7 +71,9 @@ class ResultsStore:
 
     # -- writing ------------------------------------------------------------------------------------
     def append(self, record: dict) -> None:
-        line = json.dumps(_jsonable(record), sort_keys=False) + "\n"
+        # NaN and +-inf stay numbers (Python's JSON writes and reads NaN/Infinity): a NaN error must
+        # not read back as "not checked" (None), and Parquet needs one type per column.
+        line = json.dumps(record, sort_keys=False) + "\n"
         with open(self.trials_path, "a", encoding="utf-8") as f:
             f.write(line)
             f.flush()
@@ -90,7 +81,7 @@ class ResultsStore:
 
     def write_json(self, name: str, data: Any) -> None:
         tmp = self.run_dir / (name + ".tmp")
-        tmp.write_text(json.dumps(_jsonable(data), indent=2, sort_keys=True))
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
         tmp.replace(self.run_dir / name)
 
     def read_json(self, name: str) -> Optional[Any]:

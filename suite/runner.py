@@ -122,12 +122,12 @@ def run_sweep(cfg: SuiteConfig, config_yaml: str, *, resume: Optional[str] = Non
     from suite.launch import LocalDistExecutor, ThreadExecutor, threads_per_rank  # noqa: F401
     settings = run_settings(cfg)
     if cfg.run.executor == "threads":
-        executor = ThreadExecutor(device=device, run=settings, timeout_s=cfg.run.timeout_s)
+        executor = ThreadExecutor(device=device, run=settings, timeout_s=cfg.run.timeout_s + cfg.run.prepare_timeout_s)
     else:
         executor = LocalDistExecutor(device=device, backend=resolve_backend(cfg.run.backend, device), run=settings,
                                      threads_per_rank=cfg.run.threads_per_rank, plugins=tuple(cfg.run.plugins),
                                      timeout_s=cfg.run.timeout_s, startup_timeout_s=cfg.run.startup_timeout_s,
-                                     grace_s=cfg.run.fail_grace_s)
+                                     grace_s=cfg.run.fail_grace_s, prepare_timeout_s=cfg.run.prepare_timeout_s)
     return _drive(cfg, config_yaml, plan, executor, device, resume=resume, out=out, progress=progress)
 
 
@@ -185,7 +185,7 @@ def _drive(cfg: SuiteConfig, config_yaml: str, plan: list[TrialSpec], executor, 
     finally:
         bar.close()
         executor.close()
-        store.compact()
+        _compact(store)
         tracker.finish(store, status)
     wall = time.perf_counter() - t_start
     records = store.records()
@@ -194,6 +194,17 @@ def _drive(cfg: SuiteConfig, config_yaml: str, plan: list[TrialSpec], executor, 
     _print_footer(records, this_run, wall, store, tracker, out, getattr(executor, "startup_s", 0.0),
                   getattr(executor, "groups_started", 0))
     return SweepResult(store.run_dir, records, wall, getattr(tracker, "uri", None), tracker.disabled_reason)
+
+
+def _compact(store: ResultsStore) -> None:
+    """Write the Parquet copy; never let it stop the run's MLflow finish (the JSON lines are the
+    results)."""
+    try:
+        store.compact()
+    except Exception as exc:  # noqa: BLE001
+        import warnings
+        warnings.warn(f"could not write {store.run_dir}/trials.parquet: {exc} (trials.jsonl is complete)",
+                      RuntimeWarning, stacklevel=2)
 
 
 def _print_footer(records: list[dict], this_run: list[dict], wall: float, store: ResultsStore, tracker,

@@ -12,7 +12,7 @@ import math
 import time
 import traceback
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -42,15 +42,18 @@ class RunSettings:
 # On each rank
 # ---------------------------------------------------------------------------------------------
 def run_trial(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.device,
-              cache: ProblemCache, *, autograd: bool = True) -> dict[str, Any]:
+              cache: ProblemCache, *, autograd: bool = True,
+              on_prepared: Optional[Callable[[], None]] = None) -> dict[str, Any]:
     """Run `spec` on this rank. Never raises: errors come back as {"ok": False, "error": ...}.
 
     `autograd=False` computes gradients by calling the method's backward directly
-    (`Method.attention_fwd_bwd`): virtual ranks on one GPU need it (see there).
+    (`Method.attention_fwd_bwd`): virtual ranks on one GPU need it (see there). `on_prepared` is
+    called once the inputs and the float64 reference exist, so that the executor can start the
+    trial's time limit there (building a large reference is not the method's time).
     """
     t0 = time.perf_counter()
     try:
-        report = _run(spec, settings, comm, device, cache, autograd)
+        report = _run(spec, settings, comm, device, cache, autograd, on_prepared)
         report["ok"] = True
     except Exception as exc:  # noqa: BLE001 - every failure becomes a recorded row
         oom = device.type == "cuda" and isinstance(exc, torch.cuda.OutOfMemoryError)
@@ -64,7 +67,7 @@ def run_trial(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.
 
 
 def _run(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.device,
-         cache: ProblemCache, autograd: bool) -> dict[str, Any]:
+         cache: ProblemCache, autograd: bool, on_prepared: Optional[Callable[[], None]]) -> dict[str, Any]:
     if comm.world_size != spec.world_size:
         raise RuntimeError(f"trial needs world_size {spec.world_size}, comm has {comm.world_size}")
     method = spec.build_method()
@@ -72,10 +75,12 @@ def _run(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.devic
     checked = settings.check and spec.seq_len <= settings.check_max_seq_len
     prob = cache.get((spec.problem_key(), checked, settings.seed, str(device)), lambda: build_problem(
         *spec.problem_key(), seed=settings.seed, device=device, with_reference=checked))
+    if on_prepared is not None:
+        on_prepared()
     rank = comm.rank
     q, k, v, dout = (layout.shard(x, rank) for x in (prob.q, prob.k, prob.v, prob.dout))
     report: dict[str, Any] = {"checked": checked, "errors": {}, "tol": {},
-                              "kernel_used": kernels.resolve_kernel(spec.kernel, device, q.dtype)}
+                              "kernel_used": kernels.resolve_kernel(spec.kernel, device, q.dtype, spec.head_dim)}
 
     # 1. Correctness against float64 attention on the unsharded inputs.
     if checked:
@@ -140,9 +145,11 @@ def _breakdown(method, step, comm: Comm, device: torch.device, repeats: int) -> 
     split = []  # (total, kernel, comm wait) seconds per iteration
     try:
         for _ in range(repeats):
-            timed, tcomm = kernels.TimedKernel(kernel), TimingComm(comm)
+            timed, tcomm = kernels.TimedKernel(kernel), TimingComm(comm, device)
             method.kernel = timed
             comm.barrier()
+            if device.type == "cuda":  # start the clock once the barrier has really completed
+                torch.cuda.synchronize(device)
             t0 = time.perf_counter()
             step(tcomm)
             if device.type == "cuda":

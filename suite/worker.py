@@ -65,7 +65,10 @@ def worker_main(rank: int, store_port: int, settings: WorkerSettings, tasks, res
             continue
         if spec is None:
             break
-        results.put(("report", rank, spec.key, run_trial(spec, settings.run, comm, device, cache)))
+        def prepared(key=spec.key) -> None:
+            results.put(("prepared", rank, key, None))
+        results.put(("report", rank, spec.key, run_trial(spec, settings.run, comm, device, cache,
+                                                         on_prepared=prepared)))
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - exiting anyway

@@ -44,6 +44,12 @@ def test_overrides_in_hydra_syntax(write_config):
     ("sweep:\n  exclude: [{metod: ring}]\n", "sweep.exclude[0]: unknown axis 'metod'"),
     ("sweep:\n  method_options: {ring: {ulysses_degree: 2}}\n", "unknown option 'ulysses_degree'"),
     ("bogus: 1\n", "unknown config key 'bogus'"),
+    ("sweep:\n  methods: [usp]\n  method_options: {usp: {ulysses_degree: [2, 2]}}\n",
+     "sweep.method_options.usp.ulysses_degree: a list of values is an axis and needs distinct values"),
+    ("sweep:\n  methods: [usp]\n  method_options: {usp: {ulysses_degree: ['4']}}\n",
+     "sweep.method_options.usp: usp: ulysses_degree must be an integer >= 1"),
+    ("sweep:\n  methods: [burst]\n  method_options: {burst: {ranks_per_node: -2}}\n",
+     "sweep.method_options.burst: burst: ranks_per_node must be an integer >= 0"),
 ])
 def test_bad_config_names_the_key_and_the_fix(write_config, yaml_or_override, expected):
     path = write_config("name: t\n" + yaml_or_override)

@@ -324,3 +324,40 @@ def test_registry_errors_list_the_valid_choices():
             name = "ring"
     assert {"reference", "ring", "zigzag_ring", "stripe_ring", "ulysses", "usp", "allgather_kv", "burst",
             "tasp"} <= set(methods.available())
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_check_catches_a_dropped_block_in_low_precision(dtype):
+    """The last rank silently skips the block of rank 0 (found in review: with a floor scaled by
+    bf16's eps, this passed at P = 8). The pass rule's P term uses the accumulator's eps."""
+    from methods.kv_ring import kv_ring_forward
+    from methods.ring import ring_plan
+
+    class DropsABlock(methods.method_class("ring")):
+        def forward(self, q, k, v, *, comm, causal, scale, return_lse):
+            base = ring_plan(causal, comm.rank)
+            drop = comm.rank == comm.world_size - 1
+            plan = (lambda src: [] if drop and src == 0 else base(src))
+            out, lse = kv_ring_forward(q, k, v, comm=comm, plan=plan, scale=scale, kernel=self.kernel)
+            return out, lse, (q, k, v, out, lse)
+    case = Case(2, 8 * 48, 8, 8, 32, dtype, False, 8)
+    prob = problem_for(case)
+    m = DropsABlock()
+    errs = errors_vs_reference(m, case, prob, run_threads(8, lambda c: run_method_rank(m, case, prob, c)))
+    assert errs["out"][0] > errs["out"][1], errs["out"]
+
+
+def test_views_of_a_fused_projection_are_accepted():
+    """q, k, v as views of one qkv tensor (not contiguous) work for every method."""
+    for name, options in OWN:
+        case = Case(2, seq_len_for(name, 4), 4, 4, 8, "float32", True, 4)
+        m = methods.get_method(name, **options)
+        prob = problem_for(case)
+        lay = m.layout(case)
+
+        def fn(comm):
+            qkv = torch.stack([lay.shard(x, comm.rank) for x in (prob.q, prob.k, prob.v)], dim=2)
+            q, k, v = qkv.unbind(2)
+            assert not q.is_contiguous()
+            return m.attention(q, k, v, causal=True, comm=comm)
+        run_threads(4, fn)

@@ -1,4 +1,5 @@
 import json
+import math
 
 from suite.results import ResultsStore
 
@@ -12,7 +13,7 @@ def test_append_is_durable_and_torn_tails_are_dropped(tmp_path):
     with open(store.trials_path, "a") as f:  # a sweep killed in the middle of a write
         f.write('{"key": "c", "v"')
     assert [r["key"] for r in store.records()] == ["a", "b"]
-    assert store.records()[0]["nan"] is None  # NaN is stored as null (valid JSON)
+    assert math.isnan(store.records()[0]["nan"])  # NaN stays a number: not confused with "not checked"
     reopened = ResultsStore.open(store.run_dir)
     reopened.append({"key": "d"})
     assert reopened.completed_keys() == {"a", "b", "d"}
@@ -25,7 +26,9 @@ def test_latest_run_and_parquet(tmp_path):
     assert first.run_dir != second.run_dir
     assert ResultsStore.latest(tmp_path, "s").run_dir == max(first.run_dir, second.run_dir)
     assert ResultsStore.latest(tmp_path, "other") is None
-    second.append({"key": "a", "time_ms_samples": [1.0, 2.0], "x": None})
+    second.append({"key": "a", "time_ms_samples": [1.0, 2.0], "x": None, "err": float("inf")})
+    second.append({"key": "b", "time_ms_samples": None, "x": 1.5, "err": float("nan")})
     import pandas as pd
-    df = pd.read_parquet(second.compact())
-    assert df["key"].tolist() == ["a"] and json.loads(df["time_ms_samples"][0]) == [1.0, 2.0]
+    df = pd.read_parquet(second.compact())  # non-finite numbers must not break the Parquet copy
+    assert df["key"].tolist() == ["a", "b"] and json.loads(df["time_ms_samples"][0]) == [1.0, 2.0]
+    assert df["err"][0] == float("inf") and math.isnan(df["err"][1])

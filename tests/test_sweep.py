@@ -190,3 +190,34 @@ def test_external_launcher_torchrun(write_config, tmp_path):
             assert r[M.STATUS] == M.OK and r["executor"] == "dist" and r[M.BYTES_SENT] > 0
         else:
             assert r[M.STATUS] == M.SKIPPED and "own launch" in r[M.REASON]
+
+
+def test_building_the_reference_is_not_the_methods_time(write_config):
+    """The float64 reference has its own limit (run.prepare_timeout_s); run.timeout_s starts once
+    every rank has its inputs (found in review: a slow reference timed out the method)."""
+    path = write_config("""
+    name: prep
+    sweep: {methods: [ring], world_size: [2], seq_len: [1536], heads: [8], kv_heads: [8], head_dim: [32],
+            causal: [true], passes: [fwd]}
+    run: {warmup: 0, repeats: 1, breakdown: false, timeout_s: 10, prepare_timeout_s: 0.01}
+    tracking: {mlflow: false}
+    """)
+    res = sweep(path)
+    assert res.records[0][M.STATUS] == M.TIMEOUT and "run.prepare_timeout_s" in res.records[0][M.REASON]
+    # a generous preparation limit, and a trial limit far below the reference's build time
+    res = sweep(path, "run.prepare_timeout_s=300", "run.timeout_s=1.5")
+    assert res.records[0][M.STATUS] == M.OK
+
+
+def test_external_launcher_stops_every_rank_when_rank0_cannot_plan(write_config):
+    path = write_config("""
+    name: ext_nothing_to_resume
+    sweep: {methods: [ring], world_size: [2], seq_len: [32], heads: [2], kv_heads: [2], head_dim: [8]}
+    tracking: {mlflow: false}
+    """)
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                          "-m", "suite", "run", str(path), "--resume", "--no-progress"], cwd=ROOT,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
+    assert out.returncode != 0 and time.monotonic() - t0 < 120
+    assert "no earlier run of 'ext_nothing_to_resume'" in out.stderr

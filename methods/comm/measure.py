@@ -2,9 +2,11 @@
 
 - `NullComm`: every operation completes at once and moves nothing (receive buffers are zeroed,
   collectives copy the local input). A method run with it takes its compute-only time.
-- `TimingComm`: forwards to a real comm and adds up the wall time this rank spends inside
-  communication calls, including waiting for asynchronous ones: the communication the rank is
-  exposed to (transfers hidden behind compute cost nothing here). On CUDA this is host time.
+- `TimingComm`: forwards to a real comm and adds up the time this rank is held up by
+  communication: inside its calls, including waits for asynchronous ones (transfers hidden behind
+  compute cost nothing here). On CPU that is wall time. On CUDA, NCCL calls and waits return to
+  the host at once and instead make the compute stream wait, so CUDA events recorded on the current
+  stream around each call and wait measure the stream's stall (found in review: host time read 0).
 """
 from __future__ import annotations
 
@@ -68,18 +70,23 @@ class _TimedWork:
 
 
 class TimingComm:
-    """Forwards to `inner`; `seconds` is the time spent inside its calls and waits."""
+    """Forwards to `inner`; `seconds` is the time spent inside its calls and waits (see above)."""
 
-    def __init__(self, inner: Comm, _shared: list | None = None):
+    def __init__(self, inner: Comm, device: torch.device | None = None, _shared: dict | None = None):
         self.inner = inner
-        self._seconds = _shared if _shared is not None else [0.0]  # shared with sub-comms
+        self.device = device if device is not None else torch.device("cpu")
+        # shared with sub-comms: CPU seconds and CUDA event pairs
+        self._acc = _shared if _shared is not None else {"seconds": 0.0, "events": []}
 
     @property
     def seconds(self) -> float:
-        return self._seconds[0]
+        events = self._acc["events"]
+        if events:
+            torch.cuda.synchronize(self.device)
+        return self._acc["seconds"] + sum(a.elapsed_time(b) for a, b in events) / 1e3
 
     def timing(self):
-        return _Timer(self._seconds)
+        return _Timer(self._acc, self.device)
 
     @property
     def rank(self) -> int:
@@ -113,16 +120,25 @@ class TimingComm:
         self.inner.barrier()
 
     def split(self, groups: Sequence[Sequence[int]]) -> "TimingComm":
-        return TimingComm(self.inner.split(groups), self._seconds)
+        return TimingComm(self.inner.split(groups), self.device, self._acc)
 
 
 class _Timer:
-    def __init__(self, acc: list):
-        self._acc = acc
+    def __init__(self, acc: dict, device: torch.device):
+        self._acc, self._cuda = acc, device.type == "cuda"
 
     def __enter__(self):
-        self._t0 = time.perf_counter()
+        if self._cuda:
+            self._start = torch.cuda.Event(enable_timing=True)
+            self._start.record()
+        else:
+            self._t0 = time.perf_counter()
 
     def __exit__(self, *exc):
-        self._acc[0] += time.perf_counter() - self._t0
+        if self._cuda:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._acc["events"].append((self._start, end))
+        else:
+            self._acc["seconds"] += time.perf_counter() - self._t0
         return False
