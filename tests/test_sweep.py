@@ -80,6 +80,15 @@ def test_multiprocess_sweep_is_checked_recorded_and_logged_to_mlflow(write_confi
     assert len(client.get_metric_history(ok_child.info.run_id, "time_ms")) == 3
     arts = {a.path for a in client.list_artifacts(parents[0].info.run_id, "results")}
     assert {"results/trials.jsonl", "results/config.yaml"} <= arts
+    # a report from the results folder is attached to the sweep's parent run; and the MLflow
+    # experiment alone can be read back into a report with the same rows
+    from suite.reports import build_report
+    rep = build_report([str(run_dir)], out=tmp_path / "rep")
+    assert rep.logged_to == [parents[0].info.run_id]
+    assert [a.path for a in client.list_artifacts(parents[0].info.run_id, "report")] == ["report/report.html"]
+    from_mlflow = build_report(None, out=tmp_path / "rep2", mlflow_experiment="e2e", mlflow_uri=f"sqlite:///{db}",
+                               log_to_mlflow=False)
+    assert from_mlflow.rows == 56 and (tmp_path / "rep2" / "tables" / "speedup_over_ring.csv").exists()
 
 
 def test_failures_hangs_deaths_and_wrong_answers_are_recorded_and_the_sweep_goes_on(write_config):
