@@ -17,6 +17,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
 
 PASSES = ("fwd", "fwd_bwd")
+KINDS = ("attention", "perplexity")
 EXECUTORS = ("dist", "threads")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
@@ -116,12 +117,62 @@ class TrackingConfig:
 
 
 @dataclass
+class DataConfig:
+    """The text a perplexity check trains on, as byte tokens (suite/perplexity/data.py)."""
+
+    source: str = "stdlib"
+    """stdlib: the Python standard library's source (no download); file: `path`; hf: `hf_dataset`
+    (needs the `datasets` package)."""
+    path: Optional[str] = None
+    hf_dataset: Optional[str] = None
+    hf_split: str = "train"
+    hf_text_field: str = "text"
+    max_bytes: int = 2_000_000
+    """Bytes of text used (train + validation)."""
+    val_fraction: float = 0.1
+    """The corpus's tail kept for validation."""
+
+
+@dataclass
+class PerplexityConfig:
+    """kind: perplexity. A small LLaMA-style model (RMSNorm, RoPE, SwiGLU, GQA) trained with each
+    method and with a single-device baseline from the same seed (run.seed). The sweep axes give its
+    attention shape (heads, kv_heads, head_dim; model width = heads x head_dim), the training batch
+    (batch, seq_len), dtype, methods and world sizes; sweep.causal must be [true] and sweep.passes
+    is not used."""
+
+    layers: int = 2
+    mlp_hidden: int = 0
+    """SwiGLU hidden size; 0 = LLaMA's 8/3 x width rounded up to a multiple of 32."""
+    rope_theta: float = 10000.0
+    steps: int = 50
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_batches: int = 4
+    """Validation batches (of sweep.batch x seq_len tokens) for the final perplexity."""
+    loss_rtol: float = 1e-4
+    """A method passes when every step's loss is within this relative difference of the baseline's..."""
+    ppl_rtol: float = 1e-3
+    """...and its final perplexity within this one."""
+    planted_bug: str = "none"
+    """Self-test of the check: none, local_positions, local_label_shift or no_grad_sync breaks the
+    sequence-parallel model on purpose; every method should then be recorded incorrect."""
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+@dataclass
 class SuiteConfig:
     name: str = MISSING
     """Sweep name (letters, digits, - and _): the results folder and MLflow experiment."""
     description: str = ""
+    kind: str = "attention"
+    """attention: time and check attention calls; perplexity: train the small model with each
+    method and compare its losses and perplexity with the single-device baseline."""
     sweep: SweepConfig = field(default_factory=SweepConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
     results: ResultsConfig = field(default_factory=ResultsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
@@ -302,6 +353,33 @@ def validate(cfg: SuiteConfig) -> None:
     if r.backend == "nccl":
         _require(r.device != "cpu", "run.backend", "nccl needs run.device cuda (or auto on a GPU machine)")
     _require(bool(cfg.results.root), "results.root", "must be a folder path")
+    _choice(cfg.kind, "kind", KINDS)
+    if cfg.kind == "perplexity":
+        _validate_perplexity(cfg)
+
+
+def _validate_perplexity(cfg: SuiteConfig) -> None:
+    from suite.perplexity.data import SOURCES
+    from suite.perplexity.train import PLANTED_BUGS
+
+    p = cfg.perplexity
+    _require(list(cfg.sweep.causal) == [True], "sweep.causal",
+             f"a perplexity check trains a causal language model: set sweep.causal: [true] (got {cfg.sweep.causal})")
+    for k in ("layers", "steps", "eval_batches", "max_bytes"):
+        where = p.data if k == "max_bytes" else p
+        _require(getattr(where, k) >= 1, f"perplexity.{'data.' if k == 'max_bytes' else ''}{k}", "must be >= 1")
+    for k in ("mlp_hidden", "warmup_steps", "weight_decay", "grad_clip"):
+        _require(getattr(p, k) >= 0, f"perplexity.{k}", "must be >= 0")
+    for k in ("lr", "rope_theta", "loss_rtol", "ppl_rtol"):
+        _require(getattr(p, k) > 0, f"perplexity.{k}", "must be > 0")
+    _choice(p.planted_bug, "perplexity.planted_bug", tuple(PLANTED_BUGS))
+    _choice(p.data.source, "perplexity.data.source", SOURCES)
+    _require(0 < p.data.val_fraction < 1, "perplexity.data.val_fraction", "must be between 0 and 1")
+    if p.data.source == "file":
+        _require(bool(p.data.path) and Path(p.data.path).is_file(), "perplexity.data.path",
+                 f"data.source is file: give an existing text file (got {p.data.path!r})")
+    if p.data.source == "hf":
+        _require(bool(p.data.hf_dataset), "perplexity.data.hf_dataset", "data.source is hf: name a dataset")
 
 
 def to_dict(cfg: SuiteConfig) -> dict:

@@ -84,8 +84,17 @@ def run_external(cfg: SuiteConfig, config_yaml: str, launch: dict, *, resume: Op
         tracker.start(store, sweep=cfg.name, params=sweep_params(cfg), environment=store.read_json("environment.json"),
                       description=cfg.description, resume=resumed)
         bar = tqdm(total=len(actions), disable=not progress, file=sys.stderr, unit="trial")
+        baselines = None
+        if cfg.kind == "perplexity":  # trained on rank 0 before the first trial that needs it
+            from suite.perplexity.trial import Baselines
+            baselines = Baselines(store, tracker, settings, store.run_dir.name)
+            for spec, skip_reason in actions:
+                if skip_reason is None:
+                    baselines.get(spec)
         print(f"sweep {cfg.name}: {len(actions)} trials on {world} ranks ({topology}) -> {store.run_dir}",
               file=out, flush=True)
+    if cfg.kind == "perplexity":  # the other ranks wait here while rank 0 trains the baselines
+        dist.barrier(group=control)
     any_failed = False
     status = "FINISHED"
     try:
@@ -101,8 +110,13 @@ def run_external(cfg: SuiteConfig, config_yaml: str, launch: dict, *, resume: Op
                 dist.gather_object(report, gathered, dst=0, group=control)
                 if rank == 0:
                     outcome = Outcome("reported", gathered)
-                    record = make_record(spec, outcome, settings, store.run_dir.name, started,
-                                         time.perf_counter() - t0)
+                    if spec.pass_ == "train":
+                        from suite.perplexity.trial import make_train_record
+                        record = make_train_record(spec, outcome, baselines.get(spec), cfg.perplexity, settings,
+                                                   store.run_dir.name, started, time.perf_counter() - t0)
+                    else:
+                        record = make_record(spec, outcome, settings, store.run_dir.name, started,
+                                             time.perf_counter() - t0)
                     if any_failed and record[M.STATUS] != M.FAILED:
                         record[M.REASON] = ((record[M.REASON] or "") + " [ran on communicators reused after an "
                                             "earlier failed trial]").strip()

@@ -43,14 +43,23 @@ STARTED_AT = "started_at"
 RUN_ID = "run_id"
 SEED, WARMUP, REPEATS = "seed", "warmup", "repeats"
 ERROR_TRACE = "error_trace"
+# model-level check (kind: perplexity); time_ms_* are then per training step, bytes per step
+LOSS_CURVE = "loss_curve"                # global mean training loss of every step (list)
+VAL_LOSS = "val_loss"                    # mean validation loss after training (nats per token)
+PPL = "perplexity"                       # exp(val_loss)
+PPL_BASELINE = "perplexity_baseline"     # the single-device baseline's perplexity
+PPL_REL_DIFF = "perplexity_rel_diff"     # perplexity / baseline - 1
+LOSS_MAX_REL_DIFF = "loss_max_rel_diff"  # max over steps of |loss - baseline loss| / baseline loss
 
 BREAKDOWN = (KERNEL_MS, COMM_WAIT_MS, OVERHEAD_RATIO, COMPUTE_ONLY_MS, COMM_ONLY_MS, CCR, OVERLAP_EFF)
+MODEL_CHECK = (VAL_LOSS, PPL, PPL_BASELINE, PPL_REL_DIFF, LOSS_MAX_REL_DIFF)
 NUMERIC_METRICS = (TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX, TFLOPS_PER_GPU, TOKENS_PER_S, BYTES_SENT,
-                   BYTES_RECV, PEAK_MEM, DURATION_S) + BREAKDOWN + tuple(ERR.values()) + tuple(TOL.values())
+                   BYTES_RECV, PEAK_MEM, DURATION_S) + BREAKDOWN + tuple(ERR.values()) + tuple(TOL.values()) \
+    + MODEL_CHECK
 
 COLUMNS = ((KEY,) + IDENTITY + (STATUS, REASON, CHECKED) + tuple(ERR.values()) + tuple(TOL.values())
            + (TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX, TFLOPS_PER_GPU, TOKENS_PER_S, BYTES_SENT, BYTES_RECV,
-              PEAK_MEM) + BREAKDOWN + (KERNEL_USED, COMM_OPS, TIME_MS_SAMPLES, SEED, WARMUP, REPEATS, DURATION_S,
+              PEAK_MEM) + BREAKDOWN + MODEL_CHECK + (LOSS_CURVE, KERNEL_USED, COMM_OPS, TIME_MS_SAMPLES, SEED, WARMUP, REPEATS, DURATION_S,
                                        STARTED_AT, RUN_ID, ERROR_TRACE))
 
 

@@ -14,7 +14,7 @@ from suite.config import SuiteConfig
 # The identity of a trial (DESIGN.md section 7). Everything else in a row is a measurement.
 IDENTITY = ("method", "impl", "executor", "hardware", "topology", "world_size", "nodes", "ulysses_degree",
             "ring_degree", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal", "pass",
-            "kernel", "options")
+            "kernel", "options", "workload")
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class TrialSpec:
     pass_: str
     kernel: str                    # configured kernel ("auto" or a backend); the one used is measured
     options: str = "{}"            # method options as canonical JSON
+    workload: str = ""             # "" for attention trials; the model/data/training of a perplexity trial (JSON)
     device: str = field(default="cpu", compare=False)
 
     def identity(self) -> dict[str, Any]:
@@ -50,7 +51,10 @@ class TrialSpec:
 
     @property
     def key(self) -> str:
-        blob = json.dumps(self.identity(), sort_keys=True, separators=(",", ":"))
+        identity = self.identity()
+        if not identity["workload"]:  # attention trials keep the keys they had before workloads existed
+            del identity["workload"]
+        blob = json.dumps(identity, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @property
@@ -101,8 +105,12 @@ def expand(cfg: SuiteConfig, *, hardware: str, device: str, topology: str = "sin
     and the float64 reference are reused), then method and pass."""
     s = cfg.sweep
     specs = []
+    passes, workload = s.passes, ""
+    if cfg.kind == "perplexity":  # model-level check: one training run per point (suite/perplexity)
+        from suite.perplexity.trial import TRAIN, workload_json
+        passes, workload = [TRAIN], workload_json(cfg)
     axes = itertools.product(s.world_size, s.batch, s.seq_len, s.heads, s.kv_heads, s.head_dim, s.dtype,
-                             s.causal, s.methods, s.passes)
+                             s.causal, s.methods, passes)
     for ws, b, sl, h, kvh, hd, dt, causal, m, ps in axes:
         case = Case(batch=b, seq_len=sl, heads=h, kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal),
                     world_size=ws, device=device)
@@ -116,7 +124,7 @@ def expand(cfg: SuiteConfig, *, hardware: str, device: str, topology: str = "sin
                 method=m, impl=impl, executor=cfg.run.executor, hardware=hardware, topology=topology,
                 world_size=ws, nodes=nodes, ulysses_degree=ud, ring_degree=rd, batch=b, seq_len=sl, heads=h,
                 kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal), pass_=ps, kernel=cfg.run.kernel,
-                options=json.dumps(options, sort_keys=True), device=device))
+                options=json.dumps(options, sort_keys=True), workload=workload, device=device))
     return specs
 
 

@@ -58,6 +58,9 @@ def check_supported(spec: TrialSpec) -> tuple[bool, str]:
                        f"(run.executor=threads emulates ranks on one GPU, for numerics only)")
     if spec.device == "cuda" and spec.dtype == "float64" and spec.kernel == "flash_attn":
         return False, "flash_attn has no float64 kernels"
+    if spec.pass_ == "train" and spec.executor == "threads" and spec.device == "cuda":
+        return False, ("training needs autograd across ranks, which virtual ranks on one GPU cannot use "
+                       "(autograd runs a device's backward on one thread); use run.executor=dist")
     return True, ""
 
 
@@ -155,6 +158,10 @@ def _drive(cfg: SuiteConfig, config_yaml: str, plan: list[TrialSpec], executor, 
                   description=cfg.description, resume=resumed)
     settings = run_settings(cfg)
     run_id = store.run_dir.name
+    baselines = None
+    if cfg.kind == "perplexity":
+        from suite.perplexity.trial import Baselines, make_train_record
+        baselines = Baselines(store, tracker, settings, run_id)
     print(f"sweep {cfg.name}: {len(plan)} trials ({len(plan) - len(todo)} already recorded), "
           f"executor={cfg.run.executor}, device={device} -> {store.run_dir}", file=out, flush=True)
     bar = tqdm(total=len(plan), initial=len(plan) - len(todo), disable=not progress, file=sys.stderr,
@@ -168,11 +175,16 @@ def _drive(cfg: SuiteConfig, config_yaml: str, plan: list[TrialSpec], executor, 
             if not ok:
                 record = skipped_record(spec, reason, settings, run_id, started)
             else:
+                baseline = baselines.get(spec) if baselines is not None else None  # trained once per workload
                 t0, startup0 = time.perf_counter(), getattr(executor, "startup_s", 0.0)
                 outcome: Outcome = executor.run(spec)
                 # the trial's own time: without starting the worker group it may have needed
                 wall = time.perf_counter() - t0 - (getattr(executor, "startup_s", 0.0) - startup0)
-                record = make_record(spec, outcome, settings, run_id, started, wall)
+                if baseline is not None:
+                    record = make_train_record(spec, outcome, baseline, cfg.perplexity, settings, run_id, started,
+                                               wall)
+                else:
+                    record = make_record(spec, outcome, settings, run_id, started, wall)
             store.append(record)
             tracker.log_trial(record, spec.label())
             bar.update(1)
@@ -191,6 +203,8 @@ def _drive(cfg: SuiteConfig, config_yaml: str, plan: list[TrialSpec], executor, 
     records = store.records()
     print(summary_table(records), file=out)
     this_run = [r for r in records if r[M.KEY] in {s.key for s in todo}]
+    if baselines is not None:
+        this_run += baselines.created
     _print_footer(records, this_run, wall, store, tracker, out, getattr(executor, "startup_s", 0.0),
                   getattr(executor, "groups_started", 0))
     return SweepResult(store.run_dir, records, wall, getattr(tracker, "uri", None), tracker.disabled_reason)

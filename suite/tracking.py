@@ -184,7 +184,9 @@ class MlflowTracker:
             params[M.KEY] = record[M.KEY]
             tags = {M.STATUS: status, M.REASON: record.get(M.REASON) or "", M.CHECKED: record.get(M.CHECKED),
                     M.KERNEL_USED: record.get(M.KERNEL_USED) or "", M.COMM_OPS: record.get(M.COMM_OPS) or ""}
-            steps = {"time_ms": record[M.TIME_MS_SAMPLES]} if record.get(M.TIME_MS_SAMPLES) else None
+            steps = {"time_ms": record[M.TIME_MS_SAMPLES]} if record.get(M.TIME_MS_SAMPLES) else {}
+            if record.get(M.LOSS_CURVE):
+                steps["train_loss"] = record[M.LOSS_CURVE]
             self._log_batch(child.info.run_id, params=params, metrics=metrics, tags=tags, steps=steps)
             self._client.set_terminated(child.info.run_id,
                                         "FAILED" if status in (M.FAILED, M.TIMEOUT) else "FINISHED")

@@ -70,6 +70,9 @@ def _run(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.devic
          cache: ProblemCache, autograd: bool, on_prepared: Optional[Callable[[], None]]) -> dict[str, Any]:
     if comm.world_size != spec.world_size:
         raise RuntimeError(f"trial needs world_size {spec.world_size}, comm has {comm.world_size}")
+    if spec.pass_ == "train":  # kind: perplexity
+        from suite.perplexity.trial import run_train
+        return run_train(spec, comm, device, autograd=autograd, on_prepared=on_prepared)
     method = spec.build_method()
     layout = method.layout(spec.case())
     checked = settings.check and spec.seq_len <= settings.check_max_seq_len
@@ -216,19 +219,10 @@ def make_record(spec: TrialSpec, outcome: Outcome, settings: RunSettings, run_id
     """One result row from the ranks' reports (max over ranks for errors, times and bytes)."""
     rec = _base_record(spec, settings, run_id, started_at)
     rec[M.DURATION_S] = wall_s
+    failed = _failure(rec, outcome)
+    if failed is not None:
+        return failed
     reports = [r for r in outcome.reports if r is not None]
-    failed = [r for r in reports if not r.get("ok")]
-    if outcome.kind == "timeout" and not failed:
-        rec.update({M.STATUS: M.TIMEOUT, M.REASON: outcome.message})
-        return _complete(rec)
-    if failed or outcome.kind == "failed":
-        msgs = [f"rank {r['rank']}: {'out of memory: ' if r.get('oom') else ''}{r['error']}" for r in failed]
-        if outcome.message:
-            msgs.append(outcome.message)
-        rec.update({M.STATUS: M.FAILED, M.REASON: "; ".join(msgs)[:4000],
-                    M.ERROR_TRACE: failed[0]["traceback"] if failed else None})
-        return _complete(rec)
-
     first = reports[0]
     rec[M.CHECKED] = first["checked"]
     rec[M.KERNEL_USED] = first["kernel_used"]
@@ -256,6 +250,23 @@ def make_record(spec: TrialSpec, outcome: Outcome, settings: RunSettings, run_id
         M.REASON: "; ".join(bad) if bad else "",
     })
     return _complete(rec)
+
+
+def _failure(rec: dict[str, Any], outcome: Outcome) -> Optional[dict[str, Any]]:
+    """The row of a trial that timed out or failed on any rank, or None if every rank reported."""
+    reports = [r for r in outcome.reports if r is not None]
+    failed = [r for r in reports if not r.get("ok")]
+    if outcome.kind == "timeout" and not failed:
+        rec.update({M.STATUS: M.TIMEOUT, M.REASON: outcome.message})
+        return _complete(rec)
+    if failed or outcome.kind == "failed" or not reports:
+        msgs = [f"rank {r['rank']}: {'out of memory: ' if r.get('oom') else ''}{r['error']}" for r in failed]
+        if outcome.message:
+            msgs.append(outcome.message)
+        rec.update({M.STATUS: M.FAILED, M.REASON: "; ".join(msgs)[:4000] or "no rank reported",
+                    M.ERROR_TRACE: failed[0]["traceback"] if failed else None})
+        return _complete(rec)
+    return None
 
 
 def _breakdown_columns(reports: list[dict], total_ms: float) -> dict[str, Any]:

@@ -1,0 +1,173 @@
+"""Train and evaluate the small model with one sequence-parallel method (or on one device).
+
+The same function runs the single-device baseline and every rank of a sequence-parallel run, so
+the two differ only where sequence parallelism must differ:
+
+- inputs and labels: the window of S + 1 tokens is shifted *globally* (labels = next token on the
+  whole sequence), then both are sharded by the method's layout;
+- positions: RoPE gets the layout's global positions;
+- loss: the sum of the rank's token losses divided by the *global* token count, so the ranks'
+  losses add up to the baseline's mean;
+- gradients: summed over the sequence-parallel group after backward (each rank's parameter
+  gradient is its tokens' share; the attention backward already returned the dK/dV of its tokens'
+  keys to their owners), so every rank takes the same optimizer step.
+
+`planted_bug` breaks one of these on purpose, so that a test (or a user) can see the check catch it.
+"""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from methods import layouts
+from methods.comm import CommLedger, CountingComm
+from methods.comm.base import Comm
+from suite.perplexity.data import Corpus, train_windows, val_windows
+from suite.perplexity.model import Attend, ModelConfig, TinyLlama
+
+PLANTED_BUGS = {
+    "none": "no bug",
+    "local_positions": "RoPE gets local positions 0..S_local-1 instead of the layout's global positions",
+    "local_label_shift": "labels shifted per rank after sharding (each shard's last token loses its label, "
+                         "and non-contiguous layouts get wrong next tokens)",
+    "no_grad_sync": "parameter gradients are not summed over the sequence-parallel group",
+}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 50
+    batch: int = 4
+    seq_len: int = 256
+    lr: float = 3e-3
+    warmup_steps: int = 5
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_batches: int = 4
+    seed: int = 0
+    planted_bug: str = "none"
+
+
+@dataclass
+class TrainResult:
+    losses: list[float]          # global mean training loss of each step (before its update)
+    val_loss: float              # global mean validation loss after training
+    step_ms: list[float]         # wall time of each step on this rank
+    attn_bytes_sent: int = 0     # attention communication of one training step (forward + backward)
+    attn_bytes_recv: int = 0
+    eval_tokens: int = 0
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def perplexity(self) -> float:
+        return math.exp(self.val_loss)
+
+
+def build_model(cfg: ModelConfig, seed: int, dtype: torch.dtype, device: torch.device) -> TinyLlama:
+    """The same initial weights on every rank and in the baseline (a private generator: virtual
+    ranks are threads sharing torch's global one)."""
+    model = TinyLlama(cfg)
+    model.init_weights(torch.Generator().manual_seed(seed))
+    return model.to(device=device, dtype=dtype)
+
+
+def train_and_evaluate(model_cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, *, layout: layouts.Layout,
+                       comm: Optional[Comm], make_attend: Callable[[Optional[Comm]], Attend],
+                       dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> TrainResult:
+    """Train for `tc.steps` steps, then evaluate on the validation windows.
+
+    `comm` is the sequence-parallel group (None on a single device); `make_attend(comm)` returns the
+    attention to use with that comm (the first step runs through a byte-counting comm).
+    """
+    if tc.planted_bug not in PLANTED_BUGS:
+        raise ValueError(f"unknown planted_bug {tc.planted_bug!r}; choose one of {list(PLANTED_BUGS)}")
+    rank = comm.rank if comm is not None else 0
+    model = build_model(model_cfg, tc.seed, dtype, device)
+    params = [p for p in model.parameters()]
+    decay = [p for p in params if p.dim() == 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
+                             {"params": no_decay, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, tc.warmup_steps)))
+    windows = train_windows(corpus, steps=tc.steps, batch=tc.batch, seq_len=tc.seq_len, seed=tc.seed)
+    n_tokens = tc.batch * tc.seq_len
+    result = TrainResult(losses=[], val_loss=math.nan, step_ms=[])
+
+    model.train()
+    for step in range(tc.steps):
+        t0 = time.perf_counter()
+        ledger = CommLedger() if step == 0 and comm is not None else None
+        attend = make_attend(CountingComm(comm, ledger) if ledger is not None else comm)
+        tokens, labels, positions = _shard(windows[step].to(device), layout, rank, tc.planted_bug)
+        logits = model(tokens, positions, attend)
+        nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+        (nll / n_tokens).backward()
+        # One all-reduce for every gradient and the loss (it is logged as the global mean).
+        flat = torch.cat([p.grad.reshape(-1).float() for p in params] + [nll.detach().float().view(1)])
+        if comm is not None and comm.world_size > 1:
+            if tc.planted_bug == "no_grad_sync":
+                loss_only = flat[-1:].clone()
+                comm.all_reduce(loss_only)
+                flat[-1:] = loss_only
+            else:
+                comm.all_reduce(flat)
+        _unflatten_grads(flat[:-1], params)
+        result.losses.append(float(flat[-1]) / n_tokens)
+        if tc.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        result.step_ms.append((time.perf_counter() - t0) * 1e3)
+        if ledger is not None:
+            result.attn_bytes_sent, result.attn_bytes_recv = ledger.bytes_sent, ledger.bytes_recv
+
+    result.val_loss, result.eval_tokens = _evaluate(model, tc, corpus, layout, rank, comm, make_attend(comm), device)
+    return result
+
+
+def _shard(window: torch.Tensor, layout: layouts.Layout, rank: int, bug: str):
+    """This rank's (tokens, labels, positions) of a [B, S + 1] window."""
+    inputs, labels = window[:, :-1], window[:, 1:]           # shifted on the global sequence
+    tokens = layout.shard(inputs, rank)
+    positions = layout.positions(rank).to(window.device)
+    if bug == "local_label_shift":
+        local = tokens[:, 1:]
+        labels = torch.cat([local, torch.full_like(tokens[:, :1], -100)], dim=1)
+    else:
+        labels = layout.shard(labels, rank)
+    if bug == "local_positions":
+        positions = torch.arange(tokens.shape[1], device=window.device)
+    return tokens, labels, positions
+
+
+def _unflatten_grads(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
+    offset = 0
+    for p in params:
+        n = p.numel()
+        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        offset += n
+
+
+@torch.no_grad()
+def _evaluate(model: TinyLlama, tc: TrainConfig, corpus: Corpus, layout: layouts.Layout, rank: int,
+              comm: Optional[Comm], attend: Attend, device: torch.device) -> tuple[float, int]:
+    model.eval()
+    windows = val_windows(corpus, batches=tc.eval_batches, batch=tc.batch, seq_len=tc.seq_len)
+    total = torch.zeros(1, dtype=torch.float64, device=device)
+    for w in windows:
+        tokens, labels, positions = _shard(w.to(device), layout, rank, tc.planted_bug)
+        logits = model(tokens, positions, attend)
+        total += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
+                                 reduction="sum").double()
+    if comm is not None and comm.world_size > 1:
+        comm.all_reduce(total)
+    n = windows.shape[0] * tc.batch * tc.seq_len
+    return float(total) / n, n
