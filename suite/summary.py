@@ -15,6 +15,33 @@ def _fmt(value, spec: str) -> str:
 def summary_table(records: list[dict]) -> str:
     if not records:
         return "(no trials)"
+    train = [r for r in records if r["pass"] == "train"]
+    attention = [r for r in records if r["pass"] != "train"]
+    return "\n\n".join(t for t in (_attention_table(attention), _perplexity_table(train)) if t)
+
+
+def _perplexity_table(records: list[dict]) -> str:
+    """Model-level rows: final perplexity against the single-device baseline."""
+    if not records:
+        return ""
+    order = sorted(records, key=lambda r: (r["method"] != "baseline", r["seq_len"], r["batch"], r["heads"],
+                                           r["kv_heads"], r["head_dim"], r["dtype"], r["world_size"], r["method"]))
+    rows = []
+    for r in order:
+        opts = json.loads(r.get("options") or "{}")
+        name = r["method"] + ("(" + ",".join(f"{k}={v}" for k, v in sorted(opts.items())) + ")" if opts else "")
+        rows.append([name, r["executor"], r["world_size"], r["seq_len"], r["batch"], f"{r['heads']}/{r['kv_heads']}",
+                     r["head_dim"], r["dtype"], r[M.STATUS], _fmt(r.get(M.PPL), ".6f"),
+                     _fmt(r.get(M.PPL_REL_DIFF), "+.2e"), _fmt(r.get(M.LOSS_MAX_REL_DIFF), ".2e"),
+                     _fmt(r.get(M.TIME_MS_MEDIAN), ".1f"), _short_reason(r)])
+    headers = ["method", "executor", "P", "seq", "B", "H/Hkv", "D", "dtype", "status", "perplexity",
+               "vs baseline", "max loss diff", "ms/step", "note"]
+    return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+
+
+def _attention_table(records: list[dict]) -> str:
+    if not records:
+        return ""
     order = sorted(records, key=lambda r: (r["method"], r["world_size"], r["seq_len"], r["batch"], r["heads"],
                                            r["kv_heads"], r["head_dim"], r["dtype"], not r["causal"], r["pass"]))
     rows = []

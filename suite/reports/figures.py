@@ -19,7 +19,7 @@ import seaborn as sns  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator  # noqa: E402
 
 from suite import metrics as M  # noqa: E402
-from suite.reports.tables import measured  # noqa: E402
+from suite.reports.tables import attention_rows, measured, perplexity_rows  # noqa: E402
 
 # Fixed method styles: (colour, marker). Unknown methods get the next free style deterministically.
 _ORDER = ["reference", "ring", "zigzag_ring", "stripe_ring", "ulysses", "usp", "allgather_kv", "burst", "tasp",
@@ -28,6 +28,7 @@ _ORDER = ["reference", "ring", "zigzag_ring", "stripe_ring", "ulysses", "usp", "
 _PALETTE = sns.color_palette("colorblind", 10) + sns.color_palette("dark", 10)
 _MARKERS = ["o", "s", "^", "v", "D", "P", "X", "*", "h", "<", ">", "p", "d", "H", "8"]  # filled only: seaborn cannot mix in line-art markers
 _DASHES = {"dist": "", "threads": (1, 2), "sim": (5, 3)}
+_EPS = {"float32": 2.0**-23, "float64": 2.0**-52, "bfloat16": 2.0**-7, "float16": 2.0**-10}
 
 
 def method_style(method: str) -> tuple[tuple, str]:
@@ -284,16 +285,73 @@ def fig_sim_vs_measured(df: pd.DataFrame, out: Path) -> list[str]:
     return _save(fig, out, "sim_vs_measured")
 
 
+def fig_loss_curves(df: pd.DataFrame, out: Path) -> list[str]:
+    """Model-level check: training loss per step of every method over the single-device baseline
+    (left), and each method's relative difference to the baseline per step, log scale (right:
+    the curves on the left lie on top of each other when the methods are right)."""
+    t = perplexity_rows(df)
+    t = t[t[M.LOSS_CURVE].map(lambda c: c is not None and len(c) > 0)] if not t.empty else t
+    if t.empty:
+        return []
+    paths = []
+    for (shape, s, workload), part in t.groupby(["shape", "seq_len", "workload"], dropna=False):
+        base = part[part["method"] == "baseline"]
+        base_curve = list(base[M.LOSS_CURVE].iloc[0]) if not base.empty else None
+        fig, (ax_l, ax_d) = plt.subplots(1, 2, figsize=(10.0, 3.6))
+        order, palette, markers, _ = _series_styles(part)
+        for series in order:
+            row = part[part["series"] == series].iloc[0]
+            curve = list(row[M.LOSS_CURVE])
+            steps = range(1, len(curve) + 1)
+            if row["method"] == "baseline":
+                ax_l.plot(steps, curve, color="black", lw=2.5, alpha=0.35, label="baseline (1 device)")
+                continue
+            label = f"{series} P={row['world_size']}"
+            ax_l.plot(steps, curve, color=palette[series], lw=1.0, label=label)
+            if base_curve is not None:  # running max: exact zeros (equal bits) have no place on a log axis
+                worst, diff = 0.0, []
+                for a, b in zip(curve, base_curve):
+                    worst = max(worst, abs(a - b) / abs(b))
+                    diff.append(worst if worst > 0 else float("nan"))
+                ax_d.plot(steps, diff, color=palette[series], marker=markers[series], markevery=max(1, len(diff) // 8),
+                          ms=4, lw=1.0, label=label)
+        eps = _EPS.get(str(part["dtype"].iloc[0]))
+        if eps is not None and base_curve is not None:
+            ax_d.axhline(eps, ls=":", color="grey", lw=1)
+            ax_d.annotate(f"{part['dtype'].iloc[0]} machine epsilon", (0.02, eps), xycoords=("axes fraction", "data"),
+                          xytext=(0, 3), textcoords="offset points", fontsize=7, color="grey")
+        ax_l.set(xlabel="training step", ylabel="training loss (nats per byte)", title="Training loss")
+        ax_d.set(xlabel="training step", ylabel="max so far of |loss - baseline| / baseline",
+                 title="Difference to the single-device baseline")
+        ax_d.set_yscale("log")
+        ax_d.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax_d.yaxis.set_minor_formatter(NullFormatter())
+        for ax in (ax_l, ax_d):
+            ax.grid(True, which="major", alpha=0.3)
+        handles, labels = ax_l.get_legend_handles_labels()
+        ax_d.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.02, 1.0), title="method")
+        fig.suptitle(f"Model-level check, {shape} S={_short(int(s))}", y=1.02)
+        fig.tight_layout()
+        slug = "".join(ch if ch.isalnum() else "-" for ch in f"{shape}-S{s}").strip("-")
+        suffix = f"_{slug}" if t.groupby(["shape", "seq_len", "workload"], dropna=False).ngroups > 1 else ""
+        paths += _save(fig, out, f"loss_curves{suffix}")
+    return paths
+
+
 FIGURES: dict[str, Callable] = {
     "throughput": fig_throughput, "speedup": fig_speedup, "time_split": fig_time_split, "bytes": fig_bytes,
     "scaling": fig_scaling, "memory": fig_memory, "sim_vs_measured": fig_sim_vs_measured,
+    "loss_curves": fig_loss_curves,
 }
 
 
 def _draw(name: str, df: pd.DataFrame, out: Path, baseline: str) -> list[str]:
     sns.set_theme(context="paper", style="whitegrid", font_scale=1.0)
     fn = FIGURES[name]
-    return fn(df, out, baseline) if name == "speedup" else fn(df, out)
+    if name == "loss_curves":
+        return fn(df, out)
+    att = attention_rows(df)  # the attention figures never draw model-level rows
+    return fn(att, out, baseline) if name == "speedup" else fn(att, out)
 
 
 def build_figures(df: pd.DataFrame, out_dir, baseline: str) -> tuple[list[str], list[str]]:
@@ -319,8 +377,6 @@ def build_figures(df: pd.DataFrame, out_dir, baseline: str) -> tuple[list[str], 
             written += results[name]
         else:
             notes.append(_WHY_NOT.get(name, f"{name}: no data"))
-    notes.append("perplexity loss curves: no perplexity results in these runs (the perplexity check is a "
-                 "separate sweep kind)")
     return written, notes
 
 
@@ -332,4 +388,5 @@ _WHY_NOT = {
     "scaling": "scaling: fewer than two world sizes at one sequence length",
     "memory": "memory: no peak memory recorded",
     "sim_vs_measured": "simulated vs measured: needs rows of both executors dist and sim for the same trials",
+    "loss_curves": "loss curves: no model-level (kind: perplexity) rows with loss curves in these runs",
 }

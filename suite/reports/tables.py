@@ -184,16 +184,49 @@ def status_counts(df: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+TRAIN = "train"  # the pass of model-level (perplexity) rows
+
+
+def attention_rows(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["pass"] != TRAIN] if not df.empty else df
+
+
+def perplexity_rows(df: pd.DataFrame) -> pd.DataFrame:
+    return df[df["pass"] == TRAIN] if not df.empty else df
+
+
+def perplexity(df: pd.DataFrame) -> pd.DataFrame:
+    """Model-level check: final validation perplexity per method against the single-device baseline,
+    the largest per-step relative loss difference, and the time per training step."""
+    t = perplexity_rows(df)
+    if t.empty:
+        return pd.DataFrame()
+    t = t.assign(P=t["world_size"], is_base=t["method"] != "baseline")
+    out = pd.DataFrame({
+        "shape": t["shape"], "S": t["seq_len"], "series": t["series"], "P": t["P"], "status": t[M.STATUS],
+        "perplexity": t[M.PPL], "baseline perplexity": t[M.PPL_BASELINE],
+        "perplexity rel. diff": t[M.PPL_REL_DIFF], "max loss rel. diff": t[M.LOSS_MAX_REL_DIFF],
+        "final train loss": t[M.LOSS_CURVE].map(lambda c: float(c[-1]) if c is not None and len(c) else math.nan),
+        "ms per step": t[M.TIME_MS_MEDIAN], "MiB sent per step": t[M.BYTES_SENT] / 2**20,
+        "_order": t["is_base"],
+    })
+    out = out.sort_values(["shape", "S", "_order", "P", "series"]).drop(columns="_order")
+    return out.reset_index(drop=True)
+
+
 def build_tables(df: pd.DataFrame, baseline: str) -> dict[str, pd.DataFrame]:
-    """All tables of a report, by file stem (empty ones are left out by the writer)."""
+    """All tables of a report, by file stem (empty ones are left out by the writer). Attention
+    tables use the attention rows; the perplexity table the model-level rows."""
+    att = attention_rows(df)
     return {
         "status_counts": status_counts(df),
-        "correctness": correctness_matrix(df),
-        "throughput": throughput(df),
-        "throughput_by_seq_len": throughput_pivot(df),
-        f"speedup_over_{baseline}": speedup(df, baseline),
-        "communication": communication(df),
-        "memory_peak_MiB": memory(df),
+        "correctness": correctness_matrix(att),
+        "throughput": throughput(att),
+        "throughput_by_seq_len": throughput_pivot(att),
+        f"speedup_over_{baseline}": speedup(att, baseline),
+        "communication": communication(att),
+        "memory_peak_MiB": memory(att),
+        "perplexity": perplexity(df),
         "skips_and_failures": problems(df),
     }
 
@@ -210,7 +243,7 @@ def write_tables(tables: dict[str, pd.DataFrame], out_dir, caption_prefix: str =
         shown = _display(table)
         paths = {"csv": out_dir / f"{name}.csv", "md": out_dir / f"{name}.md", "tex": out_dir / f"{name}.tex"}
         table.to_csv(paths["csv"])
-        paths["md"].write_text(shown.to_markdown() + "\n")
+        paths["md"].write_text(shown.to_markdown(disable_numparse=True) + "\n")
         styler = shown.style.format(escape="latex").format_index(escape="latex", axis=0) \
             .format_index(escape="latex", axis=1)
         paths["tex"].write_text(styler.to_latex(hrules=True, caption=f"{caption_prefix}{name.replace('_', ' ')}",
@@ -221,10 +254,16 @@ def write_tables(tables: dict[str, pd.DataFrame], out_dir, caption_prefix: str =
 
 def _display(table: pd.DataFrame) -> pd.DataFrame:
     """Numbers rounded for reading (CSV keeps full precision)."""
-    def fmt(v):
+    def fmt(v, digits: int = 3):
         if isinstance(v, float):
             if math.isnan(v):
                 return ""
-            return f"{v:.3g}" if abs(v) < 1e4 else f"{v:.4g}"
+            return f"{v:.{digits}g}" if abs(v) < 1e4 else f"{v:.{max(digits, 4)}g}"
         return v
-    return table.apply(lambda col: col.map(fmt)) if not table.empty else table
+    if table.empty:
+        return table
+    return table.apply(lambda col: col.map(lambda v: fmt(v, 7 if col.name in _PRECISE else 3)))
+
+
+# Columns whose values are compared to each other to many digits (perplexity against its baseline).
+_PRECISE = {"perplexity", "baseline perplexity", "final train loss"}
