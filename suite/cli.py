@@ -57,6 +57,19 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--mlflow-uri", default=None)
     rep.add_argument("--no-mlflow", action="store_true", help="do not attach the HTML to the sweeps' MLflow runs")
 
+    hf = sub.add_parser("hf-perplexity", help="perplexity of a Hugging Face causal LM with its attention replaced "
+                        "by suite methods (virtual ranks), against its own eager attention",
+                        description="Numerics, not performance: ranks are threads of this process (ThreadComm).")
+    hf.add_argument("model", help="a local model folder (from_pretrained, no download) or tiny-llama (random, tiny)")
+    hf.add_argument("--methods", default="ring,zigzag_ring,ulysses", help="comma-separated method names")
+    hf.add_argument("--world-size", default="2,4", help="comma-separated world sizes")
+    hf.add_argument("--seq-len", type=int, default=512)
+    hf.add_argument("--batch", type=int, default=1)
+    hf.add_argument("--batches", type=int, default=2)
+    hf.add_argument("--text", default=None, help="a text file (default: the stdlib corpus's validation split)")
+    hf.add_argument("--dtype", default="float32")
+    hf.add_argument("--device", default="cpu")
+
     relog = sub.add_parser("relog", help="log a stored sweep (results folder) to MLflow again")
     relog.add_argument("run_dir")
     relog.add_argument("--uri", default=None)
@@ -81,6 +94,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _ui(args)
     if args.command == "report":
         return _report(args)
+    if args.command == "hf-perplexity":
+        return _hf_perplexity(args)
     if args.command == "relog":
         from suite.tracking import relog
         tracker = relog(args.run_dir, args.uri, args.experiment)
@@ -109,6 +124,31 @@ def _run(args) -> int:
     except KeyboardInterrupt:
         print("\ninterrupted: every finished trial is saved; continue with --resume", file=sys.stderr)
         return 130
+    return 0
+
+
+def _hf_perplexity(args) -> int:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        print("error: hf-perplexity needs transformers (pip install -e '.[hf]')", file=sys.stderr)
+        return 2
+    from tabulate import tabulate
+
+    from suite.perplexity.hf import hf_perplexity, load_model_and_batches
+
+    try:
+        model, batches = load_model_and_batches(args.model, text_path=args.text, batch=args.batch,
+                                                seq_len=args.seq_len, batches=args.batches, dtype=args.dtype,
+                                                device=args.device)
+        results = hf_perplexity(model, batches, args.methods.split(","), [int(p) for p in args.world_size.split(",")])
+    except (OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    rows = [[r.method, r.world_size, f"{r.perplexity:.6f}", f"{r.eager_perplexity:.6f}", f"{r.rel_diff:+.2e}",
+             f"{r.max_logit_diff:.2e}"] for r in results]
+    print(tabulate(rows, headers=["method", "P (threads)", "perplexity", "eager perplexity", "rel. diff",
+                                  "max |logit diff|"], disable_numparse=True))
     return 0
 
 

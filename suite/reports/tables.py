@@ -201,14 +201,14 @@ def perplexity(df: pd.DataFrame) -> pd.DataFrame:
     t = perplexity_rows(df)
     if t.empty:
         return pd.DataFrame()
-    t = t.assign(P=t["world_size"], is_base=t["method"] != "baseline")
+    t = t.assign(P=t["world_size"])
     out = pd.DataFrame({
         "shape": t["shape"], "S": t["seq_len"], "series": t["series"], "P": t["P"], "status": t[M.STATUS],
         "perplexity": t[M.PPL], "baseline perplexity": t[M.PPL_BASELINE],
         "perplexity rel. diff": t[M.PPL_REL_DIFF], "max loss rel. diff": t[M.LOSS_MAX_REL_DIFF],
         "final train loss": t[M.LOSS_CURVE].map(lambda c: float(c[-1]) if c is not None and len(c) else math.nan),
         "ms per step": t[M.TIME_MS_MEDIAN], "MiB sent per step": t[M.BYTES_SENT] / 2**20,
-        "_order": t["is_base"],
+        "_order": t["method"] != "baseline",  # the baseline first
     })
     out = out.sort_values(["shape", "S", "_order", "P", "series"]).drop(columns="_order")
     return out.reset_index(drop=True)

@@ -1,0 +1,207 @@
+"""Hugging Face `transformers` causal LMs with their attention replaced by a suite method.
+
+transformers (>= 4.48) looks attention functions up by name in `AttentionInterface`; registering
+`suite_sp` there and setting it as a model's attention implementation makes every attention layer
+call `_suite_attention`, which runs the active method over the active comm (per thread, so virtual
+ranks can share one model object). Each rank feeds the model only its layout's tokens with their
+*global* `position_ids`, so RoPE is right; the causal mask is the method's, on global positions
+(the mask transformers builds for the local tokens is not used, and not built).
+
+    with sequence_parallel(method, comm):
+        logits = sharded_logits(model, input_ids, method, comm)   # this rank's tokens
+
+`hf_perplexity` evaluates a local model's perplexity with each method against its own eager
+attention (`python -m suite hf-perplexity MODEL_DIR`). Virtual ranks (executor threads): numerics,
+not performance.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+
+from methods.base import Case, Method
+from methods.comm.base import Comm
+
+NAME = "suite_sp"
+_active = threading.local()
+
+
+def _suite_attention(module, query, key, value, attention_mask, scaling: Optional[float] = None,
+                     dropout: float = 0.0, **kwargs):
+    """transformers' attention signature: q [B, H, S, D], k/v [B, Hkv, S, D] -> ([B, S, H, D], None)."""
+    state = getattr(_active, "state", None)
+    if state is None:
+        raise RuntimeError(f"attention implementation {NAME!r} called outside `sequence_parallel(method, comm)`")
+    if dropout:
+        raise ValueError("suite methods have no attention dropout; evaluate with model.eval()")
+    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
+        raise ValueError("sliding-window attention is not supported by the suite's methods")
+    method, comm = state
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    out = method.attention(q, k, v, causal=True, comm=comm, softmax_scale=scaling)
+    return out, None
+
+
+def _no_mask(*args, **kwargs):
+    return None  # the method applies the causal mask on global positions
+
+
+def register() -> str:
+    """Register the `suite_sp` attention (and its no-op mask) with transformers; returns the name."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NAME, _suite_attention)
+    AttentionMaskInterface.register(NAME, _no_mask)
+    return NAME
+
+
+@contextlib.contextmanager
+def sequence_parallel(method: Method, comm: Comm) -> Iterator[None]:
+    """Make `method` over `comm` the attention of `suite_sp` models in this thread."""
+    previous = getattr(_active, "state", None)
+    _active.state = (method, comm)
+    try:
+        yield
+    finally:
+        _active.state = previous
+
+
+def use_suite_attention(model) -> None:
+    register()
+    model.set_attn_implementation(NAME)
+
+
+def model_case(model, batch: int, seq_len: int, world_size: int, dtype: str = "float32", device: str = "cpu") -> Case:
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    return Case(batch=batch, seq_len=seq_len, heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", heads),
+                head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, dtype=dtype, causal=True,
+                world_size=world_size, device=device)
+
+
+def sharded_logits(model, input_ids: torch.Tensor, method: Method, comm: Comm) -> torch.Tensor:
+    """This rank's logits [B, S_local, vocab] for the global `input_ids` [B, S] (model in suite_sp mode)."""
+    b, s = input_ids.shape
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    layout = method.layout(model_case(model, b, s, comm.world_size, dtype, input_ids.device.type))
+    tokens = layout.shard(input_ids, comm.rank)
+    positions = layout.positions(comm.rank).to(input_ids.device)[None].expand(b, -1)
+    with sequence_parallel(method, comm):
+        return model(input_ids=tokens, position_ids=positions, use_cache=False).logits
+
+
+def gathered_logits(model, input_ids: torch.Tensor, method: Method, world_size: int) -> torch.Tensor:
+    """Global logits [B, S, vocab] computed by `world_size` virtual ranks with `method`."""
+    from methods.comm import run_threads
+
+    b, s = input_ids.shape
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    layout = method.layout(model_case(model, b, s, world_size, dtype, input_ids.device.type))
+    use_suite_attention(model)
+    def rank(comm: Comm) -> torch.Tensor:
+        with torch.no_grad():  # grad mode is per thread
+            return sharded_logits(model, input_ids, method, comm)
+    parts = run_threads(world_size, rank)
+    return layout.unshard(parts)
+
+
+def eager_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The model's own eager attention on one device (the reference)."""
+    model.set_attn_implementation("eager")
+    with torch.no_grad():
+        return model(input_ids=input_ids, use_cache=False).logits
+
+
+@dataclass
+class HFResult:
+    method: str
+    world_size: int
+    perplexity: float
+    eager_perplexity: float
+    max_logit_diff: float
+
+    @property
+    def rel_diff(self) -> float:
+        return self.perplexity / self.eager_perplexity - 1.0
+
+
+def _nll(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, int]:
+    """Summed next-token NLL (labels shifted on the global sequence) and the token count."""
+    lp = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten(),
+                                           reduction="sum")
+    return float(lp), input_ids[:, 1:].numel()
+
+
+def hf_perplexity(model, batches: list[torch.Tensor], method_names: list[str], world_sizes: list[int]) -> list[HFResult]:
+    """Perplexity of `model` on `batches` ([B, S] token ids each) with each method and world size,
+    against the model's eager attention on the same tokens."""
+    import methods
+
+    model.eval()
+    eager = [eager_logits(model, ids) for ids in batches]
+    e_nll = sum(_nll(lg, ids)[0] for lg, ids in zip(eager, batches))
+    n = sum(_nll(lg, ids)[1] for lg, ids in zip(eager, batches))
+    results = []
+    for name in method_names:
+        method = methods.get_method(name)
+        for p in world_sizes:
+            ok, why = method.supports(model_case(model, *batches[0].shape, p,
+                                                 str(next(model.parameters()).dtype).removeprefix("torch."),
+                                                 batches[0].device.type))
+            if not ok:
+                print(f"  skip {name} P={p}: {why}")
+                continue
+            got = [gathered_logits(model, ids, method, p) for ids in batches]
+            nll = sum(_nll(lg, ids)[0] for lg, ids in zip(got, batches))
+            diff = max(float((a - b).abs().max()) for a, b in zip(got, eager))
+            results.append(HFResult(name, p, math.exp(nll / n), math.exp(e_nll / n), diff))
+    model.set_attn_implementation("eager")
+    return results
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 256):
+    """A randomly initialised tiny LlamaForCausalLM (no download): width 64, 4 heads, 2 KV heads."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def load_model_and_batches(model_ref: str, *, text_path: Optional[str], batch: int, seq_len: int, batches: int,
+                           dtype: str, device: str):
+    """The model (`tiny-llama` or a local folder for `from_pretrained`) and token batches of the text:
+    the model's own tokenizer when its folder has one, else byte tokens (vocabulary >= 256)."""
+    from suite.perplexity.data import load_corpus
+
+    from methods.base import torch_dtype
+
+    if model_ref == "tiny-llama":
+        model, tokenizer = tiny_llama(), None
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        model = AutoModelForCausalLM.from_pretrained(model_ref, local_files_only=True)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_ref, local_files_only=True)
+        except (OSError, ValueError):
+            tokenizer = None
+    model = model.to(device=device, dtype=torch_dtype(dtype)).eval()
+    corpus = load_corpus("file", path=text_path) if text_path else load_corpus("stdlib")
+    text = bytes(corpus.val.tolist())
+    if tokenizer is not None:
+        ids = torch.tensor(tokenizer(text.decode("utf-8", errors="replace"))["input_ids"], dtype=torch.long)
+    else:
+        if model.config.vocab_size < 256:
+            raise ValueError(f"no tokenizer in {model_ref} and vocabulary {model.config.vocab_size} < 256 for bytes")
+        ids = torch.tensor(list(text), dtype=torch.long)
+    need = batch * seq_len * batches
+    if ids.numel() < need:
+        raise ValueError(f"the text has {ids.numel()} tokens; {batches} batches of {batch} x {seq_len} need {need}")
+    return model, [b.to(device) for b in ids[:need].view(batches, batch, seq_len)]
