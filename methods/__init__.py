@@ -13,6 +13,7 @@ from methods.registry import (available, get_method, load_plugins, method_class,
 
 # Own methods register themselves on import.
 from methods import allgather_kv, burst, reference, ring, stripe_ring, tasp, ulysses, usp, zigzag_ring  # noqa: E402,F401
+from methods import peers  # noqa: E402,F401  (registered only where the library imports)
 
 __all__ = ["Case", "Method", "SPAttention", "available", "get_method", "load_plugins",
            "method_class", "register", "register_unavailable", "unavailable"]

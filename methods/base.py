@@ -92,6 +92,15 @@ class Method:
             return False, str(exc)
         return True, ""
 
+    def forward_only_reason(self, case: Case) -> Optional[str]:
+        """Why this method cannot run a backward pass for `case` (forward+backward trials are then
+        skipped with it), or None."""
+        return None
+
+    def kernel_used(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+        """The local attention kernel this method runs with (recorded with each trial)."""
+        return kernels.resolve_kernel(self.kernel, device, dtype, head_dim)
+
     # -- the algorithm: plain functions, written by each method ----------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Comm, causal: bool,
                 scale: float, return_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], tuple]:

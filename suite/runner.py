@@ -52,6 +52,10 @@ def check_supported(spec: TrialSpec) -> tuple[bool, str]:
         return False, reason
     if method.needs_processes and spec.executor == "threads":
         return False, f"{spec.method} calls torch.distributed itself; it needs run.executor=dist"
+    if spec.pass_ != "fwd":
+        why = method.forward_only_reason(spec.case())
+        if why:
+            return False, why
     if spec.device == "cuda" and spec.executor == "dist" and spec.nodes == 1 \
             and spec.world_size > torch.cuda.device_count():
         return False, (f"needs {spec.world_size} GPUs on this node, found {torch.cuda.device_count()} "

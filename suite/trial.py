@@ -83,7 +83,7 @@ def _run(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.devic
     rank = comm.rank
     q, k, v, dout = (layout.shard(x, rank) for x in (prob.q, prob.k, prob.v, prob.dout))
     report: dict[str, Any] = {"checked": checked, "errors": {}, "tol": {},
-                              "kernel_used": kernels.resolve_kernel(spec.kernel, device, q.dtype, spec.head_dim)}
+                              "kernel_used": method.kernel_used(device, q.dtype, spec.head_dim)}
 
     # 1. Correctness against float64 attention on the unsharded inputs.
     if checked:
@@ -100,6 +100,8 @@ def _run(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.devic
             got = dict(zip(("out", "lse", "dq", "dk", "dv"),
                            method.attention_fwd_bwd(q, k, v, dout, causal=spec.causal, comm=comm)))
         for name, tensor in got.items():
+            if tensor is None:  # a peer library that does not return the LSE
+                continue
             ref = layout.shard(prob.ref[name], rank, dim=2 if name == "lse" else 1)
             report["errors"][name] = max_abs_err(tensor, ref)
             report["tol"][name] = prob.tolerance(name, spec.world_size)
@@ -109,8 +111,12 @@ def _run(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.devic
     step = _make_step(method, spec, q, k, v, dout, autograd)
     ledger = CommLedger()
     step(CountingComm(comm, ledger))
-    report["bytes_sent"], report["bytes_recv"] = ledger.bytes_sent, ledger.bytes_recv
-    report["comm_ops"] = dict(sorted(ledger.counts().items()))
+    if method.needs_processes:  # a peer library talks to torch.distributed itself: nothing was counted
+        report["bytes_sent"] = report["bytes_recv"] = None
+        report["comm_ops"] = {}
+    else:
+        report["bytes_sent"], report["bytes_recv"] = ledger.bytes_sent, ledger.bytes_recv
+        report["comm_ops"] = dict(sorted(ledger.counts().items()))
 
     # 3. Warm-up, then timed repeats. Peak memory: what an iteration allocates beyond what was
     #    alive before it (CUDA allocator statistics over the timed iterations; on CPU one untimed
@@ -130,7 +136,7 @@ def _run(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.devic
         report["peak_mem"] = tracker.peak_bytes
 
     # 4. Where the time goes (after timing, so it cannot disturb the timed samples).
-    if settings.breakdown:
+    if settings.breakdown and not method.needs_processes:  # the split needs the suite's comm and kernels
         report.update(_breakdown(method, step, comm, device, settings.repeats))
     return report
 
@@ -242,8 +248,8 @@ def make_record(spec: TrialSpec, outcome: Outcome, settings: RunSettings, run_id
         M.TIME_MS_SAMPLES: samples, M.TIME_MS_MEDIAN: med, M.TIME_MS_MIN: lo, M.TIME_MS_MAX: hi,
         M.TFLOPS_PER_GPU: M.tflops_per_gpu(flops, med / 1e3, spec.world_size),
         M.TOKENS_PER_S: M.tokens_per_s(spec.batch, spec.seq_len, med / 1e3),
-        M.BYTES_SENT: max(r["bytes_sent"] for r in reports),
-        M.BYTES_RECV: max(r["bytes_recv"] for r in reports),
+        M.BYTES_SENT: None if first["bytes_sent"] is None else max(r["bytes_sent"] for r in reports),
+        M.BYTES_RECV: None if first["bytes_recv"] is None else max(r["bytes_recv"] for r in reports),
         M.COMM_OPS: json.dumps(first["comm_ops"], sort_keys=True),
         M.PEAK_MEM: max(r["peak_mem"] for r in reports) if first["peak_mem"] is not None else None,
         M.STATUS: M.INCORRECT if bad else M.OK,

@@ -206,15 +206,16 @@ def test_building_the_reference_is_not_the_methods_time(write_config):
     every rank has its inputs (found in review: a slow reference timed out the method)."""
     path = write_config("""
     name: prep
-    sweep: {methods: [ring], world_size: [2], seq_len: [1536], heads: [8], kv_heads: [8], head_dim: [32],
+    sweep: {methods: [ring], world_size: [2], seq_len: [128], heads: [2], kv_heads: [2], head_dim: [16],
             causal: [true], passes: [fwd]}
-    run: {warmup: 0, repeats: 1, breakdown: false, timeout_s: 10, prepare_timeout_s: 0.01}
+    run: {warmup: 0, repeats: 1, breakdown: false, timeout_s: 10, prepare_timeout_s: 1,
+          plugins: [tests.plugins.slow_reference]}
     tracking: {mlflow: false}
     """)
-    res = sweep(path)
+    res = sweep(path)  # preparing takes 4 s (the plugin), over its 1 s limit
     assert res.records[0][M.STATUS] == M.TIMEOUT and "run.prepare_timeout_s" in res.records[0][M.REASON]
-    # a generous preparation limit, and a trial limit far below the reference's build time
-    res = sweep(path, "run.prepare_timeout_s=300", "run.timeout_s=1.5")
+    # a generous preparation limit, and a trial limit below the 4 s the preparation takes
+    res = sweep(path, "run.prepare_timeout_s=300", "run.timeout_s=3")
     assert res.records[0][M.STATUS] == M.OK
 
 

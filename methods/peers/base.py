@@ -1,0 +1,61 @@
+"""What every peer adapter shares: the library's own autograd instead of our forward/backward
+split, and no byte counting or time breakdown (the library talks to torch.distributed itself)."""
+from __future__ import annotations
+
+import importlib.metadata
+from typing import ClassVar, Optional
+
+import torch
+
+from methods import kernels
+from methods.base import Case, Method, check_local_inputs
+from methods.comm.base import Comm
+
+
+def version_of(dist_name: str) -> Optional[str]:
+    try:
+        return importlib.metadata.version(dist_name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+class PeerMethod(Method):
+    """A library's sequence-parallel attention behind the suite's interface.
+
+    Subclasses implement `_call(q, k, v, causal, scale) -> (out, lse or None)` on this rank's shards
+    (differentiable through the library's autograd functions) and set `layout`. They run only under
+    executor dist (`needs_processes`): the library creates its own process groups over the trial's
+    worker group. `impl` names the library and version (and `+cpu-kernel` in kernel-shim mode).
+    """
+
+    needs_processes: ClassVar[bool] = True
+    library: ClassVar[str] = ""
+
+    def __init__(self, kernel: str = "auto"):
+        super().__init__(kernel)
+
+    def forward_only_reason(self, case: Case) -> Optional[str]:
+        return None
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, comm: Comm,
+                  softmax_scale: Optional[float] = None, return_lse: bool = False):
+        check_local_inputs(q, k, v)
+        if comm.world_size != _dist_world_size():
+            raise RuntimeError(f"{self.name} runs over the whole torch.distributed group "
+                               f"({_dist_world_size()} ranks); this comm has {comm.world_size}")
+        scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        out, lse = self._call(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale)
+        return (out, lse) if return_lse else out
+
+    def attention_fwd_bwd(self, *args, **kwargs):
+        raise RuntimeError(f"{self.name} runs the library's own autograd; it cannot run as virtual ranks")
+
+    def _call(self, q, k, v, causal: bool, scale: float):
+        raise NotImplementedError
+
+
+def _dist_world_size() -> int:
+    import torch.distributed as dist
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("peer adapters need an initialised torch.distributed group (run.executor=dist)")
+    return dist.get_world_size()

@@ -1,0 +1,16 @@
+"""Test-only plugin (`run.plugins`): every rank takes 4 s longer to build a trial's inputs and
+float64 reference, so a test can tell the preparation limit from the trial limit without relying
+on how fast this machine computes the reference."""
+import time
+
+import suite.trial
+
+_build = suite.trial.build_problem
+
+
+def _slow_build(*args, **kwargs):
+    time.sleep(4.0)
+    return _build(*args, **kwargs)
+
+
+suite.trial.build_problem = _slow_build

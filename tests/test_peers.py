@@ -1,0 +1,146 @@
+"""Peer library adapters: registration with and without the library, yunchang's layouts against
+its own sharding functions on real process groups, and the suite catching yunchang's wrong
+torch_math ring (zero LSE) as `incorrect`."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import methods
+from methods.base import Case
+from suite import metrics as M
+from tests.helpers import run_dist
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_YUNCHANG = "yunchang_usp" in methods.available()
+needs_yunchang = pytest.mark.skipif(not HAS_YUNCHANG, reason="yunchang is not installed (pip install -e .[peers])")
+
+
+def _python(code: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+
+
+def test_a_missing_library_gives_a_reason_not_an_import_error():
+    # sys.modules[name] = None makes `import name` raise ImportError, as on a machine without it
+    out = _python("import sys; sys.modules['yunchang'] = None\n"
+                  "import methods\n"
+                  "u = methods.unavailable()\n"
+                  "assert 'yunchang_usp' in u and 'yunchang_ulysses' in u and 'pip install' in u['yunchang_usp'], u\n"
+                  "assert 'yunchang_usp' not in methods.available()\n"
+                  "try:\n    methods.get_method('yunchang_usp')\nexcept KeyError as e:\n    print('KEY', e)\n")
+    assert out.returncode == 0, out.stderr
+    assert "not available here" in out.stdout
+    listed = subprocess.run([sys.executable, "-c", "import sys; sys.modules['yunchang'] = None\n"
+                             "from suite.cli import main; main(['list'])"], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120)
+    assert listed.returncode == 0 and "yunchang is not importable" in listed.stdout
+
+
+def test_ring_flash_attn_without_flash_attn_is_listed_with_the_reason():
+    if "rfa_ring" in methods.available():
+        pytest.skip("ring-flash-attn imports here (a GPU machine)")
+    for name in ("rfa_ring", "rfa_zigzag", "rfa_stripe", "rfa_llama3"):
+        assert "ring-flash-attn is not importable" in methods.unavailable()[name]
+
+
+def test_torch_cp_is_skipped_on_cpu_with_the_reason():
+    if "torch_cp_allgather" not in methods.available():
+        pytest.skip(methods.unavailable()["torch_cp_allgather"])
+    case = Case(batch=1, seq_len=64, heads=2, kv_heads=2, head_dim=16, dtype="float32", causal=True, world_size=2)
+    ok, why = methods.get_method("torch_cp_allgather").supports(case)
+    assert not ok and "_scaled_dot_product_flash_attention_for_cpu" in why
+
+
+@needs_yunchang
+def test_yunchang_registration_options_and_errors():
+    m = methods.get_method("yunchang_usp", ring_impl="zigzag", ulysses_degree=2)
+    assert m.impl.startswith("yunchang 0.") and m.needs_processes
+    assert methods.get_method("yunchang_usp", kernel_shim=True).impl.endswith("+cpu-kernel")
+    with pytest.raises(ValueError, match="'strip'"):
+        methods.get_method("yunchang_usp", ring_impl="stripe")
+    case = Case(batch=1, seq_len=64, heads=4, kv_heads=4, head_dim=16, dtype="float32", causal=False, world_size=4)
+    ok, why = methods.get_method("yunchang_usp", ring_impl="zigzag").supports(case)
+    assert not ok and "asserts causal=True" in why
+    # torch_math has no backward: forward+backward is a recorded skip with yunchang's own words
+    assert "Not implemented backward" in methods.get_method("yunchang_usp").forward_only_reason(case)
+    gqa = Case(batch=1, seq_len=64, heads=4, kv_heads=2, head_dim=16, dtype="float32", causal=True, world_size=2)
+    ok, why = methods.get_method("yunchang_usp", ulysses_degree=1).supports(gqa)
+    assert not ok and "no GQA" in why
+    assert methods.get_method("yunchang_usp", ulysses_degree=1, kernel_shim=True).supports(gqa)[0]
+
+
+def _layouts_vs_extract(comm, cases):
+    """On real gloo groups: yunchang's EXTRACT_FUNC_DICT shard of a global tensor equals the
+    adapter's layout shard, for every ring kind and Ulysses x ring split."""
+    from yunchang import EXTRACT_FUNC_DICT
+
+    from methods.peers.yunchang_peer import _set_groups
+    out = []
+    for kind, ud in cases:
+        rd = comm.world_size // ud
+        _set_groups(ud, rd)
+        case = Case(batch=2, seq_len=48, heads=4, kv_heads=4, head_dim=8, dtype="float32", causal=True,
+                    world_size=comm.world_size)
+        method = methods.get_method("yunchang_usp", ring_impl=kind, ulysses_degree=ud)
+        g = torch.arange(2 * 48 * 3, dtype=torch.float32).view(2, 48, 3)
+        theirs = EXTRACT_FUNC_DICT[kind](g, comm.rank, world_size=comm.world_size, rd=rd, ud=ud)
+        ours = method.layout(case).shard(g, comm.rank)
+        out.append((kind, ud, torch.equal(theirs, ours)))
+    return out
+
+
+@needs_yunchang
+@pytest.mark.slow
+def test_yunchang_layouts_match_its_own_sharding_functions():
+    cases = [(kind, ud) for kind in ("basic", "zigzag", "strip") for ud in (1, 2, 4)]
+    per_rank = run_dist(4, _layouts_vs_extract, cases)
+    for rank, results in enumerate(per_rank):
+        for kind, ud, same in results:
+            assert same, f"rank {rank}: {kind} layout with ulysses_degree {ud} differs from yunchang's"
+
+
+@needs_yunchang
+@pytest.mark.slow
+def test_suite_records_yunchang_torch_math_rings_incorrect(write_config):
+    """yunchang's CPU kernel returns a zero LSE: every ring degree > 1 is wrong attention. The
+    suite must say so (incorrect, with the error), while ring degree 1 and the kernel shim pass."""
+    from suite.config import load_config
+    from suite.runner import run_sweep
+    path = write_config("""
+    name: peers
+    sweep:
+      methods: [yunchang_usp]
+      world_size: [2]
+      batch: [1]
+      seq_len: [64]
+      heads: [2]
+      kv_heads: [2]
+      head_dim: [16]
+      causal: [true]
+      passes: [fwd, fwd_bwd]
+      method_options: {yunchang_usp: {ring_impl: [basic, zigzag], ulysses_degree: [1, 2], kernel_shim: [false, true]}}
+    run: {warmup: 1, repeats: 2, timeout_s: 60}
+    tracking: {mlflow: false}
+    """)
+    cfg, text = load_config(path)
+    recs = run_sweep(cfg, text, progress=False, out=open(os.devnull, "w")).records
+    assert len(recs) == 16
+    for r in recs:
+        opts = json.loads(r["options"])
+        if r["pass"] == "fwd_bwd":
+            assert r[M.STATUS] == M.SKIPPED and "backward" in r[M.REASON]
+        elif opts["kernel_shim"]:
+            assert r[M.STATUS] == M.OK and r["impl"].endswith("+cpu-kernel"), r[M.REASON]
+            assert r[M.KERNEL_USED].startswith("suite ")
+        elif opts["ulysses_degree"] == 2:  # ring degree 1: the single block is returned as is
+            assert r[M.STATUS] == M.OK and r[M.KERNEL_USED] == "yunchang torch_math"
+        else:  # ring degree 2 with a zero LSE
+            assert r[M.STATUS] == M.INCORRECT and r[M.ERR["out"]] > 100 * r[M.TOL["out"]]
+            assert "out: error" in r[M.REASON]
+        if r[M.STATUS] != M.SKIPPED:
+            assert r[M.BYTES_SENT] is None and r[M.ERR["lse"]] is None  # not counted / not returned by yunchang
