@@ -144,3 +144,28 @@ def test_suite_records_yunchang_torch_math_rings_incorrect(write_config):
             assert "out: error" in r[M.REASON]
         if r[M.STATUS] != M.SKIPPED:
             assert r[M.BYTES_SENT] is None and r[M.ERR["lse"]] is None  # not counted / not returned by yunchang
+
+
+def _torch_cp_on_cpu(comm):
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.experimental import context_parallel
+    mesh = init_device_mesh("cpu", (comm.world_size,))
+    q = torch.randn(1, 2, 32, 16)
+    try:
+        with context_parallel(mesh, buffers=[q], buffer_seq_dims=[2]):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    except NotImplementedError as exc:
+        return str(exc)
+    return "ran"
+
+
+@pytest.mark.slow
+def test_torch_cp_really_cannot_run_on_cpu():
+    """Keeps the skip reason honest: when a torch release adds a CPU rule, this fails and the
+    adapter's CPU skip must go."""
+    if "torch_cp_allgather" not in methods.available() and "torch_cp_allgather" not in methods.unavailable():
+        pytest.skip("no torch_cp adapter")
+    pytest.importorskip("torch.distributed.tensor.experimental")
+    for msg in run_dist(2, _torch_cp_on_cpu):
+        assert "_scaled_dot_product_flash_attention_for_cpu" in msg

@@ -35,6 +35,13 @@ class _TorchCP(PeerMethod):
     impl: ClassVar[str] = f"torch {torch.__version__.split('+')[0]} context_parallel"
     rotate: ClassVar[str]
 
+    @classmethod
+    def available_here(cls) -> tuple[bool, str]:
+        if not torch.cuda.is_available():
+            return False, ("CUDA only: torch context_parallel has no sharding rule for the CPU SDPA kernel "
+                           "(NotImplementedError for aten._scaled_dot_product_flash_attention_for_cpu)")
+        return True, ""
+
     def layout(self, case: Case):
         from methods import layouts
         return layouts.make("zigzag" if case.causal else "contiguous", case.seq_len, case.world_size)
