@@ -116,6 +116,11 @@ class TrackingConfig:
     """Experiment name; default: the sweep name."""
 
 
+# The model's and the training loop's own defaults (one source for both).
+from suite.perplexity.model import ModelConfig as _Model  # noqa: E402
+from suite.perplexity.train import TrainConfig as _Train  # noqa: E402
+
+
 @dataclass
 class DataConfig:
     """The text a perplexity check trains on, as byte tokens (suite/perplexity/data.py)."""
@@ -141,16 +146,16 @@ class PerplexityConfig:
     (batch, seq_len), dtype, methods and world sizes; sweep.causal must be [true] and sweep.passes
     is not used."""
 
-    layers: int = 2
-    mlp_hidden: int = 0
+    layers: int = _Model.layers
+    mlp_hidden: int = _Model.mlp_hidden
     """SwiGLU hidden size; 0 = LLaMA's 8/3 x width rounded up to a multiple of 32."""
-    rope_theta: float = 10000.0
-    steps: int = 50
-    lr: float = 3e-3
-    warmup_steps: int = 5
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    eval_batches: int = 4
+    rope_theta: float = _Model.rope_theta
+    steps: int = _Train.steps
+    lr: float = _Train.lr
+    warmup_steps: int = _Train.warmup_steps
+    weight_decay: float = _Train.weight_decay
+    grad_clip: float = _Train.grad_clip
+    eval_batches: int = _Train.eval_batches
     """Validation batches (of sweep.batch x seq_len tokens) for the final perplexity."""
     loss_rtol: float = 1e-4
     """A method passes when every step's loss is within this relative difference of the baseline's..."""

@@ -223,12 +223,9 @@ def skipped_record(spec: TrialSpec, reason: str, settings: RunSettings, run_id: 
 def make_record(spec: TrialSpec, outcome: Outcome, settings: RunSettings, run_id: str, started_at: str,
                 wall_s: float) -> dict[str, Any]:
     """One result row from the ranks' reports (max over ranks for errors, times and bytes)."""
-    rec = _base_record(spec, settings, run_id, started_at)
-    rec[M.DURATION_S] = wall_s
-    failed = _failure(rec, outcome)
-    if failed is not None:
-        return failed
-    reports = [r for r in outcome.reports if r is not None]
+    rec, reports = begin_record(spec, outcome, settings, run_id, started_at, wall_s)
+    if reports is None:
+        return rec
     first = reports[0]
     rec[M.CHECKED] = first["checked"]
     rec[M.KERNEL_USED] = first["kernel_used"]
@@ -256,6 +253,18 @@ def make_record(spec: TrialSpec, outcome: Outcome, settings: RunSettings, run_id
         M.REASON: "; ".join(bad) if bad else "",
     })
     return _complete(rec)
+
+
+def begin_record(spec: TrialSpec, outcome: Outcome, settings: RunSettings, run_id: str, started_at: str,
+                 wall_s: float) -> tuple[dict[str, Any], Optional[list[dict]]]:
+    """(the row so far, every rank's report), or (the finished row of a failed or timed-out
+    trial, None)."""
+    rec = _base_record(spec, settings, run_id, started_at)
+    rec[M.DURATION_S] = wall_s
+    failed = _failure(rec, outcome)
+    if failed is not None:
+        return failed, None
+    return rec, [r for r in outcome.reports if r is not None]
 
 
 def _failure(rec: dict[str, Any], outcome: Outcome) -> Optional[dict[str, Any]]:

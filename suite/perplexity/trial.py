@@ -154,14 +154,11 @@ class Baselines:
 def make_train_record(spec: TrialSpec, outcome, baseline: dict, perplexity_cfg, settings, run_id: str,
                       started_at: str, wall_s: float) -> dict[str, Any]:
     """One result row: ok when every step's loss and the final perplexity match the baseline."""
-    from suite.trial import _base_record, _complete, _failure
+    from suite.trial import _complete, begin_record
 
-    rec = _base_record(spec, settings, run_id, started_at)
-    rec[M.DURATION_S] = wall_s
-    failed = _failure(rec, outcome)
-    if failed is not None:
-        return failed
-    reports = [r for r in outcome.reports if r is not None]
+    rec, reports = begin_record(spec, outcome, settings, run_id, started_at, wall_s)
+    if reports is None:
+        return rec
     first = reports[0]
     rec.update(_result_columns(spec, [r["step_ms"] for r in reports], first["losses"], first["val_loss"],
                                settings.warmup))
