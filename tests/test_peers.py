@@ -1,6 +1,7 @@
 """Peer library adapters: registration with and without the library, yunchang's layouts against
 its own sharding functions on real process groups, and the suite catching yunchang's wrong
 torch_math ring (zero LSE) as `incorrect`."""
+import importlib.util
 import json
 import os
 import subprocess
@@ -169,3 +170,83 @@ def test_torch_cp_really_cannot_run_on_cpu():
     pytest.importorskip("torch.distributed.tensor.experimental")
     for msg in run_dist(2, _torch_cp_on_cpu):
         assert "_scaled_dot_product_flash_attention_for_cpu" in msg
+
+
+RFA_SWEEP = """
+name: rfa
+sweep:
+  methods: [rfa_ring, rfa_zigzag, rfa_stripe, rfa_llama3]
+  world_size: [2]
+  batch: [1]
+  seq_len: [64]
+  heads: [4]
+  kv_heads: [2]
+  head_dim: [16]
+  dtype: [{dtype}]
+  causal: [true]
+  passes: [fwd_bwd]
+run: {{warmup: 1, repeats: 2, timeout_s: 60, plugins: [{plugin}]}}
+tracking: {{mlflow: false}}
+"""
+needs_rfa = pytest.mark.skipif(importlib.util.find_spec("ring_flash_attn") is None,
+                               reason="ring-flash-attn is not installed (pip install -e .[peers])")
+
+
+@pytest.fixture
+def restore_modules():
+    """The test-double plugin also loads in this (the parent) process: put sys.modules and the
+    method registry back afterwards, so later tests see the machine as it is."""
+    from methods import registry
+    from methods.peers import ring_flash_attn_peer
+    modules = {k: v for k, v in sys.modules.items() if k.startswith(("flash_attn", "ring_flash_attn"))}
+    reg, unavail = dict(registry._REGISTRY), dict(registry._UNAVAILABLE)
+    shim = {cls: (cls.shim, cls.impl) for cls in ring_flash_attn_peer.CLASSES}
+    supports = ring_flash_attn_peer._RFA.supports
+    yield
+    for k in [k for k in sys.modules if k.startswith(("flash_attn", "ring_flash_attn", "tests.plugins.rfa"))]:
+        del sys.modules[k]
+    sys.modules.update(modules)
+    registry._REGISTRY.clear(), registry._REGISTRY.update(reg)
+    registry._UNAVAILABLE.clear(), registry._UNAVAILABLE.update(unavail)
+    for cls, (flag, impl) in shim.items():
+        cls.shim, cls.impl = flag, impl
+    ring_flash_attn_peer._RFA.supports = supports
+
+
+def _rfa_sweep(write_config, dtype, plugin):
+    from suite.config import load_config
+    from suite.runner import run_sweep
+    cfg, text = load_config(write_config(RFA_SWEEP.format(dtype=dtype, plugin=plugin)))
+    return {r["method"]: r for r in run_sweep(cfg, text, progress=False, out=open(os.devnull, "w")).records}
+
+
+@needs_rfa
+@pytest.mark.slow
+def test_ring_flash_attn_adapters_run_its_ring_logic_on_cpu_through_a_test_double(write_config, restore_modules):
+    """With a CPU test double of flash-attn's kernel interface, ring-flash-attn's own ring, zigzag,
+    stripe and llama3 code runs over gloo: the adapters' layouts and calls pass the float64 check
+    (forward, LSE and gradients, GQA), labelled +cpu-kernel."""
+    rows = _rfa_sweep(write_config, "bfloat16", "tests.plugins.rfa_cpu_shim")
+    assert set(rows) == {"rfa_ring", "rfa_zigzag", "rfa_stripe", "rfa_llama3"}
+    for name, r in rows.items():
+        assert r[M.STATUS] == M.OK, (name, r[M.REASON])
+        assert r["impl"].endswith("+cpu-kernel") and r[M.ERR["lse"]] is not None and r[M.ERR["dk"]] is not None
+
+
+@needs_rfa
+@pytest.mark.slow
+def test_ring_flash_attn_fp32_gradients_are_caught_wrong(write_config, restore_modules):
+    """Upstream quirk: with fp32 inputs `block_dq_buffer.to(float32)` returns the reused buffer
+    itself, so later ring steps overwrite the accumulated dq/dk. The adapters skip fp32 for that
+    reason; lifted, the check must flag the gradients while the forward stays right."""
+    rows = _rfa_sweep(write_config, "float32", "tests.plugins.rfa_fp32")
+    r = rows["rfa_ring"]
+    assert r[M.STATUS] == M.INCORRECT and "dq: error" in r[M.REASON]
+    assert r[M.ERR["out"]] <= r[M.TOL["out"]] and r[M.ERR["dq"]] > 1000 * r[M.TOL["dq"]]
+
+
+def test_the_test_double_does_not_leak_into_later_tests():
+    """Runs after the rfa sweeps (file order): flash_attn is what this machine really has."""
+    if importlib.util.find_spec("flash_attn") is None:
+        assert "flash_attn" not in sys.modules or sys.modules["flash_attn"] is None
+        assert "rfa_ring" not in methods.available()

@@ -40,9 +40,10 @@ class _RFA(PeerMethod):
     impl: ClassVar[str] = f"ring-flash-attn {VERSION}"
     function: ClassVar[str]
     causal_only: ClassVar[bool] = False
+    shim: ClassVar[bool] = False  # set by the test-only CPU test double (tests/plugins/rfa_cpu_shim.py)
 
     def supports(self, case: Case) -> tuple[bool, str]:
-        if case.device != "cuda":
+        if case.device != "cuda" and not self.shim:
             return False, "ring-flash-attn runs flash-attn CUDA kernels only"
         if case.dtype not in ("bfloat16", "float16"):
             return False, ("ring-flash-attn needs bf16/fp16: with fp32 its dq/dk buffers alias the reused block "
@@ -52,7 +53,7 @@ class _RFA(PeerMethod):
         return super().supports(case)
 
     def kernel_used(self, device, dtype, head_dim) -> str:
-        return "ring-flash-attn flash_attn"
+        return "suite cpu kernel (test double)" if self.shim else "ring-flash-attn flash_attn"
 
     def _call(self, q, k, v, causal: bool, scale: float):
         import ring_flash_attn
@@ -82,29 +83,40 @@ class _Llama3(_RFA):
         return out.unsqueeze(0), (lse.unsqueeze(0) if lse.dim() == 2 else lse)
 
 
-_REASON = _import_error()
-if _REASON is None:
-    @register
-    class RFARing(_RFA):
-        name, function, layout_kind = "rfa_ring", "ring_flash_attn_func", "contiguous"
-        description = "ring-flash-attn ring_flash_attn_func (contiguous layout)"
-
-    @register
-    class RFAZigzag(_RFA):
-        name, function, layout_kind, causal_only = "rfa_zigzag", "zigzag_ring_flash_attn_func", "zigzag", True
-        description = "ring-flash-attn zigzag_ring_flash_attn_func (zigzag layout, causal)"
-
-    @register
-    class RFAStripe(_RFA):
-        name, function, layout_kind, causal_only = "rfa_stripe", "stripe_flash_attn_func", "stripe", True
-        description = "ring-flash-attn stripe_flash_attn_func (stripe layout, causal)"
-
-    @register
-    class RFALlama3(_Llama3):
-        name, function, layout_kind = "rfa_llama3", "llama3_flash_attn_varlen_func", "contiguous"
-        description = "ring-flash-attn llama3_flash_attn_varlen_func (all-gather K/V by head slices)"
-else:
-    for _name in NAMES:
-        register_unavailable(_name, _REASON)
+class RFARing(_RFA):
+    name, function, layout_kind = "rfa_ring", "ring_flash_attn_func", "contiguous"
+    description = "ring-flash-attn ring_flash_attn_func (contiguous layout)"
 
 
+class RFAZigzag(_RFA):
+    name, function, layout_kind, causal_only = "rfa_zigzag", "zigzag_ring_flash_attn_func", "zigzag", True
+    description = "ring-flash-attn zigzag_ring_flash_attn_func (zigzag layout, causal)"
+
+
+class RFAStripe(_RFA):
+    name, function, layout_kind, causal_only = "rfa_stripe", "stripe_flash_attn_func", "stripe", True
+    description = "ring-flash-attn stripe_flash_attn_func (stripe layout, causal)"
+
+
+class RFALlama3(_Llama3):
+    name, function, layout_kind = "rfa_llama3", "llama3_flash_attn_varlen_func", "contiguous"
+    description = "ring-flash-attn llama3_flash_attn_varlen_func (all-gather K/V by head slices)"
+
+
+CLASSES = (RFARing, RFAZigzag, RFAStripe, RFALlama3)
+
+
+def register_methods(shim: bool = False) -> None:
+    """Register the rfa_* methods if ring-flash-attn imports, else record why not. `shim`: the
+    test-only CPU test double of flash-attn is installed (rows get impl `...+cpu-kernel`)."""
+    reason = _import_error()
+    for cls in CLASSES:
+        if reason is None:
+            cls.shim = shim
+            cls.impl = f"ring-flash-attn {VERSION}" + ("+cpu-kernel" if shim else "")
+            register(cls)
+        else:
+            register_unavailable(cls.name, reason)
+
+
+register_methods()
