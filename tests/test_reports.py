@@ -199,3 +199,16 @@ def test_html_renders_in_headless_chromium(tmp_path, sweep_rows):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert (tmp_path / "shot.png").stat().st_size > 10000
+
+
+def test_wrong_answers_have_no_speedup_and_method_variants_get_their_own_shade(tmp_path):
+    from suite.reports.figures import _series_styles
+    from suite.reports.tables import speedup
+    rows = [row("ring", 2, 1024), row("usp", 2, 1024, options='{"ulysses_degree": 1}'),
+            row("usp", 2, 1024, options='{"ulysses_degree": 2}'),
+            row("burst", 2, 1024, status=M.INCORRECT, reason="out: error 0.3 > tolerance 1e-05")]
+    df = with_series(load_runs([write_run(tmp_path, "wrong", rows)]).frame)
+    sp = speedup(df, "ring")
+    assert "burst" not in sp.columns and {"usp(U=1)", "usp(U=2)"} <= set(sp.columns)
+    order, palette, _, _ = _series_styles(df)
+    assert palette["usp(U=1)"] != palette["usp(U=2)"]

@@ -42,10 +42,25 @@ def _series_styles(df: pd.DataFrame):
     first = df.drop_duplicates("series").set_index("series")
     order = sorted(first.index, key=lambda s: (_ORDER.index(first.loc[s, "method"])
                                                if first.loc[s, "method"] in _ORDER else 99, s))
-    palette = {s: method_style(first.loc[s, "method"])[0] for s in order}
+    palette = {}
+    for method in dict.fromkeys(first.loc[order, "method"]):  # one hue per method, shades per variant
+        variants = [s for s in order if first.loc[s, "method"] == method]
+        colour = method_style(method)[0]
+        shades = ([colour] if len(variants) == 1 else
+                  sns.blend_palette([_shade(colour, 0.45), colour, _shade(colour, -0.55)], len(variants)))
+        palette.update(zip(variants, shades))
     markers = {s: method_style(first.loc[s, "method"])[1] for s in order}
     dashes = {s: _DASHES.get(first.loc[s, "executor"], "") for s in order}
     return order, palette, markers, dashes
+
+
+def _shade(colour, amount: float) -> tuple:
+    """Darker (amount > 0, towards black) or lighter (amount < 0, towards white) `colour`."""
+    r, g, b = colour[:3]
+    if amount >= 0:
+        return (r * (1 - amount), g * (1 - amount), b * (1 - amount))
+    a = -amount
+    return (r + (1 - r) * a, g + (1 - g) * a, b + (1 - b) * a)
 
 
 def _log2_axis(ax, values, axis: str = "x") -> None:
@@ -161,8 +176,13 @@ def fig_speedup(df: pd.DataFrame, out: Path, baseline: str) -> list[str]:
             ax.set_ylabel(f"speedup over {baseline} (x)")
             ax.set_title(f"P = {p}")
             ax.legend_.remove() if ax.legend_ else None
-        handles, labels = axes[0][0].get_legend_handles_labels()
-        fig.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.0, 0.9), title="method")
+        legend = {}  # every series of every panel (the first panel may not have them all)
+        for ax in axes[0]:
+            for h, lab in zip(*ax.get_legend_handles_labels()):
+                legend.setdefault(lab, h)
+        labels = [o for o in order if o in legend]
+        fig.legend([legend[lab] for lab in labels], labels, loc="upper left", bbox_to_anchor=(1.0, 0.9),
+                   title="method")
         fig.suptitle(f"Speedup over {baseline} ({mask}, {pass_}{shape_title})", y=1.03)
         fig.tight_layout()
         paths += _save(fig, out, f"speedup_{mask}_{pass_}{slug}")

@@ -130,6 +130,7 @@ def speedup(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
     series, per world size, mask, pass and sequence length (rows). Same hardware, executor and
     problem only; empty cells where the baseline has no row."""
     m = measured(df)
+    m = m[m[M.STATUS] == M.OK]  # a wrong answer has no speed worth comparing
     if m.empty or baseline not in set(m["method"]):
         return pd.DataFrame()
     base = m[m["method"] == baseline].groupby(POINT, dropna=False)[M.TIME_MS_MEDIAN].median()
