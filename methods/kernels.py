@@ -55,7 +55,9 @@ class TimedKernel:
         self._events: list = []
 
     @contextlib.contextmanager
-    def measure(self, device: torch.device):
+    def measure(self, device: torch.device, **block):
+        """Time one block call. `block` describes it (op, q, k, causal_offset) for subclasses that
+        record what runs (the simulator's tracer); timing ignores it."""
         self.calls += 1
         if device.type == "cuda":
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -323,7 +325,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     """
     _check_shapes(q, k, v)
     if isinstance(kernel, TimedKernel):
-        with kernel.measure(q.device):
+        with kernel.measure(q.device, op="fwd", q=q, k=k, causal_offset=causal_offset):
             return block_forward(q, k, v, scale=scale, causal_offset=causal_offset, kernel=kernel.name)
     sq, sk = q.shape[1], k.shape[1]
     if kernel == NOOP:
@@ -377,7 +379,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if (out is None) == (delta is None):
         raise ValueError("block_backward needs exactly one of out and delta")
     if isinstance(kernel, TimedKernel):
-        with kernel.measure(q.device):
+        with kernel.measure(q.device, op="bwd", q=q, k=k, causal_offset=causal_offset):
             return block_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset,
                                   kernel=kernel.name, delta=delta)
     sq, sk = q.shape[1], k.shape[1]

@@ -1,0 +1,106 @@
+"""The simulator's tracer: a method's own code on meta tensors records the schedule it executes.
+Its byte counts equal those of a real gloo run, and across ranks it computes every visible
+(query, key) pair exactly once."""
+import itertools
+
+import pytest
+import torch
+
+import methods
+from methods.base import Case
+from methods.comm import CommLedger, CountingComm
+from methods.comm.counting import CommRecord
+from suite.sim.trace import Compute, Wait, trace, visible_pairs
+from tests.helpers import run_dist
+
+OWN = ["ring", "zigzag_ring", "stripe_ring", "ulysses", "usp", "allgather_kv", "burst", "tasp"]
+
+
+def test_visible_pairs_matches_counting_them():
+    for sq, sk, c in itertools.product([1, 3, 8], [1, 4, 8], [None, -9, -3, -1, 0, 1, 2, 5, 20]):
+        brute = sum(1 for i in range(sq) for j in range(sk) if c is None or j <= i + c)
+        assert visible_pairs(sq, sk, c) == brute, (sq, sk, c)
+
+
+@pytest.mark.parametrize("name", OWN)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_every_visible_pair_is_computed_exactly_once(name, world_size):
+    """Summed over ranks, forward blocks cover S(S+1)/2 (causal) or S^2 (full) pairs per head, and
+    backward blocks the same: no block missing, none twice."""
+    for causal in (True, False):
+        case = Case(batch=2, seq_len=48, heads=6, kv_heads=2, head_dim=8, dtype="float32", causal=causal,
+                    world_size=world_size)
+        ok, why = methods.get_method(name).supports(case)
+        if not ok:
+            continue
+        tr = trace(name, case, "fwd_bwd")
+        pairs = 48 * 49 // 2 if causal else 48 * 48
+        assert tr.flops(op="fwd") == 4 * 2 * 6 * 8 * pairs
+        assert tr.flops(op="bwd") == 2.5 * 4 * 2 * 6 * 8 * pairs
+
+
+def test_events_are_ordered_with_waits_after_their_exchange():
+    case = Case(batch=1, seq_len=64, heads=2, kv_heads=2, head_dim=8, dtype="bfloat16", causal=True, world_size=4)
+    tr = trace("ring", case, "fwd")
+    events = tr.ranks[1]
+    kinds = [type(e) for e in events]
+    assert kinds.count(Compute) == 2 and kinds.count(CommRecord) == 3  # causal ring: rank 1 needs 2 of 4 blocks
+    for i, e in enumerate(events):
+        if isinstance(e, Wait):
+            assert e.handle < i and isinstance(events[e.handle], CommRecord) and events[e.handle].kind == "p2p"
+    assert all(c.dtype == "bfloat16" for c in tr.compute(1))
+    # a million tokens is as cheap to trace as 64: nothing is computed or allocated
+    big = Case(batch=1, seq_len=1 << 20, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", causal=True,
+               world_size=8)
+    assert trace("ring", big, "fwd").bytes_sent(0) == 7 * 2 * (1 << 17) * 8 * 128 * 2
+
+
+def test_unsupported_cases_and_peers_say_why():
+    with pytest.raises(ValueError, match="divisible"):
+        trace("zigzag_ring", Case(batch=1, seq_len=30, heads=2, kv_heads=2, head_dim=8, dtype="float32",
+                                  causal=True, world_size=4))
+
+
+CASES = [(name, causal, pass_) for name in OWN for causal in (True, False) for pass_ in ("fwd", "fwd_bwd")]
+
+
+def _counted_in_gloo(comm, cases):
+    """Each case run for real (random inputs, autograd) through a counting comm on this rank."""
+    out = []
+    for name, causal, pass_ in cases:
+        case = Case(batch=2, seq_len=48, heads=4, kv_heads=2, head_dim=8, dtype="float32", causal=causal,
+                    world_size=comm.world_size)
+        method = methods.get_method(name)
+        if not method.supports(case)[0]:
+            out.append(None)
+            continue
+        layout = method.layout(case)
+        g = torch.Generator().manual_seed(0)
+        q, dout = (torch.randn(2, 48, 4, 8, generator=g) for _ in range(2))
+        k, v = (torch.randn(2, 48, 2, 8, generator=g) for _ in range(2))
+        ql, kl, vl, dl = (layout.shard(x, comm.rank) for x in (q, k, v, dout))
+        ledger = CommLedger()
+        counting = CountingComm(comm, ledger)
+        if pass_ == "fwd":
+            with torch.no_grad():
+                method.attention(ql, kl, vl, causal=causal, comm=counting)
+        else:
+            ql, kl, vl = (x.requires_grad_() for x in (ql, kl, vl))
+            torch.autograd.grad(method.attention(ql, kl, vl, causal=causal, comm=counting), (ql, kl, vl), dl)
+        out.append([(r.kind, r.bytes_sent, r.bytes_recv, r.per_peer) for r in ledger.records])
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_trace_bytes_equal_a_real_gloo_run(world_size):
+    per_rank = run_dist(world_size, _counted_in_gloo, CASES)
+    for i, (name, causal, pass_) in enumerate(CASES):
+        if per_rank[0][i] is None:
+            continue
+        case = Case(batch=2, seq_len=48, heads=4, kv_heads=2, head_dim=8, dtype="float32", causal=causal,
+                    world_size=world_size)
+        tr = trace(name, case, pass_)
+        for rank in range(world_size):
+            traced = [(r.kind, r.bytes_sent, r.bytes_recv, r.per_peer) for r in tr.comm(rank)]
+            assert traced == per_rank[rank][i], (name, causal, pass_, rank)
