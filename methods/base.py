@@ -25,6 +25,11 @@ def torch_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """The DTYPES key of a torch dtype ("bfloat16" for torch.bfloat16)."""
+    return str(dtype).removeprefix("torch.")
+
+
 @dataclass(frozen=True)
 class Case:
     """One attention problem as a method sees it: global shapes, mask, world size, device."""

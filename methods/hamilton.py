@@ -77,25 +77,25 @@ def verify_cycles(cycles: Cycles, n: int) -> None:
 
 def successors(cycles: Cycles) -> list[list[int]]:
     """succ[c][r]: the rank after r on cycle c (each cycle must visit 0..len-1 once each)."""
-    table = []
-    for idx, cycle in enumerate(cycles):
-        _check_cycle(cycle, len(cycle), idx)
-        succ = [0] * len(cycle)
-        for a, b in zip(cycle, [*cycle[1:], cycle[0]]):
-            succ[a] = b
-        table.append(succ)
-    return table
+    return _neighbours(cycles, after=True)
 
 
 def predecessors(cycles: Cycles) -> list[list[int]]:
     """pred[c][r]: the rank before r on cycle c (each cycle must visit 0..len-1 once each)."""
+    return _neighbours(cycles, after=False)
+
+
+def _neighbours(cycles: Cycles, *, after: bool) -> list[list[int]]:
     table = []
     for idx, cycle in enumerate(cycles):
         _check_cycle(cycle, len(cycle), idx)
-        pred = [0] * len(cycle)
+        nxt = [0] * len(cycle)
         for a, b in zip(cycle, [*cycle[1:], cycle[0]]):
-            pred[b] = a
-        table.append(pred)
+            if after:
+                nxt[a] = b
+            else:
+                nxt[b] = a
+        table.append(nxt)
     return table
 
 

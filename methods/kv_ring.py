@@ -32,6 +32,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from methods import kernels
+from methods.base import Method
 from methods.comm.base import P2P, Comm
 
 ALL = slice(None)
@@ -249,3 +250,22 @@ def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     if p > 1:
         dk_acc, dv_acc = finish_acc()  # the last hop brings our own block's accumulator home
     return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+
+
+class KVRingMethod(Method):
+    """A method that is a block plan on the K/V ring (ring, zigzag_ring, stripe_ring): forward and
+    backward are the ring engine's; subclasses give `plan`."""
+
+    def plan(self, causal: bool, rank: int, local_len: int) -> Plan:
+        """Which blocks of the K/V arriving from each source rank this rank computes."""
+        raise NotImplementedError
+
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
+        plan = self.plan(causal, comm.rank, q.shape[1])
+        out, lse = kv_ring_forward(q, k, v, comm=comm, plan=plan, scale=scale, kernel=self.kernel)
+        return out, lse, (q, k, v, out, lse)
+
+    def backward(self, dout, residuals, *, comm, causal, scale):
+        q, k, v, out, lse = residuals
+        return kv_ring_backward(dout, q, k, v, out, lse, comm=comm, plan=self.plan(causal, comm.rank, q.shape[1]),
+                                scale=scale, kernel=self.kernel)

@@ -16,8 +16,7 @@ element, 8 for float64 inputs):
 """
 from __future__ import annotations
 
-from methods.base import Method
-from methods.kv_ring import ALL, Block, Plan, full_plan, kv_ring_backward, kv_ring_forward
+from methods.kv_ring import ALL, Block, KVRingMethod, Plan, full_plan
 from methods.registry import register
 
 
@@ -34,17 +33,10 @@ def ring_plan(causal: bool, rank: int) -> Plan:
 
 
 @register
-class Ring(Method):
+class Ring(KVRingMethod):
     name = "ring"
     description = "Ring Attention: K/V blocks around a ring, online softmax, contiguous layout"
     layout_kind = "contiguous"
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
-        plan = ring_plan(causal, comm.rank)
-        out, lse = kv_ring_forward(q, k, v, comm=comm, plan=plan, scale=scale, kernel=self.kernel)
-        return out, lse, (q, k, v, out, lse)
-
-    def backward(self, dout, residuals, *, comm, causal, scale):
-        q, k, v, out, lse = residuals
-        return kv_ring_backward(dout, q, k, v, out, lse, comm=comm, plan=ring_plan(causal, comm.rank),
-                                scale=scale, kernel=self.kernel)
+    def plan(self, causal: bool, rank: int, local_len: int) -> Plan:
+        return ring_plan(causal, rank)

@@ -11,8 +11,7 @@ Communication: exactly the ring's (methods/ring.py), with L = S/P.
 """
 from __future__ import annotations
 
-from methods.base import Method
-from methods.kv_ring import ALL, Block, Plan, full_plan, kv_ring_backward, kv_ring_forward
+from methods.kv_ring import ALL, Block, KVRingMethod, Plan, full_plan
 from methods.registry import register
 
 
@@ -26,17 +25,10 @@ def stripe_plan(causal: bool, rank: int) -> Plan:
 
 
 @register
-class StripeRing(Method):
+class StripeRing(KVRingMethod):
     name = "stripe_ring"
     description = "Striped Attention: ring attention over a striped layout (token i on rank i mod P)"
     layout_kind = "stripe"
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
-        out, lse = kv_ring_forward(q, k, v, comm=comm, plan=stripe_plan(causal, comm.rank), scale=scale,
-                                   kernel=self.kernel)
-        return out, lse, (q, k, v, out, lse)
-
-    def backward(self, dout, residuals, *, comm, causal, scale):
-        q, k, v, out, lse = residuals
-        return kv_ring_backward(dout, q, k, v, out, lse, comm=comm, plan=stripe_plan(causal, comm.rank),
-                                scale=scale, kernel=self.kernel)
+    def plan(self, causal: bool, rank: int, local_len: int) -> Plan:
+        return stripe_plan(causal, rank)

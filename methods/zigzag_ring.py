@@ -16,8 +16,7 @@ Communication: exactly the ring's (methods/ring.py), with L = S/P = 2c.
 """
 from __future__ import annotations
 
-from methods.base import Method
-from methods.kv_ring import ALL, Block, Plan, full_plan, kv_ring_backward, kv_ring_forward
+from methods.kv_ring import ALL, Block, KVRingMethod, Plan, full_plan
 from methods.registry import register
 
 
@@ -38,17 +37,10 @@ def zigzag_plan(causal: bool, rank: int, local_len: int) -> Plan:
 
 
 @register
-class ZigzagRing(Method):
+class ZigzagRing(KVRingMethod):
     name = "zigzag_ring"
     description = "ring attention over the zigzag layout (chunks r and 2P-1-r): balanced causal work"
     layout_kind = "zigzag"
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
-        plan = zigzag_plan(causal, comm.rank, q.shape[1])
-        out, lse = kv_ring_forward(q, k, v, comm=comm, plan=plan, scale=scale, kernel=self.kernel)
-        return out, lse, (q, k, v, out, lse)
-
-    def backward(self, dout, residuals, *, comm, causal, scale):
-        q, k, v, out, lse = residuals
-        return kv_ring_backward(dout, q, k, v, out, lse, comm=comm, plan=zigzag_plan(causal, comm.rank, q.shape[1]),
-                                scale=scale, kernel=self.kernel)
+    def plan(self, causal: bool, rank: int, local_len: int) -> Plan:
+        return zigzag_plan(causal, rank, local_len)

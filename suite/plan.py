@@ -75,10 +75,14 @@ class TrialSpec:
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
-        opts = self.method_options
-        name = self.method + ("(" + ",".join(f"{k}={v}" for k, v in sorted(opts.items())) + ")" if opts else "")
+        name = method_label(self.method, self.method_options)
         return (f"{name} P={self.world_size} B={self.batch} S={self.seq_len} H={self.heads}/"
                 f"{self.kv_heads} D={self.head_dim} {self.dtype} {mask} {self.pass_}")
+
+
+def method_label(method: str, options: dict[str, Any]) -> str:
+    """A method with its options, as tables print it: usp(ulysses_degree=2)."""
+    return method + ("(" + ",".join(f"{k}={v}" for k, v in sorted(options.items())) + ")" if options else "")
 
 
 def _matches(rule: dict[str, Any], point: dict[str, Any]) -> bool:

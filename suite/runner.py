@@ -126,7 +126,7 @@ def run_sweep(cfg: SuiteConfig, config_yaml: str, *, resume: Optional[str] = Non
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("run.device=cuda but no CUDA device is available here (try --dry-run to see the plan)")
 
-    from suite.launch import LocalDistExecutor, ThreadExecutor, threads_per_rank  # noqa: F401
+    from suite.launch import LocalDistExecutor, ThreadExecutor
     settings = run_settings(cfg)
     if cfg.run.executor == "threads":
         executor = ThreadExecutor(device=device, run=settings, timeout_s=cfg.run.timeout_s + cfg.run.prepare_timeout_s)

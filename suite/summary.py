@@ -6,6 +6,7 @@ import json
 from tabulate import tabulate
 
 from suite import metrics as M
+from suite.plan import method_label
 
 
 def _fmt(value, spec: str) -> str:
@@ -28,9 +29,7 @@ def _perplexity_table(records: list[dict]) -> str:
                                            r["kv_heads"], r["head_dim"], r["dtype"], r["world_size"], r["method"]))
     rows = []
     for r in order:
-        opts = json.loads(r.get("options") or "{}")
-        name = r["method"] + ("(" + ",".join(f"{k}={v}" for k, v in sorted(opts.items())) + ")" if opts else "")
-        rows.append([name, r["executor"], r["world_size"], r["seq_len"], r["batch"], f"{r['heads']}/{r['kv_heads']}",
+        rows.append([_name(r), r["executor"], r["world_size"], r["seq_len"], r["batch"], f"{r['heads']}/{r['kv_heads']}",
                      r["head_dim"], r["dtype"], r[M.STATUS], _fmt(r.get(M.PPL), ".6f"),
                      _fmt(r.get(M.PPL_REL_DIFF), "+.2e"), _fmt(r.get(M.LOSS_MAX_REL_DIFF), ".2e"),
                      _fmt(r.get(M.TIME_MS_MEDIAN), ".1f"), _short_reason(r)])
@@ -47,10 +46,8 @@ def _attention_table(records: list[dict]) -> str:
     rows = []
     for r in order:
         status = r[M.STATUS] if r[M.STATUS] != M.OK or r.get(M.CHECKED) else "ok (unchecked)"
-        opts = json.loads(r.get("options") or "{}")
-        name = r["method"] + ("(" + ",".join(f"{k}={v}" for k, v in sorted(opts.items())) + ")" if opts else "")
         rows.append([
-            name, r["world_size"], r["seq_len"], r["batch"], f"{r['heads']}/{r['kv_heads']}", r["head_dim"],
+            _name(r), r["world_size"], r["seq_len"], r["batch"], f"{r['heads']}/{r['kv_heads']}", r["head_dim"],
             r["dtype"], "causal" if r["causal"] else "full", r["pass"], status,
             _fmt(r.get(M.TIME_MS_MEDIAN), ".3f"), _fmt(r.get(M.TFLOPS_PER_GPU), ".4f"),
             _fmt(None if r.get(M.BYTES_SENT) is None else r[M.BYTES_SENT] / 2**20, ".2f"),
@@ -59,6 +56,10 @@ def _attention_table(records: list[dict]) -> str:
     headers = ["method", "P", "seq", "B", "H/Hkv", "D", "dtype", "mask", "pass", "status", "ms (median)",
                "TFLOP/s/rank", "MiB sent/rank", "note"]
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
+
+
+def _name(r: dict) -> str:
+    return method_label(r["method"], json.loads(r.get("options") or "{}"))
 
 
 def _short_reason(r: dict) -> str:

@@ -2,14 +2,12 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
 import queue
 import traceback
 from datetime import timedelta
 
 import torch
 
-import methods
 from suite.check import build_problem, max_abs_err
 
 TENSORS = ("out", "lse", "dq", "dk", "dv")

@@ -1,12 +1,10 @@
 """Reports from small synthetic result sets: table contents, every figure written, a well-formed
 self-contained HTML page, and executors never mixed without a label."""
-import json
 import shutil
 import subprocess
 from html.parser import HTMLParser
 from pathlib import Path
 
-import pandas as pd
 import pytest
 
 from suite import metrics as M

@@ -102,6 +102,25 @@ class Comm(Protocol):
         ...
 
 
+class WrappedComm:
+    """Base of the comms that wrap another (counting, timing, tracing): `rank`, `world_size` and
+    `barrier` are the inner comm's; subclasses wrap the operations they observe."""
+
+    def __init__(self, inner: Comm):
+        self.inner = inner
+
+    @property
+    def rank(self) -> int:
+        return self.inner.rank
+
+    @property
+    def world_size(self) -> int:
+        return self.inner.world_size
+
+    def barrier(self) -> None:
+        self.inner.barrier()
+
+
 def validate_partition(groups: Sequence[Sequence[int]], world_size: int) -> tuple[tuple[int, ...], ...]:
     """Check that `groups` partitions range(world_size); return it as a hashable tuple."""
     flat = sorted(r for g in groups for r in g)

@@ -21,7 +21,7 @@ from typing import Sequence
 
 import torch
 
-from methods.comm.base import P2P, Comm, Work
+from methods.comm.base import P2P, Comm, Work, WrappedComm
 
 
 @dataclass
@@ -65,7 +65,7 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-class CountingComm:
+class CountingComm(WrappedComm):
     """A `Comm` that forwards to `inner` and appends one `CommRecord` per operation to `ledger`.
 
     Peers are recorded in the numbering of the comm the method used (sub-comm local ranks for a
@@ -74,17 +74,9 @@ class CountingComm:
 
     def __init__(self, inner: Comm, ledger: CommLedger | None = None,
                  group_ranks: Sequence[int] | None = None):
-        self.inner = inner
+        super().__init__(inner)
         self.ledger = ledger if ledger is not None else CommLedger()
         self._group_ranks = tuple(group_ranks) if group_ranks is not None else tuple(range(inner.world_size))
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
 
     def _outer(self, peer: int) -> int:
         return self._group_ranks[peer]
@@ -125,10 +117,7 @@ class CountingComm:
         self.ledger.records.append(CommRecord("all_reduce", moved, moved, self._group_ranks))
         self.inner.all_reduce(tensor)
 
-    def barrier(self) -> None:
-        self.inner.barrier()
-
     def split(self, groups: Sequence[Sequence[int]]) -> "CountingComm":
         sub = self.inner.split(groups)
         mine = next(g for g in groups if self.rank in g)
-        return CountingComm(sub, self.ledger, [self._group_ranks[r] for r in mine])
+        return type(self)(sub, self.ledger, [self._group_ranks[r] for r in mine])  # subclasses stay themselves

@@ -15,7 +15,7 @@ from typing import Sequence
 
 import torch
 
-from methods.comm.base import P2P, Comm, DoneWork, Work, validate_partition
+from methods.comm.base import P2P, Comm, DoneWork, Work, WrappedComm, validate_partition
 
 
 class NullComm:
@@ -69,11 +69,11 @@ class _TimedWork:
             self._inner.wait()
 
 
-class TimingComm:
+class TimingComm(WrappedComm):
     """Forwards to `inner`; `seconds` is the time spent inside its calls and waits (see above)."""
 
     def __init__(self, inner: Comm, device: torch.device | None = None, _shared: dict | None = None):
-        self.inner = inner
+        super().__init__(inner)
         self.device = device if device is not None else torch.device("cpu")
         # shared with sub-comms: CPU seconds and CUDA event pairs
         self._acc = _shared if _shared is not None else {"seconds": 0.0, "events": []}
@@ -87,14 +87,6 @@ class TimingComm:
 
     def timing(self):
         return _Timer(self._acc, self.device)
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
 
     def exchange(self, ops: Sequence[P2P]) -> Work:
         with self.timing():
@@ -115,9 +107,6 @@ class TimingComm:
     def all_reduce(self, tensor) -> None:
         with self.timing():
             self.inner.all_reduce(tensor)
-
-    def barrier(self) -> None:
-        self.inner.barrier()
 
     def split(self, groups: Sequence[Sequence[int]]) -> "TimingComm":
         return TimingComm(self.inner.split(groups), self.device, self._acc)

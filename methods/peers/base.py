@@ -8,7 +8,7 @@ from typing import ClassVar, Optional
 import torch
 
 from methods import kernels
-from methods.base import Case, Method, check_local_inputs
+from methods.base import Method, check_local_inputs
 from methods.comm.base import Comm
 
 
@@ -31,18 +31,13 @@ class PeerMethod(Method):
     needs_processes: ClassVar[bool] = True
     library: ClassVar[str] = ""
 
-    def __init__(self, kernel: str = "auto"):
-        super().__init__(kernel)
-
-    def forward_only_reason(self, case: Case) -> Optional[str]:
-        return None
-
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, comm: Comm,
                   softmax_scale: Optional[float] = None, return_lse: bool = False):
         check_local_inputs(q, k, v)
-        if comm.world_size != _dist_world_size():
+        world = dist_world_size()
+        if comm.world_size != world:
             raise RuntimeError(f"{self.name} runs over the whole torch.distributed group "
-                               f"({_dist_world_size()} ranks); this comm has {comm.world_size}")
+                               f"({world} ranks); this comm has {comm.world_size}")
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         out, lse = self._call(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale)
         return (out, lse) if return_lse else out
@@ -54,7 +49,7 @@ class PeerMethod(Method):
         raise NotImplementedError
 
 
-def _dist_world_size() -> int:
+def dist_world_size() -> int:
     import torch.distributed as dist
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("peer adapters need an initialised torch.distributed group (run.executor=dist)")

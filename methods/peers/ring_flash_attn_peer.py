@@ -23,7 +23,6 @@ from methods.peers.base import PeerMethod, version_of
 from methods.registry import register, register_unavailable
 
 VERSION = version_of("ring-flash-attn")
-NAMES = ("rfa_ring", "rfa_zigzag", "rfa_stripe", "rfa_llama3")
 
 
 def _import_error() -> str | None:

@@ -29,8 +29,8 @@ from typing import ClassVar, Optional
 import torch
 
 from methods import kernels, layouts
-from methods.base import Case
-from methods.peers.base import PeerMethod, version_of
+from methods.base import Case, dtype_name
+from methods.peers.base import PeerMethod, dist_world_size, version_of
 from methods.registry import register, register_unavailable
 
 RING_IMPLS = ("basic", "zigzag", "strip")
@@ -132,8 +132,6 @@ class _YunchangBase(PeerMethod):
                            f"{q_local} query heads and {kv_local} KV heads (torch SDPA broadcasts only 1)")
         if self.kernel_shim and case.device != "cpu":
             return False, "kernel_shim substitutes the suite's CPU kernel: CPU only"
-        if case.device == "cpu" and case.dtype in ("float16",) and not self.kernel_shim:
-            return False, "torch's CPU math attention has no float16 path worth measuring; use float32 or bfloat16"
         return super().supports(case)
 
     def forward_only_reason(self, case: Case) -> Optional[str]:
@@ -155,20 +153,16 @@ class _YunchangBase(PeerMethod):
         from yunchang import LongContextAttention
         from yunchang.kernels import AttnType
 
-        case = Case(batch=q.shape[0], seq_len=q.shape[1] * _world(), heads=q.shape[2], kv_heads=k.shape[2],
-                    head_dim=q.shape[3], dtype=str(q.dtype).removeprefix("torch."), causal=causal,
-                    world_size=_world(), device=q.device.type)
+        world = dist_world_size()
+        case = Case(batch=q.shape[0], seq_len=q.shape[1] * world, heads=q.shape[2], kv_heads=k.shape[2],
+                    head_dim=q.shape[3], dtype=dtype_name(q.dtype), causal=causal, world_size=world,
+                    device=q.device.type)
         ud, rd = self.degrees(case)
         _set_groups(ud, rd)
         attn = LongContextAttention(ring_impl_type=self.ring_impl, attn_type=AttnType(self.attn_type(q.device)))
         with _kernel_shim() if self.kernel_shim else contextlib.nullcontext():
             out = attn(q, k, v, softmax_scale=scale, causal=causal)
         return out, None
-
-
-def _world() -> int:
-    import torch.distributed as dist
-    return dist.get_world_size()
 
 
 def _auto_degree(case: Case) -> int:

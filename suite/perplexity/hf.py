@@ -24,7 +24,7 @@ from typing import Iterator, Optional
 
 import torch
 
-from methods.base import Case, Method
+from methods.base import Case, Method, dtype_name
 from methods.comm.base import Comm
 
 NAME = "suite_sp"
@@ -85,11 +85,16 @@ def model_case(model, batch: int, seq_len: int, world_size: int, dtype: str = "f
                 world_size=world_size, device=device)
 
 
+def _layout(model, input_ids: torch.Tensor, method: Method, world_size: int):
+    b, s = input_ids.shape
+    dtype = dtype_name(next(model.parameters()).dtype)
+    return method.layout(model_case(model, b, s, world_size, dtype, input_ids.device.type))
+
+
 def sharded_logits(model, input_ids: torch.Tensor, method: Method, comm: Comm) -> torch.Tensor:
     """This rank's logits [B, S_local, vocab] for the global `input_ids` [B, S] (model in suite_sp mode)."""
-    b, s = input_ids.shape
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    layout = method.layout(model_case(model, b, s, comm.world_size, dtype, input_ids.device.type))
+    b = input_ids.shape[0]
+    layout = _layout(model, input_ids, method, comm.world_size)
     tokens = layout.shard(input_ids, comm.rank)
     positions = layout.positions(comm.rank).to(input_ids.device)[None].expand(b, -1)
     with sequence_parallel(method, comm):
@@ -100,9 +105,7 @@ def gathered_logits(model, input_ids: torch.Tensor, method: Method, world_size: 
     """Global logits [B, S, vocab] computed by `world_size` virtual ranks with `method`."""
     from methods.comm import run_threads
 
-    b, s = input_ids.shape
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    layout = method.layout(model_case(model, b, s, world_size, dtype, input_ids.device.type))
+    layout = _layout(model, input_ids, method, world_size)
     use_suite_attention(model)
     def rank(comm: Comm) -> torch.Tensor:
         with torch.no_grad():  # grad mode is per thread
@@ -145,15 +148,13 @@ def hf_perplexity(model, batches: list[torch.Tensor], method_names: list[str], w
 
     model.eval()
     eager = [eager_logits(model, ids) for ids in batches]
-    e_nll = sum(_nll(lg, ids)[0] for lg, ids in zip(eager, batches))
-    n = sum(_nll(lg, ids)[1] for lg, ids in zip(eager, batches))
+    e_nll, n = map(sum, zip(*(_nll(lg, ids) for lg, ids in zip(eager, batches))))
+    dtype = dtype_name(next(model.parameters()).dtype)
     results = []
     for name in method_names:
         method = methods.get_method(name)
         for p in world_sizes:
-            ok, why = method.supports(model_case(model, *batches[0].shape, p,
-                                                 str(next(model.parameters()).dtype).removeprefix("torch."),
-                                                 batches[0].device.type))
+            ok, why = method.supports(model_case(model, *batches[0].shape, p, dtype, batches[0].device.type))
             if not ok:
                 print(f"  skip {name} P={p}: {why}")
                 continue

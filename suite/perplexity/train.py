@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -60,8 +60,6 @@ class TrainResult:
     step_ms: list[float]         # wall time of each step on this rank
     attn_bytes_sent: int = 0     # attention communication of one training step (forward + backward)
     attn_bytes_recv: int = 0
-    eval_tokens: int = 0
-    extra: dict = field(default_factory=dict)
 
     @property
     def perplexity(self) -> float:
@@ -129,7 +127,7 @@ def train_and_evaluate(model_cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, 
         if ledger is not None:
             result.attn_bytes_sent, result.attn_bytes_recv = ledger.bytes_sent, ledger.bytes_recv
 
-    result.val_loss, result.eval_tokens = _evaluate(model, tc, corpus, layout, rank, comm, make_attend(comm), device)
+    result.val_loss = _evaluate(model, tc, corpus, layout, rank, comm, make_attend(comm), device)
     return result
 
 
@@ -158,7 +156,7 @@ def _unflatten_grads(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
 
 @torch.no_grad()
 def _evaluate(model: TinyLlama, tc: TrainConfig, corpus: Corpus, layout: layouts.Layout, rank: int,
-              comm: Optional[Comm], attend: Attend, device: torch.device) -> tuple[float, int]:
+              comm: Optional[Comm], attend: Attend, device: torch.device) -> float:
     model.eval()
     windows = val_windows(corpus, batches=tc.eval_batches, batch=tc.batch, seq_len=tc.seq_len)
     total = torch.zeros(1, dtype=torch.float64, device=device)
@@ -169,5 +167,4 @@ def _evaluate(model: TinyLlama, tc: TrainConfig, corpus: Corpus, layout: layouts
                                  reduction="sum").double()
     if comm is not None and comm.world_size > 1:
         comm.all_reduce(total)
-    n = windows.shape[0] * tc.batch * tc.seq_len
-    return float(total) / n, n
+    return float(total) / (windows.shape[0] * tc.batch * tc.seq_len)

@@ -19,13 +19,13 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from methods import kernels, layouts
+from methods import layouts
 from methods.base import torch_dtype
 from methods.comm.base import Comm
 from suite import metrics as M
 from suite.perplexity.data import Corpus, load_corpus
 from suite.perplexity.model import ModelConfig, sdpa_attend
-from suite.perplexity.train import TrainConfig, TrainResult, train_and_evaluate
+from suite.perplexity.train import TrainConfig, train_and_evaluate
 from suite.plan import TrialSpec
 from suite.timing import group_samples, summarize
 
@@ -90,8 +90,7 @@ def run_train(spec: TrialSpec, comm: Comm, device: torch.device, *, autograd: bo
 
     result = train_and_evaluate(model_cfg, train_cfg, corpus, layout=layout, comm=comm, make_attend=attend,
                                 dtype=torch_dtype(spec.dtype), device=device)
-    return {"checked": True, "kernel_used": kernels.resolve_kernel(spec.kernel, device, torch_dtype(spec.dtype),
-                                                                   spec.head_dim),
+    return {"checked": True, "kernel_used": method.kernel_used(device, torch_dtype(spec.dtype), spec.head_dim),
             "losses": result.losses, "val_loss": result.val_loss, "step_ms": result.step_ms,
             "bytes_sent": result.attn_bytes_sent, "bytes_recv": result.attn_bytes_recv}
 

@@ -238,14 +238,8 @@ def fig_bytes(df: pd.DataFrame, out: Path) -> list[str]:
     m = m[m["MiB"] > 0]
     if m.empty:
         return []
-    paths = []
-    for slug, shape, sm in _per_shape(m):
-        for pass_, part in sm.groupby("pass"):
-            fig = _lines(part, x="seq_len", y="MiB", xlabel="sequence length (tokens, log scale)",
-                         ylabel="MiB sent per rank (log scale)",
-                         title=f"Communication volume per rank ({pass_}{shape})", logx=True, logy=True)
-            paths += _save(fig, out, f"bytes_{pass_}{slug}")
-    return paths
+    return _per_pass_lines(m, out, "bytes", ylabel="MiB sent per rank (log scale)",
+                           title="Communication volume per rank", logy=True)
 
 
 def fig_scaling(df: pd.DataFrame, out: Path) -> list[str]:
@@ -271,13 +265,18 @@ def fig_memory(df: pd.DataFrame, out: Path) -> list[str]:
     m = m.assign(MiB=m[M.PEAK_MEM] / 2**20)
     if m.empty:
         return []
+    return _per_pass_lines(m, out, "memory", ylabel="peak memory per rank (MiB)", title="Peak memory per rank")
+
+
+def _per_pass_lines(m: pd.DataFrame, out: Path, name: str, *, ylabel: str, title: str,
+                    logy: bool = False) -> list[str]:
+    """Column `MiB` against sequence length, one figure per problem shape and pass."""
     paths = []
     for slug, shape, sm in _per_shape(m):
         for pass_, part in sm.groupby("pass"):
-            fig = _lines(part, x="seq_len", y="MiB", xlabel="sequence length (tokens, log scale)",
-                         ylabel="peak memory per rank (MiB)", title=f"Peak memory per rank ({pass_}{shape})",
-                         logx=True)
-            paths += _save(fig, out, f"memory_{pass_}{slug}")
+            fig = _lines(part, x="seq_len", y="MiB", xlabel="sequence length (tokens, log scale)", ylabel=ylabel,
+                         title=f"{title} ({pass_}{shape})", logx=True, logy=logy)
+            paths += _save(fig, out, f"{name}_{pass_}{slug}")
     return paths
 
 
@@ -314,7 +313,8 @@ def fig_loss_curves(df: pd.DataFrame, out: Path) -> list[str]:
     if t.empty:
         return []
     paths = []
-    for (shape, s, workload), part in t.groupby(["shape", "seq_len", "workload"], dropna=False):
+    groups = t.groupby(["shape", "seq_len", "workload"], dropna=False)
+    for (shape, s, workload), part in groups:
         base = part[part["method"] == "baseline"]
         base_curve = list(base[M.LOSS_CURVE].iloc[0]) if not base.empty else None
         fig, (ax_l, ax_d) = plt.subplots(1, 2, figsize=(10.0, 3.6))
@@ -353,7 +353,7 @@ def fig_loss_curves(df: pd.DataFrame, out: Path) -> list[str]:
         fig.suptitle(f"Model-level check, {shape} S={_short(int(s))}", y=1.02)
         fig.tight_layout()
         slug = "".join(ch if ch.isalnum() else "-" for ch in f"{shape}-S{s}").strip("-")
-        suffix = f"_{slug}" if t.groupby(["shape", "seq_len", "workload"], dropna=False).ngroups > 1 else ""
+        suffix = f"_{slug}" if groups.ngroups > 1 else ""
         paths += _save(fig, out, f"loss_curves{suffix}")
     return paths
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Optional
 
 import pandas as pd
 
@@ -202,9 +201,8 @@ def perplexity(df: pd.DataFrame) -> pd.DataFrame:
     t = perplexity_rows(df)
     if t.empty:
         return pd.DataFrame()
-    t = t.assign(P=t["world_size"])
     out = pd.DataFrame({
-        "shape": t["shape"], "S": t["seq_len"], "series": t["series"], "P": t["P"], "status": t[M.STATUS],
+        "shape": t["shape"], "S": t["seq_len"], "series": t["series"], "P": t["world_size"], "status": t[M.STATUS],
         "perplexity": t[M.PPL], "baseline perplexity": t[M.PPL_BASELINE],
         "perplexity rel. diff": t[M.PPL_REL_DIFF], "max loss rel. diff": t[M.LOSS_MAX_REL_DIFF],
         "final train loss": t[M.LOSS_CURVE].map(lambda c: float(c[-1]) if c is not None and len(c) else math.nan),

@@ -20,7 +20,7 @@ import torch
 
 import methods
 from methods import kernels
-from methods.base import Case
+from methods.base import Case, dtype_name
 from methods.comm import CommLedger, CountingComm, run_threads
 from methods.comm.base import Work
 from methods.comm.counting import CommRecord
@@ -103,11 +103,6 @@ class TracingComm(CountingComm):
         work = super().exchange(ops)
         return _TracedWork(work, self.ledger, len(self.ledger.events) - 1)
 
-    def split(self, groups):
-        sub = self.inner.split(groups)
-        mine = next(g for g in groups if self.rank in g)
-        return TracingComm(sub, self.ledger, [self._group_ranks[r] for r in mine])
-
 
 class TracingKernel(kernels.TimedKernel):
     """A kernel choice that records every block call and computes nothing (placeholders)."""
@@ -124,7 +119,7 @@ class TracingKernel(kernels.TimedKernel):
         pairs = visible_pairs(sq, sk, causal_offset)
         flops = 4.0 * b * h * d * pairs * (2.5 if op == "bwd" else 1.0)
         self._ledger.events.append(Compute(op, b, sq, sk, h, hkv, d, causal_offset,
-                                           str(q.dtype).removeprefix("torch."), pairs, flops))
+                                           dtype_name(q.dtype), pairs, flops))
         yield
 
 
