@@ -18,11 +18,11 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationE
 
 PASSES = ("fwd", "fwd_bwd")
 KINDS = ("attention", "perplexity")
-EXECUTORS = ("dist", "threads")
+EXECUTORS = ("dist", "threads", "sim")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 # Sweep axes as they appear in trial identities (and in exclude rules).
-AXES = ("method", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
+AXES = ("method", "topology", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
         "causal", "pass", "ulysses_degree", "ring_degree")
 
 
@@ -64,7 +64,8 @@ class RunConfig:
 
     executor: str = "dist"
     """dist: real worker processes over torch.distributed (the only executor whose timings are
-    performance); threads: virtual ranks in one process (numerics only)."""
+    performance); threads: virtual ranks in one process (numerics only); sim: the simulator predicts
+    each trial on every topology of `sim.topology` (nothing runs; rows say executor=sim)."""
     device: str = "auto"
     """auto (cuda when available), cpu or cuda."""
     backend: str = "auto"
@@ -168,6 +169,16 @@ class PerplexityConfig:
 
 
 @dataclass
+class SimConfig:
+    """run.executor: sim (suite/sim): each method's own schedule, traced on meta tensors, replayed on
+    a topology model. Nothing is measured; rows carry executor=sim and the topology."""
+
+    topology: list[str] = field(default_factory=lambda: ["h100_sxm"])
+    """Topologies (an axis): names in configs/topologies/ or paths to topology YAML files (e.g. one
+    written by `python -m suite calibrate`). World sizes beyond one node use as many nodes as needed."""
+
+
+@dataclass
 class SuiteConfig:
     name: str = MISSING
     """Sweep name (letters, digits, - and _): the results folder and MLflow experiment."""
@@ -178,6 +189,7 @@ class SuiteConfig:
     sweep: SweepConfig = field(default_factory=SweepConfig)
     run: RunConfig = field(default_factory=RunConfig)
     perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
     results: ResultsConfig = field(default_factory=ResultsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
@@ -361,6 +373,22 @@ def validate(cfg: SuiteConfig) -> None:
     _choice(cfg.kind, "kind", KINDS)
     if cfg.kind == "perplexity":
         _validate_perplexity(cfg)
+    if r.executor == "sim":
+        _validate_sim(cfg)
+
+
+def _validate_sim(cfg: SuiteConfig) -> None:
+    from suite.sim.compute import ComputeModel
+    from suite.sim.topology import TopologyError, load_topology
+
+    _require(cfg.kind == "attention", "run.executor",
+             "sim predicts attention trials; a perplexity check trains a model and needs dist or threads")
+    _require(len(cfg.sim.topology) > 0, "sim.topology", "needs at least one topology")
+    for t in cfg.sim.topology:
+        try:
+            ComputeModel(load_topology(t))
+        except TopologyError as exc:
+            raise ConfigError(f"sim.topology: {exc}") from None
 
 
 def _validate_perplexity(cfg: SuiteConfig) -> None:

@@ -113,20 +113,25 @@ def expand(cfg: SuiteConfig, *, hardware: str, device: str, topology: str = "sin
     if cfg.kind == "perplexity":  # model-level check: one training run per point (suite/perplexity)
         from suite.perplexity.trial import TRAIN, workload_json
         passes, workload = [TRAIN], workload_json(cfg)
-    axes = itertools.product(s.world_size, s.batch, s.seq_len, s.heads, s.kv_heads, s.head_dim, s.dtype,
+    places = [(hardware, topology, lambda ws: nodes)]
+    if cfg.run.executor == "sim":  # one set of trials per topology, each with its GPU and node count
+        from suite.sim.topology import load_topology
+        topos = [load_topology(t) for t in cfg.sim.topology]
+        places = [(t.gpu, t.name, t.nodes_for) for t in topos]
+    axes = itertools.product(places, s.world_size, s.batch, s.seq_len, s.heads, s.kv_heads, s.head_dim, s.dtype,
                              s.causal, s.methods, passes)
-    for ws, b, sl, h, kvh, hd, dt, causal, m, ps in axes:
+    for (hw, topo, nodes_for), ws, b, sl, h, kvh, hd, dt, causal, m, ps in axes:
         case = Case(batch=b, seq_len=sl, heads=h, kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal),
                     world_size=ws, device=device)
         for options in option_points(dict(s.method_options.get(m, {}))):
             ud, rd, impl = _method_facts(m, options, cfg.run.kernel, case)
-            point = dict(options, method=m, world_size=ws, batch=b, seq_len=sl, heads=h, kv_heads=kvh, head_dim=hd,
+            point = dict(options, method=m, topology=topo, world_size=ws, batch=b, seq_len=sl, heads=h, kv_heads=kvh, head_dim=hd,
                          dtype=dt, causal=causal, ulysses_degree=ud, ring_degree=rd, **{"pass": ps})
             if any(_matches(rule, point) for rule in s.exclude):
                 continue
             specs.append(TrialSpec(
-                method=m, impl=impl, executor=cfg.run.executor, hardware=hardware, topology=topology,
-                world_size=ws, nodes=nodes, ulysses_degree=ud, ring_degree=rd, batch=b, seq_len=sl, heads=h,
+                method=m, impl=impl, executor=cfg.run.executor, hardware=hw, topology=topo,
+                world_size=ws, nodes=nodes_for(ws), ulysses_degree=ud, ring_degree=rd, batch=b, seq_len=sl, heads=h,
                 kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal), pass_=ps, kernel=cfg.run.kernel,
                 options=json.dumps(options, sort_keys=True), workload=workload, device=device))
     return specs

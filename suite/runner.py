@@ -39,7 +39,7 @@ def resolve_backend(backend: str, device: str) -> str:
     return backend
 
 
-def check_supported(spec: TrialSpec) -> tuple[bool, str]:
+def check_supported(spec: TrialSpec, executor=None) -> tuple[bool, str]:
     """Decided in the parent, before any rank is involved; a False becomes a recorded skip."""
     if spec.method not in methods.available():
         return False, methods.unavailable().get(spec.method, f"method {spec.method!r} is not registered here")
@@ -52,6 +52,13 @@ def check_supported(spec: TrialSpec) -> tuple[bool, str]:
         return False, reason
     if method.needs_processes and spec.executor == "threads":
         return False, f"{spec.method} calls torch.distributed itself; it needs run.executor=dist"
+    if spec.executor == "sim":
+        if method.needs_processes:
+            return False, (f"{spec.method} calls torch.distributed itself, so its schedule cannot be traced; "
+                           f"simulate the suite's own implementation of the algorithm instead")
+        if executor is not None:
+            return executor.supports(spec)
+        return True, ""
     if spec.pass_ != "fwd":
         why = method.forward_only_reason(spec.case())
         if why:
@@ -117,7 +124,8 @@ def run_sweep(cfg: SuiteConfig, config_yaml: str, *, resume: Optional[str] = Non
         from suite.external import run_external
         return run_external(cfg, config_yaml, launch, resume=resume, dry_run=dry_run, out=out, progress=progress)
 
-    device = resolve_device(cfg.run.device)
+    # the simulator traces on meta tensors: the device here is irrelevant to what it predicts
+    device = "cpu" if cfg.run.executor == "sim" else resolve_device(cfg.run.device)
     hardware = hardware_label(device) if cfg.run.hardware == "auto" else cfg.run.hardware
     plan = expand(cfg, hardware=hardware, device=device)
     if dry_run:
@@ -128,7 +136,10 @@ def run_sweep(cfg: SuiteConfig, config_yaml: str, *, resume: Optional[str] = Non
 
     from suite.launch import LocalDistExecutor, ThreadExecutor
     settings = run_settings(cfg)
-    if cfg.run.executor == "threads":
+    if cfg.run.executor == "sim":
+        from suite.sim.executor import SimExecutor
+        executor = SimExecutor(cfg.sim.topology)
+    elif cfg.run.executor == "threads":
         executor = ThreadExecutor(device=device, run=settings, timeout_s=cfg.run.timeout_s + cfg.run.prepare_timeout_s)
     else:
         executor = LocalDistExecutor(device=device, backend=resolve_backend(cfg.run.backend, device), run=settings,
@@ -175,7 +186,7 @@ def _drive(cfg: SuiteConfig, config_yaml: str, plan: list[TrialSpec], executor, 
         for spec in todo:
             bar.set_description(spec.label(), refresh=False)
             started = datetime.now(timezone.utc).isoformat(timespec="seconds")
-            ok, reason = check_supported(spec)
+            ok, reason = check_supported(spec, executor)
             if not ok:
                 record = skipped_record(spec, reason, settings, run_id, started)
             else:

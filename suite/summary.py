@@ -41,19 +41,24 @@ def _perplexity_table(records: list[dict]) -> str:
 def _attention_table(records: list[dict]) -> str:
     if not records:
         return ""
-    order = sorted(records, key=lambda r: (r["method"], r["world_size"], r["seq_len"], r["batch"], r["heads"],
-                                           r["kv_heads"], r["head_dim"], r["dtype"], not r["causal"], r["pass"]))
+    order = sorted(records, key=lambda r: (r["method"], r["topology"], r["world_size"], r["seq_len"], r["batch"],
+                                           r["heads"], r["kv_heads"], r["head_dim"], r["dtype"], not r["causal"],
+                                           r["pass"]))
+    sim = any(r["executor"] == "sim" for r in records)  # simulated rows name their topology
     rows = []
     for r in order:
         status = r[M.STATUS] if r[M.STATUS] != M.OK or r.get(M.CHECKED) else "ok (unchecked)"
-        rows.append([
-            _name(r), r["world_size"], r["seq_len"], r["batch"], f"{r['heads']}/{r['kv_heads']}", r["head_dim"],
+        if r["executor"] == "sim" and r[M.STATUS] == M.OK:
+            status = "simulated"
+        rows.append([_name(r)] + ([f"{r['executor']}:{r['topology']}"] if sim else []) + [
+            r["world_size"], r["seq_len"], r["batch"], f"{r['heads']}/{r['kv_heads']}", r["head_dim"],
             r["dtype"], "causal" if r["causal"] else "full", r["pass"], status,
             _fmt(r.get(M.TIME_MS_MEDIAN), ".3f"), _fmt(r.get(M.TFLOPS_PER_GPU), ".4f"),
             _fmt(None if r.get(M.BYTES_SENT) is None else r[M.BYTES_SENT] / 2**20, ".2f"),
             _short_reason(r),
         ])
-    headers = ["method", "P", "seq", "B", "H/Hkv", "D", "dtype", "mask", "pass", "status", "ms (median)",
+    headers = ["method"] + (["executor"] if sim else []) + ["P", "seq", "B", "H/Hkv", "D", "dtype", "mask", "pass",
+                                                          "status", "ms (median)",
                "TFLOP/s/rank", "MiB sent/rank", "note"]
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
 

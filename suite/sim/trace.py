@@ -182,3 +182,88 @@ def trace(method_name: str, case: Case, pass_: str = "fwd", options: Optional[di
         return ledger.events
 
     return Trace(method_name, options, case, pass_, run_threads(case.world_size, rank_fn, timeout_s=timeout_s))
+
+
+# ---------------------------------------------------------------------------------------------
+# Trace once per schedule shape
+# ---------------------------------------------------------------------------------------------
+def template_seq_len(method_name: str, case: Case, options: Optional[dict[str, Any]] = None) -> Optional[int]:
+    """The shortest sequence s0 whose schedule has the shape of `case`'s, or None: s0 is a multiple
+    of 2P (every layout's chunking) that divides `case.seq_len`, with 2 * s0 <= seq_len, and the method
+    supports it (e.g. TASP needs multiples of 2P(P-1)). See `extrapolate`."""
+    probe = methods.get_method(method_name, **dict(options or {}))
+    unit = 2 * case.world_size
+    for mult in range(1, 257):
+        s0 = unit * mult
+        if 2 * s0 > case.seq_len:
+            break
+        if case.seq_len % s0 == 0 and probe.supports(Case(**{**case.__dict__, "seq_len": s0, "device": "cpu"}))[0]:
+            return s0
+    return None
+
+
+def extrapolate(a: Trace, b: Trace, batch: int, seq_len: int) -> Trace:
+    """The trace at `batch` x `seq_len` from traces `a` and `b` of the same schedule at batch 1 and
+    two sequence lengths. Every token count, mask offset and byte count of a schedule is an affine
+    function of the sequence length at a fixed chunking (a stripe's diagonal offset stays -1, a
+    block's length grows), so each is extrapolated from the two traces; bytes and FLOPs then scale
+    with the batch. The tests check the result against direct traces, event for event."""
+    s_a, s_b = a.case.seq_len, b.case.seq_len
+    if a.case.batch != 1 or b.case.batch != 1 or s_a == s_b:
+        raise ValueError("extrapolate needs two traces at batch 1 and different sequence lengths")
+
+    def lin(x: int, y: int) -> int:
+        num = (y - x) * (seq_len - s_a)
+        if num % (s_b - s_a):
+            raise ValueError(f"schedule is not affine in the sequence length ({x} at {s_a}, {y} at {s_b})")
+        return x + num // (s_b - s_a)
+
+    def one(e: Event, f: Event) -> Event:
+        if type(e) is not type(f):
+            raise ValueError(f"traces of {a.method} at {s_a} and {s_b} tokens differ in structure")
+        if isinstance(e, Compute):
+            sq, sk = lin(e.sq, f.sq), lin(e.sk, f.sk)
+            off = None if e.causal_offset is None else lin(e.causal_offset, f.causal_offset)
+            pairs = visible_pairs(sq, sk, off)
+            return Compute(e.op, batch, sq, sk, e.heads, e.kv_heads, e.head_dim, off, e.dtype, pairs,
+                           4.0 * batch * e.heads * e.head_dim * pairs * (2.5 if e.op == "bwd" else 1.0))
+        if isinstance(e, CommRecord):
+            if e.kind != f.kind or e.peers != f.peers or e.per_peer.keys() != f.per_peer.keys():
+                raise ValueError(f"traces of {a.method} at {s_a} and {s_b} tokens talk to different peers")
+            return CommRecord(e.kind, batch * lin(e.bytes_sent, f.bytes_sent), batch * lin(e.bytes_recv, f.bytes_recv),
+                              e.peers, {p: (batch * lin(s, f.per_peer[p][0]), batch * lin(r, f.per_peer[p][1]))
+                                        for p, (s, r) in e.per_peer.items()})
+        if e != f:
+            raise ValueError(f"traces of {a.method} at {s_a} and {s_b} tokens wait differently")
+        return e
+
+    if [len(r) for r in a.ranks] != [len(r) for r in b.ranks]:
+        raise ValueError(f"traces of {a.method} at {s_a} and {s_b} tokens differ in structure")
+    case = Case(**{**a.case.__dict__, "batch": batch, "seq_len": seq_len})
+    return Trace(a.method, a.options, case, a.pass_,
+                 [[one(e, f) for e, f in zip(ra, rb)] for ra, rb in zip(a.ranks, b.ranks)])
+
+
+class TraceCache:
+    """Traces for many sweep points from two small traces per schedule shape (method, options,
+    world size, mask, pass, heads, head dim, dtype): a 200-point sweep costs a few dozen traces."""
+
+    def __init__(self):
+        self._templates: dict[tuple, tuple[Trace, Trace]] = {}
+        self.traced = 0
+
+    def get(self, method_name: str, case: Case, pass_: str, options: Optional[dict[str, Any]] = None) -> Trace:
+        options = dict(options or {})
+        s0 = template_seq_len(method_name, case, options)
+        if s0 is None:  # too short to have a smaller template: trace it as it is
+            self.traced += 1
+            return trace(method_name, case, pass_, options)
+        # the shape key: s0 itself is in it (a different chunking is a different schedule)
+        key = (method_name, tuple(sorted(options.items())), case.world_size, case.causal, pass_, case.heads,
+               case.kv_heads, case.head_dim, case.dtype, s0)
+        if key not in self._templates:
+            small = [Case(**{**case.__dict__, "batch": 1, "seq_len": s}) for s in (s0, 2 * s0)]
+            self._templates[key] = tuple(trace(method_name, c, pass_, options) for c in small)  # type: ignore
+            self.traced += 2
+        a, b = self._templates[key]
+        return extrapolate(a, b, case.batch, case.seq_len)

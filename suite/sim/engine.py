@@ -1,0 +1,290 @@
+"""Replay a traced schedule on a topology: a flow-level discrete-event simulation.
+
+Each rank runs its traced events in order (`suite/sim/trace.py`):
+
+- `Compute`: the rank is busy for the compute model's time of that block (a "flow" of work on the
+  rank's compute resource, so ranks that share cores, as CPU processes do, share them fairly);
+- a point-to-point exchange is posted and does not block; each send is matched with the peer's
+  receive from this rank (first posted with first posted, per ordered pair) and becomes a flow
+  once both are posted, after the path's per-message latency;
+- `Wait`: the rank blocks until every flow of that exchange (its sends and its receives) is done;
+- collectives (all_to_all, all_gather, reduce_scatter, all_reduce) block: once every member has
+  called it, each member sends its share to every other member directly, after (P-1) x the
+  group's latency (2(P-1) for all_reduce) - the textbook alpha-beta cost of the ring/pairwise
+  algorithms, with the bandwidth term set by how the flows share the fabric.
+
+Concurrent flows share every link, port and NIC they cross max-min fairly (progressive filling),
+each also capped by its own single-flow limit (`Topology.path`). So on an NVSwitch node 7 flows
+out of one GPU each get 1/7 of its port, while on a full mesh each gets its own link.
+"""
+from __future__ import annotations
+
+import heapq
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+from methods.comm.counting import CommRecord
+from suite.sim.trace import Compute, Trace, Wait
+
+COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
+
+
+class SimError(RuntimeError):
+    """The schedule cannot be replayed (unmatched messages, a deadlock)."""
+
+
+@dataclass(eq=False)
+class Flow:
+    resources: tuple
+    cap: float                   # its own limit (bytes/s, or work/s for compute)
+    size: float
+    on_done: Callable[[], None]
+    remaining: float = field(init=False)
+    rate: float = 0.0
+
+    def __post_init__(self):
+        self.remaining = self.size
+
+
+def max_min_rates(flows: list[Flow], capacity: dict) -> None:
+    """Max-min fair rates by progressive filling: raise every unfrozen flow's rate together; a flow
+    freezes when it reaches its own cap or a resource it uses is full."""
+    left = {}
+    users: dict = defaultdict(list)
+    for f in flows:
+        f.rate = 0.0
+        for r in f.resources:
+            users[r].append(f)
+            left[r] = capacity[r]
+    unfrozen = set(flows)
+    count = {r: len(us) for r, us in users.items()}
+    level = 0.0
+    while unfrozen:
+        inc = min(min((f.cap - level for f in unfrozen), default=math.inf),
+                  min((left[r] / n for r, n in count.items() if n > 0), default=math.inf))
+        inc = max(inc, 0.0)
+        level += inc
+        for r, n in count.items():
+            if n:
+                left[r] -= inc * n
+        full = {r for r, n in count.items() if n and left[r] <= 1e-9 * capacity[r]}
+        frozen = [f for f in unfrozen if f.cap - level <= 1e-9 * f.cap or any(r in full for r in f.resources)]
+        if not frozen:  # numerical safety: nothing can grow any more
+            frozen = list(unfrozen)
+        for f in frozen:
+            f.rate = level
+            unfrozen.discard(f)
+            for r in f.resources:
+                count[r] -= 1
+
+
+@dataclass
+class Replay:
+    """The simulated iteration: per rank when it finished, how long it computed and how long it sat
+    blocked on communication (waits and collectives)."""
+
+    end_s: list[float]
+    compute_s: list[float]
+    blocked_s: list[float]
+
+    @property
+    def time_s(self) -> float:
+        return max(self.end_s)
+
+
+class _Handle:
+    def __init__(self, rank: int):
+        self.rank, self.pending, self.waiting = rank, 0, False
+
+
+def replay(trace: Trace, topology, compute_time: Callable[[Compute], float], *, comm: bool = True,
+           compute: bool = True) -> Replay:
+    """Simulate one iteration of `trace` on `topology`. `comm=False` makes every message free
+    (the compute-only time), `compute=False` every block (the comm-only time)."""
+    return _Sim(trace, topology, compute_time, comm, compute).run()
+
+
+class _Sim:
+    def __init__(self, trace: Trace, topology, compute_time, comm: bool, compute: bool):
+        self.tr, self.topo, self.compute_time = trace, topology, compute_time
+        self.with_comm, self.with_compute = comm, compute
+        p = len(trace.ranks)
+        self.p = p
+        self.t = 0.0
+        self.pc = [0] * p
+        self.blocked: list[Optional[str]] = [None] * p
+        self.blocked_since = [0.0] * p
+        self.end = [0.0] * p
+        self.compute_s = [0.0] * p
+        self.blocked_s = [0.0] * p
+        self.handles: dict[tuple[int, int], _Handle] = {}
+        self.sends: dict[tuple[int, int], deque] = defaultdict(deque)
+        self.recvs: dict[tuple[int, int], deque] = defaultdict(deque)
+        self.coll_seq: dict[tuple, int] = defaultdict(int)
+        self.coll_posted: dict[tuple, dict[int, CommRecord]] = {}
+        self.flows: list[Flow] = []
+        self.timers: list = []
+        self.tick = 0
+        self.ready = deque(range(p))
+        self.capacity = dict(topology.capacities(p))
+        self.dirty = True
+
+    # -- scheduling primitives ------------------------------------------------------------------
+    def at(self, when: float, fn: Callable[[], None]) -> None:
+        self.tick += 1
+        heapq.heappush(self.timers, (when, self.tick, fn))
+
+    def start_flow(self, resources: tuple, cap: float, size: float, on_done: Callable[[], None]) -> None:
+        if size <= 0:
+            on_done()
+            return
+        for r in resources:
+            if r not in self.capacity:
+                raise SimError(f"topology {self.topo.name} has no resource {r}")
+        self.flows.append(Flow(resources, cap, size, on_done))
+        self.dirty = True
+
+    def unblock(self, rank: int) -> None:
+        self.blocked_s[rank] += self.t - self.blocked_since[rank] if self.blocked[rank] != "compute" else 0.0
+        self.blocked[rank] = None
+        self.ready.append(rank)
+
+    # -- the ranks' programs ----------------------------------------------------------------------
+    def advance(self, r: int) -> None:
+        events = self.tr.ranks[r]
+        while self.blocked[r] is None and self.pc[r] < len(events):
+            i = self.pc[r]
+            e = events[i]
+            self.pc[r] += 1
+            if isinstance(e, Compute):
+                secs = self.compute_time(e) if self.with_compute else 0.0
+                if secs > 0:
+                    self.compute_s[r] += secs
+                    self.blocked[r] = "compute"
+                    res, cap = self.topo.compute_resource(r)
+                    self.start_flow(res, cap, secs, lambda r=r: self.unblock(r))
+            elif isinstance(e, Wait):
+                h = self.handles[(r, e.handle)]
+                if h.pending:
+                    h.waiting = True
+                    self.block(r, "wait")
+            elif e.kind == "p2p":
+                self.post_exchange(r, i, e)
+            elif e.kind in COLLECTIVES:
+                self.post_collective(r, e)
+            else:
+                raise SimError(f"unknown communication kind {e.kind!r}")
+        if self.pc[r] == len(events) and self.blocked[r] is None:
+            self.end[r] = self.t
+
+    def block(self, r: int, why: str) -> None:
+        self.blocked[r] = why
+        self.blocked_since[r] = self.t
+
+    def post_exchange(self, r: int, i: int, e: CommRecord) -> None:
+        h = self.handles[(r, i)] = _Handle(r)
+        if not self.with_comm:
+            return
+        for q, (sent, recv) in sorted(e.per_peer.items()):
+            if sent:
+                h.pending += 1
+                self.sends[(r, q)].append((h, sent, self.t))
+                self.match(r, q)
+            if recv:
+                h.pending += 1
+                self.recvs[(q, r)].append((h, recv, self.t))
+                self.match(q, r)
+
+    def match(self, src: int, dst: int) -> None:
+        sq, rq = self.sends[(src, dst)], self.recvs[(src, dst)]
+        while sq and rq:
+            (hs, n, ts), (hr, m, tr) = sq.popleft(), rq.popleft()
+            if n != m:
+                raise SimError(f"rank {src} sends {n} bytes to rank {dst}, which receives {m}")
+            res, cap, lat = self.topo.path(src, dst)
+
+            def done(hs=hs, hr=hr) -> None:
+                for h in (hs, hr):
+                    h.pending -= 1
+                    if not h.pending and h.waiting:
+                        h.waiting = False
+                        self.unblock(h.rank)
+
+            self.at(max(ts, tr) + lat, lambda res=res, cap=cap, n=n, done=done: self.start_flow(res, cap, n, done))
+
+    def post_collective(self, r: int, e: CommRecord) -> None:
+        group = tuple(e.peers)
+        seq_key = (r, e.kind, group)
+        key = (e.kind, group, self.coll_seq[seq_key])
+        self.coll_seq[seq_key] += 1
+        posted = self.coll_posted.setdefault(key, {})
+        posted[r] = e
+        self.block(r, "collective")
+        if len(posted) < len(group):
+            return
+        del self.coll_posted[key]
+        p = len(group)
+        if not self.with_comm or p == 1:
+            for q in group:
+                self.unblock(q)
+            return
+        steps = (p - 1) * (2 if e.kind == "all_reduce" else 1)
+        lat = steps * max(self.topo.path(a, b)[2] for a in group for b in group if a != b)
+        state = {"left": p * (p - 1)}
+
+        def one_done() -> None:
+            state["left"] -= 1
+            if not state["left"]:
+                for q in group:
+                    self.unblock(q)
+
+        def start() -> None:
+            for a in group:
+                share = posted[a].bytes_sent / (p - 1)
+                for b in group:
+                    if a != b:
+                        res, cap, _ = self.topo.path(a, b)
+                        self.start_flow(res, cap, share, one_done)
+
+        self.at(self.t + lat, start)
+
+    # -- the event loop ---------------------------------------------------------------------------
+    def run(self) -> Replay:
+        while True:
+            while self.ready:
+                self.advance(self.ready.popleft())
+            if not self.flows and not self.timers:
+                break
+            if self.dirty:
+                max_min_rates(self.flows, self.capacity)
+                self.dirty = False
+            t_timer = self.timers[0][0] if self.timers else math.inf
+            finish = [self.t + f.remaining / f.rate if f.rate > 0 else math.inf for f in self.flows]
+            t_next = min(t_timer, min(finish, default=math.inf))
+            if t_next == math.inf:
+                raise SimError("flows with no bandwidth: a resource of capacity 0 in the topology")
+            dt = t_next - self.t
+            finished = []
+            for f, end in zip(self.flows, finish):
+                if end <= t_next + 1e-12 * max(t_next, 1e-9):
+                    finished.append(f)
+                else:
+                    f.remaining -= f.rate * dt
+            self.t = t_next
+            if finished:
+                gone = set(map(id, finished))
+                self.flows = [f for f in self.flows if id(f) not in gone]
+                self.dirty = True
+                for f in finished:
+                    f.on_done()
+            while self.timers and self.timers[0][0] <= self.t:
+                _, _, fn = heapq.heappop(self.timers)
+                fn()
+        stuck = [r for r in range(self.p) if self.pc[r] < len(self.tr.ranks[r]) or self.blocked[r]]
+        if stuck:
+            raise SimError(f"{self.tr.method}: ranks {stuck} never finished (blocked on "
+                           f"{[self.blocked[r] for r in stuck]}): unmatched messages or a collective not all "
+                           f"ranks called")
+        return Replay(self.end, self.compute_s, self.blocked_s)

@@ -1,0 +1,191 @@
+"""Topologies for the simulator: documented, editable YAML files (configs/topologies/*.yaml).
+
+A topology is one node type repeated `nodes` times (as many as a world size needs):
+
+- `intra`: how the GPUs of a node talk, one of
+  - `switch` (NVSwitch, or a host's loopback): each GPU has an egress and an ingress port of
+    `port_GBps` that all its flows share; one flow is capped at `flow_GBps` (NCCL send/recv to a
+    single peer does not fill the port); optionally every flow of the node shares `fabric_GBps`;
+  - `mesh` (MI300X xGMI): one link of `link_GBps` per ordered pair, nothing shared between pairs;
+  - `pcie`: GPUs under PCIe switches (`gpus_per_switch`), each with its own x16 link (`gpu_GBps`
+    up and down); traffic between switches, or all traffic when `p2p: false` (host-staged), also
+    crosses the switch uplinks (`switch_GBps`) and the host (`host_GBps`, shared by the node);
+  and `latency_us` per message.
+- `inter` (nodes > 1): one NIC per GPU (rail-optimised; or per `gpus_per_nic` GPUs), `nic_GBps`
+  each way, `latency_us`.
+- `compute`: the roofline (`peak_tflops` per dtype, `efficiency` tables by block size, `launch_us`),
+  or a `table` of measured block times (`python -m suite calibrate`); `shared_cores` when the
+  ranks share CPU cores instead of owning a GPU each.
+
+GB/s are 1e9 bytes per second, one direction. Every number in the shipped files carries its
+source (../shared/research/topology_sim.md) in a comment.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+TOPOLOGY_DIR = Path(__file__).resolve().parents[2] / "configs" / "topologies"
+FABRICS = ("switch", "mesh", "pcie")
+GB = 1e9
+
+
+class TopologyError(ValueError):
+    """A topology file that cannot be used, with the key to fix."""
+
+
+def available_topologies() -> list[str]:
+    return sorted(p.stem for p in TOPOLOGY_DIR.glob("*.yaml"))
+
+
+def topology_path(name_or_path: str) -> Path:
+    p = Path(name_or_path)
+    if p.suffix in (".yaml", ".yml") and p.is_file():
+        return p
+    q = TOPOLOGY_DIR / f"{name_or_path}.yaml"
+    if q.is_file():
+        return q
+    raise TopologyError(f"unknown topology {name_or_path!r}: give a YAML file or one of {available_topologies()} "
+                        f"(in {TOPOLOGY_DIR})")
+
+
+def load_topology(name_or_path: str) -> "Topology":
+    path = topology_path(name_or_path)
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise TopologyError(f"{path}: not valid YAML: {exc}") from None
+    return Topology.from_dict(raw, source=path)
+
+
+def _num(d: dict, key: str, where: str, *, optional: bool = False) -> Optional[float]:
+    v = d.get(key)
+    if v is None:
+        if optional:
+            return None
+        raise TopologyError(f"{where}.{key} is missing")
+    if not isinstance(v, (int, float)) or v <= 0:
+        raise TopologyError(f"{where}.{key} must be a positive number, got {v!r}")
+    return float(v)
+
+
+@dataclass
+class Topology:
+    name: str
+    gpu: str
+    gpus_per_node: int
+    max_nodes: int
+    intra: dict
+    inter: Optional[dict]
+    compute: dict
+    source: Optional[Path] = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any], source: Optional[Path] = None) -> "Topology":
+        where = str(source or "topology")
+        if not isinstance(d, dict):
+            raise TopologyError(f"{where}: expected a mapping")
+        for k in ("name", "gpu", "gpus_per_node", "intra", "compute"):
+            if k not in d:
+                raise TopologyError(f"{where}: key {k!r} is missing")
+        t = cls(name=str(d["name"]), gpu=str(d["gpu"]), gpus_per_node=int(d["gpus_per_node"]),
+                max_nodes=int(d.get("max_nodes", 1)), intra=dict(d["intra"]),
+                inter=dict(d["inter"]) if d.get("inter") else None, compute=dict(d["compute"]), source=source)
+        t._validate(where)
+        return t
+
+    def _validate(self, where: str) -> None:
+        kind = self.intra.get("kind")
+        if kind not in FABRICS:
+            raise TopologyError(f"{where}: intra.kind must be one of {list(FABRICS)}, got {kind!r}")
+        need = {"switch": ("port_GBps", "flow_GBps"), "mesh": ("link_GBps",),
+                "pcie": ("gpus_per_switch", "gpu_GBps", "switch_GBps", "host_GBps")}[kind]
+        for k in need + ("latency_us",):
+            _num(self.intra, k, f"{where}: intra")
+        _num(self.intra, "fabric_GBps", f"{where}: intra", optional=True)
+        if self.max_nodes > 1:
+            if self.inter is None:
+                raise TopologyError(f"{where}: max_nodes is {self.max_nodes} but there is no inter section "
+                                    f"(nic_GBps, latency_us)")
+            for k in ("nic_GBps", "latency_us"):
+                _num(self.inter, k, f"{where}: inter")
+
+    # -- placement --------------------------------------------------------------------------------
+    def nodes_for(self, world_size: int) -> int:
+        return -(-world_size // self.gpus_per_node)
+
+    def fits(self, world_size: int) -> tuple[bool, str]:
+        n = self.nodes_for(world_size)
+        if n > self.max_nodes:
+            return False, (f"topology {self.name} has at most {self.max_nodes} node(s) of {self.gpus_per_node} "
+                           f"GPUs; world size {world_size} needs {n}")
+        return True, ""
+
+    def node(self, rank: int) -> int:
+        return rank // self.gpus_per_node
+
+    def nic(self, rank: int) -> int:
+        """The NIC a rank's inter-node traffic leaves by (`inter.gpus_per_nic` GPUs share one)."""
+        return rank // int(self.inter.get("gpus_per_nic", 1))
+
+    # -- resources ----------------------------------------------------------------------------------
+    def capacities(self, world_size: int) -> dict[tuple, float]:
+        """Every shared resource of a world of `world_size` ranks and its capacity (bytes/s; compute
+        in seconds of work per second)."""
+        caps: dict[tuple, float] = {}
+        i, kind = self.intra, self.intra["kind"]
+        nodes = self.nodes_for(world_size)
+        for g in range(world_size):
+            if kind == "switch":
+                caps[("out", g)] = caps[("in", g)] = i["port_GBps"] * GB
+            elif kind == "mesh":
+                for h in range(world_size):
+                    if h != g and self.node(h) == self.node(g):
+                        caps[("link", g, h)] = i["link_GBps"] * GB
+            else:
+                caps[("up", g)] = caps[("down", g)] = i["gpu_GBps"] * GB
+            if nodes > 1:
+                caps[("nic_out", self.nic(g))] = caps[("nic_in", self.nic(g))] = self.inter["nic_GBps"] * GB
+        for n in range(nodes):
+            if i.get("fabric_GBps"):
+                caps[("fabric", n)] = i["fabric_GBps"] * GB
+            if kind == "pcie":
+                caps[("host", n)] = i["host_GBps"] * GB
+                for s in range(-(-self.gpus_per_node // int(i["gpus_per_switch"]))):
+                    caps[("sw_up", n, s)] = caps[("sw_down", n, s)] = i["switch_GBps"] * GB
+        cores = self.compute.get("shared_cores")
+        if cores:
+            caps[("cores",)] = float(cores)
+        else:
+            for g in range(world_size):
+                caps[("gpu", g)] = 1.0
+        return caps
+
+    def compute_resource(self, rank: int) -> tuple[tuple, float]:
+        """(resources, cap) of one rank's compute: its GPU, or one of the shared cores."""
+        if self.compute.get("shared_cores"):
+            return (("cores",),), 1.0
+        return (("gpu", rank),), 1.0
+
+    def path(self, src: int, dst: int) -> tuple[tuple, float, float]:
+        """(resources a flow src -> dst crosses, its own rate cap in bytes/s, latency in s)."""
+        if self.node(src) != self.node(dst):
+            cap = self.inter.get("flow_GBps", self.inter["nic_GBps"]) * GB
+            return (("nic_out", self.nic(src)), ("nic_in", self.nic(dst))), cap, self.inter["latency_us"] * 1e-6
+        i, kind, n = self.intra, self.intra["kind"], self.node(src)
+        lat = i["latency_us"] * 1e-6
+        extra = (("fabric", n),) if i.get("fabric_GBps") else ()
+        if kind == "switch":
+            return (("out", src), ("in", dst)) + extra, i["flow_GBps"] * GB, lat
+        if kind == "mesh":
+            return (("link", src, dst),) + extra, i["link_GBps"] * GB, lat
+        per = int(i["gpus_per_switch"])
+        s_src, s_dst = (src % self.gpus_per_node) // per, (dst % self.gpus_per_node) // per
+        res: tuple = (("up", src),)
+        if s_src != s_dst or not i.get("p2p", True):
+            res += (("sw_up", n, s_src), ("host", n), ("sw_down", n, s_dst))
+        res += (("down", dst),)
+        return res + extra, i.get("flow_GBps", i["gpu_GBps"]) * GB, lat
