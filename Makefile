@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # CUDA packages). On GPU nodes pass the build you want, e.g. `make install TORCH=torch==2.13.0`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install quickstart test test-fast list ui clean
+.PHONY: install quickstart test test-fast list ui clean sim-check simulate
 
 install: $(VENV)/.installed
 
@@ -24,6 +24,19 @@ test: install
 
 test-fast: install  ## everything except multi-process and end-to-end sweeps
 	$(PY) -m pytest -q -m "not slow"
+
+# The simulator's measured check on this machine: calibrate the host model (kernel times of every
+# block the sweep emits, gloo loopback latency/bandwidth), run the sweep measured (dist) and
+# predicted (sim), and write the predicted-vs-measured table and figure. About 3 minutes on 2 cores.
+sim-check: install
+	$(PY) -m suite calibrate configs/sim_check_cpu.yaml --out results/calibration/cpu_host.yaml
+	$(PY) -m suite run configs/sim_check_cpu.yaml --no-progress
+	$(PY) -m suite run configs/sim_check_cpu.yaml run.executor=sim name=sim_check_cpu_sim --no-progress
+	$(PY) -m suite report results/sim_check_cpu results/sim_check_cpu_sim --out reports/sim_check_cpu --no-mlflow
+
+# The simulated studies (TASP, BurstAttention, USP grid, multi-node); about 13 minutes on 2 cores.
+simulate: install
+	for c in tasp burst usp multinode; do $(PY) -m suite run configs/simulate_$$c.yaml --no-progress || exit 1; done
 
 list: install
 	$(PY) -m suite list

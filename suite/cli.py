@@ -11,6 +11,8 @@ EPILOG = """examples:
   python -m suite run configs/quickstart.yaml run.repeats=3 sweep.seq_len=[256,512]
   python -m suite run configs/quickstart.yaml --resume            # continue the latest run of this sweep
   python -m suite run configs/h100_sweep.yaml --dry-run           # print the planned trials
+  python -m suite run configs/simulate_tasp.yaml                   # predicted on topology models (executor sim)
+  python -m suite calibrate configs/sim_check_cpu.yaml             # kernel/link times for the simulator
   python -m suite list
   python -m suite ui
   python -m suite report                                          # latest run of every sweep
@@ -57,6 +59,20 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--mlflow-uri", default=None)
     rep.add_argument("--no-mlflow", action="store_true", help="do not attach the HTML to the sweeps' MLflow runs")
 
+    cal = sub.add_parser("calibrate", help="measure kernel times (and, on CPU, loopback links) for the simulator",
+                         description="Time every block shape a sweep's schedules emit with the suite's kernels on this "
+                                     "device and write a topology YAML for run.executor=sim: on CPU a full model of this "
+                                     "host (gloo loopback latency and bandwidth measured too), on a GPU the --base "
+                                     "topology with its roofline replaced by the measured table.")
+    cal.add_argument("config", help="sweep YAML whose block shapes to time (its methods, sizes and world sizes)")
+    cal.add_argument("overrides", nargs="*", help="Hydra-style overrides, as for run")
+    cal.add_argument("--out", default=None, help="topology file to write (default: results/calibration/<host>.yaml)")
+    cal.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    cal.add_argument("--threads", type=int, default=None, help="CPU threads per kernel (default: as the dist "
+                                                               "executor gives each rank of the smallest world size)")
+    cal.add_argument("--repeats", type=int, default=5)
+    cal.add_argument("--base", default="h100_sxm", help="GPU only: topology whose links and placement to keep")
+
     hf = sub.add_parser("hf-perplexity", help="perplexity of a Hugging Face causal LM with its attention replaced "
                         "by suite methods (virtual ranks), against its own eager attention",
                         description="Numerics, not performance: ranks are threads of this process (ThreadComm).")
@@ -83,7 +99,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     # stops the positional list at the first option, so the rest arrive as unknown words.
     args, extra = parser.parse_known_args(argv)
     if extra:
-        if args.command != "run" or any(word.startswith("-") or "=" not in word for word in extra):
+        if args.command not in ("run", "calibrate") or any(word.startswith("-") or "=" not in word for word in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
     if args.command == "run":
@@ -96,6 +112,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _report(args)
     if args.command == "hf-perplexity":
         return _hf_perplexity(args)
+    if args.command == "calibrate":
+        return _calibrate(args)
     if args.command == "relog":
         from suite.tracking import relog
         tracker = relog(args.run_dir, args.uri, args.experiment)
@@ -105,6 +123,32 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(f"logged {args.run_dir} to {tracker.uri} (parent run {tracker.parent_run_id})")
         return 0
     return 2
+
+
+def _calibrate(args) -> int:
+    from pathlib import Path
+
+    import torch
+
+    from suite.config import ConfigError, load_config
+    from suite.env import hardware_label
+    from suite.sim.calibrate import calibrate
+
+    try:
+        cfg, _ = load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda but no CUDA device is available here", file=sys.stderr)
+        return 2
+    label = "".join(c if c.isalnum() or c in "-_." else "_" for c in hardware_label(device))[:60]
+    out = Path(args.out or f"results/calibration/{label}.yaml")
+    path = calibrate(cfg, out=out, device=torch.device(device), threads=args.threads, repeats=args.repeats,
+                     base=args.base)
+    print(f"wrote {path}; use it with run.executor=sim sim.topology=[{path}]")
+    return 0
 
 
 def _run(args) -> int:

@@ -213,6 +213,35 @@ def perplexity(df: pd.DataFrame) -> pd.DataFrame:
     return out.reset_index(drop=True)
 
 
+SIM_PAIR = ["method", "options", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal",
+            "pass"]
+
+
+def sim_vs_measured(df: pd.DataFrame) -> pd.DataFrame:
+    """Each measured (executor dist) time beside the simulator's prediction of the same trial, with
+    the relative error (predicted / measured - 1) and the topology it was predicted on."""
+    m = measured(df)
+    if m.empty or not {"sim", "dist"} <= set(m["executor"]):
+        return pd.DataFrame()
+    pair = m[m["executor"] == "dist"].merge(m[m["executor"] == "sim"], on=SIM_PAIR, suffixes=("_dist", "_sim"))
+    if pair.empty:
+        return pd.DataFrame()
+    out = pd.DataFrame({
+        "method": [r["method"] + _option_suffix(r["options"]) for _, r in pair.iterrows()],
+        "P": pair["world_size"], "S": pair["seq_len"], "B": pair["batch"],
+        "mask": pair["causal"].map({True: "causal", False: "full"}), "pass": pair["pass"],
+        "measured on": pair["hardware_dist"], "predicted on": pair["topology_sim"],
+        "measured ms": pair[f"{M.TIME_MS_MEDIAN}_dist"], "predicted ms": pair[f"{M.TIME_MS_MEDIAN}_sim"],
+    })
+    out["error %"] = 100 * (out["predicted ms"] / out["measured ms"] - 1)
+    return out.sort_values(["P", "method", "mask", "pass"]).reset_index(drop=True)
+
+
+def _option_suffix(text) -> str:
+    opts = _options(text)
+    return "(" + ",".join(f"{k}={v}" for k, v in sorted(opts.items())) + ")" if opts else ""
+
+
 def build_tables(df: pd.DataFrame, baseline: str) -> dict[str, pd.DataFrame]:
     """All tables of a report, by file stem (empty ones are left out by the writer). Attention
     tables use the attention rows; the perplexity table the model-level rows."""
@@ -226,6 +255,7 @@ def build_tables(df: pd.DataFrame, baseline: str) -> dict[str, pd.DataFrame]:
         "communication": communication(att),
         "memory_peak_MiB": memory(att),
         "perplexity": perplexity(df),
+        "sim_vs_measured": sim_vs_measured(att),
         "skips_and_failures": problems(df),
     }
 

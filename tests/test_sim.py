@@ -1,0 +1,215 @@
+"""The simulator: analytic checks of the network model, exact trace extrapolation, topologies, and
+the `sim` executor end to end. (The measured check against CPU gloo runs is `make sim-check`; its
+figures are in reports/recorded/sim_check_cpu.md.)"""
+import itertools
+import math
+
+import pytest
+import yaml
+
+import methods
+from methods.base import Case
+from methods.comm.counting import CommRecord
+from suite.sim.compute import ComputeModel
+from suite.sim.engine import Flow, SimError, max_min_rates, replay
+from suite.sim.topology import Topology, TopologyError, available_topologies, load_topology
+from suite.sim.trace import Compute, Trace, TraceCache, Wait, trace
+
+GB = 1e9
+ALPHA, BW = 10e-6, 100 * GB
+
+
+def topo(kind="switch", **over) -> Topology:
+    intra = {"switch": {"kind": "switch", "port_GBps": 100, "flow_GBps": 100, "latency_us": 10},
+             "mesh": {"kind": "mesh", "link_GBps": 100, "latency_us": 10}}[kind]
+    d = {"name": f"test_{kind}", "gpu": "test", "gpus_per_node": 8, "max_nodes": 4, "intra": {**intra, **over},
+         "inter": {"nic_GBps": 25, "latency_us": 20},
+         "compute": {"peak_tflops": {"float32": 1}, "efficiency": {"tokens": [1, 2], "fwd": [1, 1], "bwd": [1, 1]}}}
+    return Topology.from_dict(d)
+
+
+def p2p(per_peer: dict) -> CommRecord:
+    return CommRecord("p2p", sum(s for s, _ in per_peer.values()), sum(r for _, r in per_peer.values()),
+                      tuple(sorted(per_peer)), per_peer)
+
+
+def synthetic(ranks) -> Trace:
+    case = Case(batch=1, seq_len=8, heads=1, kv_heads=1, head_dim=8, dtype="float32", causal=False,
+                world_size=len(ranks))
+    return Trace("synthetic", {}, case, "fwd", ranks)
+
+
+def no_compute(e) -> float:
+    return 0.0
+
+
+# -- analytic checks --------------------------------------------------------------------------------
+def test_a_lone_transfer_takes_latency_plus_bytes_over_bandwidth():
+    n = 64 << 20
+    tr = synthetic([[p2p({1: (n, 0)}), Wait(0)], [p2p({0: (0, n)}), Wait(0)]])
+    t = replay(tr, topo(), no_compute).time_s
+    assert t == pytest.approx(ALPHA + n / BW, rel=1e-9)
+    # the flow's own cap binds when it is below the port (NCCL P2P to one peer)
+    assert replay(tr, topo(flow_GBps=40), no_compute).time_s == pytest.approx(ALPHA + n / (40 * GB), rel=1e-9)
+
+
+@pytest.mark.parametrize("p", [2, 4, 8])
+@pytest.mark.parametrize("kind", ["all_gather", "all_to_all", "all_reduce"])
+def test_collectives_take_their_textbook_alpha_beta_time(p, kind):
+    """Ring all-gather / pairwise all-to-all: (p-1) alpha + (p-1)/p n beta with n the gathered (resp. sent)
+    buffer; all-reduce: 2(p-1) alpha + 2 (p-1)/p n beta (Thakur, Rabenseifner & Gropp 2005)."""
+    n = 48 << 20
+    sent = {"all_gather": n // p * (p - 1), "all_to_all": n * (p - 1) // p, "all_reduce": 2 * n * (p - 1) // p}[kind]
+    rec = CommRecord(kind, sent, sent, tuple(range(p)))
+    t = replay(synthetic([[rec] for _ in range(p)]), topo(), no_compute).time_s
+    k = 2 if kind == "all_reduce" else 1
+    assert t == pytest.approx(k * (p - 1) * ALPHA + k * (p - 1) / p * n / BW, rel=1e-6)
+
+
+def test_flows_out_of_one_port_share_it_but_a_mesh_gives_each_its_link():
+    p, m = 8, 16 << 20
+    fan_out = [[p2p({q: (m, 0) for q in range(1, p)}), Wait(0)]] + [[p2p({0: (0, m)}), Wait(0)] for _ in range(1, p)]
+    switch = replay(synthetic(fan_out), topo(), no_compute).time_s
+    mesh = replay(synthetic(fan_out), topo("mesh"), no_compute).time_s
+    assert switch == pytest.approx(ALPHA + (p - 1) * m / BW, rel=1e-9)   # each flow gets 1/(P-1) of the port
+    assert mesh == pytest.approx(ALPHA + m / BW, rel=1e-9)               # each flow has a link of its own
+
+
+def test_max_min_fairness_gives_capped_flows_their_cap_and_splits_the_rest():
+    caps = {"r": 10.0, "s": 4.0}
+    a, b, c = Flow(("r",), 2.0, 1, lambda: None), Flow(("r",), 99, 1, lambda: None), Flow(("r", "s"), 99, 1, lambda: None)
+    max_min_rates([a, b, c], caps)
+    assert (a.rate, c.rate, b.rate) == pytest.approx((2.0, 4.0, 4.0))  # a capped, c by s, b gets the rest of r
+
+
+def test_tasp_rounds_use_every_mesh_link_while_ring_uses_one():
+    """On a full mesh TASP's rounds send to P-1 peers at once and ring to one; with the same bytes its
+    communication takes ~1/(P-1) of ring's there, while on a switch (one port) the two are alike."""
+    case = Case(batch=1, seq_len=112 * 1024, heads=8, kv_heads=8, head_dim=64, dtype="bfloat16", causal=False,
+                world_size=8)
+    tasp, ring = trace("tasp", case, "fwd"), trace("ring", case, "fwd")
+    def send_peers(t):
+        return max(sum(1 for s, _ in e.per_peer.values() if s) for e in t.comm(0))
+    assert send_peers(tasp) == 7 and send_peers(ring) == 1
+    assert tasp.bytes_sent(0) == ring.bytes_sent(0)
+    comm_only = {name: {k: replay(t, topo(k, **({"flow_GBps": 100} if k == "switch" else {})), no_compute,
+                                  compute=False).time_s for k in ("mesh", "switch")}
+                 for name, t in (("tasp", tasp), ("ring", ring))}
+    assert comm_only["ring"]["mesh"] / comm_only["tasp"]["mesh"] > 4
+    assert comm_only["ring"]["switch"] / comm_only["tasp"]["switch"] == pytest.approx(1, rel=0.25)
+
+
+def test_inter_node_hops_run_at_nic_speed():
+    n = 32 << 20
+    tr = synthetic([[p2p({9: (n, 0)}), Wait(0)]] + [[] for _ in range(8)] + [[p2p({0: (0, n)}), Wait(0)]])
+    assert replay(tr, topo(), no_compute).time_s == pytest.approx(20e-6 + n / (25 * GB), rel=1e-9)
+
+
+def test_overlap_hides_communication_behind_compute():
+    """A rank that posts its exchange, computes, then waits takes max(compute, comm) + latency-free
+    nothing more; with comm=False/compute=False the two parts alone."""
+    n, secs = 100 << 20, 2e-3
+    blk = Compute("fwd", 1, 8, 8, 1, 1, 8, None, "float32", 64, 1.0)
+    ranks = [[p2p({1: (n, n)}), blk, Wait(0)], [p2p({0: (n, n)}), blk, Wait(0)]]
+    t = topo()
+    full = replay(synthetic(ranks), t, lambda e: secs).time_s
+    comm = ALPHA + n / BW
+    assert full == pytest.approx(max(secs, comm), rel=1e-9)
+    assert replay(synthetic(ranks), t, lambda e: secs, comm=False).time_s == pytest.approx(secs)
+    assert replay(synthetic(ranks), t, lambda e: secs, compute=False).time_s == pytest.approx(comm)
+
+
+def test_unmatched_messages_are_reported_not_hung():
+    tr = synthetic([[p2p({1: (100, 0)}), Wait(0)], []])
+    with pytest.raises(SimError, match="never finished"):
+        replay(tr, topo(), no_compute)
+
+
+# -- traces once per schedule shape ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["ring", "zigzag_ring", "stripe_ring", "ulysses", "usp", "allgather_kv", "burst",
+                                  "tasp"])
+def test_extrapolated_traces_equal_direct_traces(name):
+    cache = TraceCache()
+    for p, causal in itertools.product([3, 4], [True, False]):
+        case = Case(batch=3, seq_len=2 * p * (p - 1) * 6, heads=12, kv_heads=4 if p == 4 else 12, head_dim=8,
+                    dtype="bfloat16", causal=causal, world_size=p)
+        if not methods.get_method(name).supports(case)[0]:
+            continue
+        assert cache.get(name, case, "fwd_bwd").ranks == trace(name, case, "fwd_bwd").ranks, (name, p, causal)
+
+
+# -- topologies and compute ----------------------------------------------------------------------------
+def test_shipped_topologies_load_and_name_their_sources():
+    names = available_topologies()
+    assert {"h100_sxm", "h800_sxm", "a100_sxm", "mi300x", "a100_pcie"} <= set(names)
+    for n in names:
+        t = load_topology(n)
+        ComputeModel(t)
+        text = t.source.read_text()
+        assert "#" in text and ("nccl" in text or "ROCm" in text)  # numbers carry their sources
+
+
+def test_bad_topologies_name_the_key():
+    d = yaml.safe_load(load_topology("mi300x").source.read_text())
+    del d["intra"]["link_GBps"]
+    with pytest.raises(TopologyError, match="intra.link_GBps is missing"):
+        Topology.from_dict(d)
+    with pytest.raises(TopologyError, match="unknown topology 'nope'.*h100_sxm"):
+        load_topology("nope")
+
+
+def test_roofline_uses_the_causal_curve_for_masked_blocks_and_skips_empty_ones():
+    cm = ComputeModel(load_topology("h100_sxm"))
+    full = Compute("fwd", 1, 4096, 4096, 32, 8, 128, None, "bfloat16", 4096 * 4096, 4.0 * 32 * 128 * 4096 * 4096)
+    diag = Compute("fwd", 1, 4096, 4096, 32, 8, 128, 0, "bfloat16", 4096 * 4097 // 2, full.flops * 4097 / 8192)
+    assert full.flops / (cm.time(full) - 5e-6) == pytest.approx(0.372 * 989e12, rel=1e-6)
+    assert diag.flops / (cm.time(diag) - 5e-6) == pytest.approx(0.323 * 989e12, rel=1e-6)
+    assert cm.time(Compute("fwd", 1, 8, 8, 1, 1, 8, -9, "bfloat16", 0, 0.0)) == 0.0
+    assert not cm.supports("float64", 128)[0]
+
+
+def test_a_measured_table_is_used_exactly_and_interpolated_by_rate(tmp_path):
+    blocks = [{"op": "fwd", "batch": 1, "sq": s, "sk": s, "heads": 2, "kv_heads": 2, "head_dim": 8,
+               "causal_offset": None, "dtype": "float32", "pairs": s * s, "flops": 64.0 * s * s, "seconds": sec}
+              for s, sec in ((16, 1e-3), (64, 4e-3))]
+    (tmp_path / "t.blocks.yaml").write_text(yaml.safe_dump({"blocks": blocks}))
+    d = yaml.safe_load(load_topology("h100_sxm").source.read_text())
+    d["compute"] = {"table": "t.blocks.yaml"}
+    (tmp_path / "t.yaml").write_text(yaml.safe_dump(d))
+    cm = ComputeModel(load_topology(str(tmp_path / "t.yaml")))
+    assert cm.time(Compute("fwd", 1, 16, 16, 2, 2, 8, None, "float32", 256, 64.0 * 256)) == 1e-3
+    mid = Compute("fwd", 1, 32, 32, 2, 2, 8, None, "float32", 1024, 64.0 * 1024)
+    r16, r64 = 64.0 * 256 / 1e-3, 64.0 * 4096 / 4e-3   # achieved rates; 32x32 lies half-way in log FLOPs
+    assert mid.flops / cm.time(mid) == pytest.approx((r16 + r64) / 2, rel=1e-9)
+
+
+# -- the sim executor in a sweep -------------------------------------------------------------------------
+def test_a_simulated_sweep_records_labelled_rows(tmp_path):
+    from suite.config import ConfigError, load_config
+    from suite.runner import run_sweep
+    from suite.sim.trace import trace as direct
+
+    cfg_path = tmp_path / "s.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "name": "simtest", "run": {"executor": "sim"}, "sim": {"topology": ["mi300x", "h100_sxm"]},
+        "tracking": {"mlflow": False}, "results": {"root": str(tmp_path / "results")},
+        "sweep": {"methods": ["ring", "tasp", "rfa_ring"], "world_size": [8, 16], "seq_len": [8064 * 4],
+                  "heads": [32], "kv_heads": [8], "head_dim": [128], "dtype": ["bfloat16", "float64"],
+                  "causal": [True], "passes": ["fwd"]}}))
+    cfg, text = load_config(cfg_path)
+    res = run_sweep(cfg, text, progress=False)
+    rows = {(r["method"], r["topology"], r["world_size"], r["dtype"]): r for r in res.records}
+    assert all(r["executor"] == "sim" for r in rows.values())
+    ok = rows[("tasp", "mi300x", 8, "bfloat16")]
+    assert ok["status"] == "ok" and not ok["checked"] and ok["hardware"].startswith("MI300X") and ok["nodes"] == 1
+    case = Case(batch=1, seq_len=8064 * 4, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", causal=True,
+                world_size=8)
+    assert ok["bytes_sent_per_rank"] == max(direct("tasp", case, "fwd").bytes_sent(r) for r in range(8))
+    assert rows[("ring", "h100_sxm", 16, "bfloat16")]["nodes"] == 2
+    assert rows[("ring", "mi300x", 8, "bfloat16")]["time_ms_median"] > ok["time_ms_median"]
+    assert "cannot be traced" in rows[("rfa_ring", "h100_sxm", 8, "bfloat16")]["reason"] or \
+        "not importable" in rows[("rfa_ring", "h100_sxm", 8, "bfloat16")]["reason"]
+    assert "no float64 rate" in rows[("ring", "h100_sxm", 8, "float64")]["reason"]
+    assert "divisible" in rows[("tasp", "h100_sxm", 16, "bfloat16")]["reason"]   # 2P(P-1) = 480
+    with pytest.raises(ConfigError, match="sim.topology: unknown topology 'nope'"):
+        load_config(cfg_path, ["sim.topology=[nope]"])
