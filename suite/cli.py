@@ -125,20 +125,29 @@ def main(argv: Optional[list[str]] = None) -> int:
     return 2
 
 
+def _load_config(args):
+    """(config, its YAML), or None after printing the config error."""
+    from suite.config import ConfigError, load_config
+
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return None
+
+
 def _calibrate(args) -> int:
     from pathlib import Path
 
     import torch
 
-    from suite.config import ConfigError, load_config
     from suite.env import hardware_label
     from suite.sim.calibrate import calibrate
 
-    try:
-        cfg, _ = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+    loaded = _load_config(args)
+    if loaded is None:
         return 2
+    cfg = loaded[0]
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda but no CUDA device is available here", file=sys.stderr)
@@ -152,14 +161,12 @@ def _calibrate(args) -> int:
 
 
 def _run(args) -> int:
-    from suite.config import ConfigError, load_config
     from suite.runner import run_sweep
 
-    try:
-        cfg, yaml_text = load_config(args.config, args.overrides)
-    except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+    loaded = _load_config(args)
+    if loaded is None:
         return 2
+    cfg, yaml_text = loaded
     try:
         run_sweep(cfg, yaml_text, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress)
     except FileNotFoundError as exc:

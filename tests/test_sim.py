@@ -213,3 +213,27 @@ def test_a_simulated_sweep_records_labelled_rows(tmp_path):
     assert "divisible" in rows[("tasp", "h100_sxm", 16, "bfloat16")]["reason"]   # 2P(P-1) = 480
     with pytest.raises(ConfigError, match="sim.topology: unknown topology 'nope'"):
         load_config(cfg_path, ["sim.topology=[nope]"])
+
+
+# -- calibrate ---------------------------------------------------------------------------------------------
+def test_calibrate_times_exactly_the_blocks_the_sweep_traces(tmp_path):
+    import torch
+
+    from suite.config import load_config
+    from suite.sim.calibrate import fit_alpha_beta, sweep_blocks, time_block
+
+    cfg_path = tmp_path / "c.yaml"
+    cfg_path.write_text(yaml.safe_dump({"name": "cal", "sweep": {
+        "methods": ["ring", "ulysses", "reference"], "world_size": [1, 2], "seq_len": [32], "heads": [2],
+        "kv_heads": [2], "head_dim": [8], "causal": [True], "passes": ["fwd"]}}))
+    cfg, _ = load_config(cfg_path)
+    blocks = sweep_blocks(cfg)
+    case = Case(batch=1, seq_len=32, heads=2, kv_heads=2, head_dim=8, dtype="float32", causal=True, world_size=2)
+    expect = {(e.sq, e.sk, e.causal_offset) for name in ("ring", "ulysses") for r in trace(name, case).ranks
+              for e in r if isinstance(e, Compute) and e.pairs}
+    assert {(e.sq, e.sk, e.causal_offset) for e in blocks} == expect  # no reference (P=1), no empty blocks
+    assert all(time_block(e, torch.device("cpu"), "auto", 1) > 0 for e in blocks)
+    alpha, beta = 50e-6, 3e9
+    sizes = [4, 1 << 16, 1 << 20, 1 << 22, 1 << 24]
+    fit = fit_alpha_beta({n: alpha + n / beta for n in sizes})
+    assert fit[0] == pytest.approx(alpha, rel=1e-3) and fit[1] == pytest.approx(beta, rel=1e-3)
