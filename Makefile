@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # CUDA packages). On GPU nodes pass the build you want, e.g. `make install TORCH=torch==2.13.0`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install quickstart test test-fast list ui clean sim-check simulate
+.PHONY: install quickstart test test-fast list ui clean sim-check simulate gpu-check
 
 install: $(VENV)/.installed
 
@@ -37,6 +37,13 @@ sim-check: install
 # The simulated studies (TASP, BurstAttention, USP grid, multi-node); about 13 minutes on 2 cores.
 simulate: install
 	for c in tasp burst usp multinode; do $(PY) -m suite run configs/simulate_$$c.yaml --no-progress || exit 1; done
+
+# The GPU checks (tests/test_gpu.py; skipped without CUDA): single-GPU emulation of every own method at
+# P = 2, 4, 8 in bf16, world size 1 over NCCL for every method and peer, and the kernel table
+# (`suite calibrate`) with TFLOP/s per block shape. Results under results/gpu_check/.
+# Install with the CUDA torch build of the node first: make install TORCH=torch==2.13.0
+gpu-check: install
+	$(PY) -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
 
 list: install
 	$(PY) -m suite list
