@@ -237,3 +237,24 @@ def test_calibrate_times_exactly_the_blocks_the_sweep_traces(tmp_path):
     sizes = [4, 1 << 16, 1 << 20, 1 << 22, 1 << 24]
     fit = fit_alpha_beta({n: alpha + n / beta for n in sizes})
     assert fit[0] == pytest.approx(alpha, rel=1e-3) and fit[1] == pytest.approx(beta, rel=1e-3)
+
+
+def test_a_200_point_sweep_at_8_gpus_up_to_1m_tokens_takes_under_a_minute(tmp_path):
+    """Issue 7's speed target: traces are taken once per schedule shape, not per point."""
+    import time
+
+    from suite.config import load_config
+    from suite.runner import run_sweep
+
+    cfg_path = tmp_path / "speed.yaml"
+    cfg_path.write_text(yaml.safe_dump({
+        "name": "speed", "run": {"executor": "sim"}, "sim": {"topology": ["h100_sxm"]},
+        "tracking": {"mlflow": False}, "results": {"root": str(tmp_path / "results")},
+        "sweep": {"methods": ["ring", "zigzag_ring", "tasp", "ulysses", "usp"], "world_size": [8], "batch": [1, 4],
+                  "seq_len": [64512, 129024, 258048, 516096, 1032192], "heads": [32], "kv_heads": [8],
+                  "head_dim": [128], "dtype": ["bfloat16"], "causal": [True, False], "passes": ["fwd", "fwd_bwd"]}}))
+    cfg, text = load_config(cfg_path)
+    t0 = time.perf_counter()
+    res = run_sweep(cfg, text, progress=False)
+    assert time.perf_counter() - t0 < 60
+    assert len(res.records) == 200 and all(r["status"] == "ok" for r in res.records)
