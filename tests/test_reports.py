@@ -114,15 +114,21 @@ def test_report_writes_every_table_figure_and_a_self_contained_page(tmp_path, sw
 
 
 def test_mixed_executors_are_labelled_and_compared(tmp_path):
-    rows = [row("ring", 4, S, executor=ex, time_ms=S / 100 * (1.2 if ex == "sim" else 1.0))
+    rows = [row("ring", 4, S, executor=ex, time_ms=S / 100 * (1.2 if ex == "sim" else 1.0),
+                **({"topology": "h100_sxm"} if ex == "sim" else {}))
             for S in (512, 1024) for ex in ("dist", "sim")]
     rows += [row("ulysses", 4, S, executor="dist") for S in (512, 1024)]
     df = with_series(load_runs([write_run(tmp_path, "mix", rows)]).frame)
-    assert set(df["series"]) == {"ring [dist]", "ring [sim]", "ulysses [dist]"}
+    assert set(df["series"]) == {"ring [dist]", "ring [sim:h100_sxm]", "ulysses [dist]"}
     t = build_tables(df, "ring")
     # the simulated ring is its own column, never averaged with the measured one; speedups only
     # compare rows of the same executor
-    assert {"ring [dist]", "ring [sim]"} <= set(t["speedup_over_ring"].columns)
+    assert {"ring [dist]", "ring [sim:h100_sxm]"} <= set(t["speedup_over_ring"].columns)
+    sv = t["sim_vs_measured"]
+    assert len(sv) == 2 and sv["error %"].tolist() == pytest.approx([20.0, 20.0])
+    # a report of predictions alone still says, in every series, that they are predictions
+    only_sim = with_series(df[df["executor"] == "sim"])
+    assert set(only_sim["series"]) == {"ring [sim:h100_sxm]"}
     rep = build_report([str(df["run_dir"].iloc[0])], out=tmp_path / "rep", log_to_mlflow=False)
     assert any(f.endswith("sim_vs_measured.png") for f in rep.figures)
 

@@ -2,7 +2,8 @@
 
 Every table keys its rows by *series*: the method, its non-default options, and, when the rows
 come from more than one executor (dist, threads, sim) or machine, the executor and hardware too,
-so a measured and a simulated number never share a row or a column unlabelled.
+so a measured and a simulated number never share a row or a column unlabelled. Simulated rows
+always say `[sim:<topology>]` and virtual-rank rows `[threads]`, even alone in a report.
 """
 from __future__ import annotations
 
@@ -27,7 +28,9 @@ def series_label(row: pd.Series, many_executors: bool, many_hardware: bool) -> s
     shown = {k: v for k, v in opts.items() if v not in (None, 0, "auto")}
     if shown:
         label += "(" + ",".join(f"{_OPTION_LABELS.get(k, k)}={v}" for k, v in sorted(shown.items())) + ")"
-    if many_executors:
+    if row["executor"] == "sim":  # a prediction always says so, and on which topology model
+        return label + f" [sim:{row['topology']}]"
+    if many_executors or row["executor"] == "threads":  # virtual-rank timings are never hardware figures
         label += f" [{row['executor']}]"
     if many_hardware:
         label += f" @{row['hardware']}"
