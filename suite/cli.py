@@ -246,10 +246,14 @@ def _list() -> int:
         krows.append([name, "yes" if ok else "no", why])
     print("\nLocal attention kernels (run.kernel; auto picks flash_attn on CUDA fp16/bf16, cpu_flash on CPU)")
     print(tabulate(krows, headers=["kernel", "available", "notes / why not"], tablefmt="simple"))
+    from suite.sim.topology import available_topologies
+
     cuda = torch.cuda.is_available()
     erows = [["dist", "yes", f"worker processes over torch.distributed ({'nccl' if cuda else 'gloo'}); "
                              "the only executor whose timings are performance"],
              ["threads", "yes", "virtual ranks in one process (numerics; timings are not hardware communication)"],
+             ["sim", "yes", "predicted on a topology model, nothing runs; topologies: "
+                            + ", ".join(available_topologies()) + " (or a file from `suite calibrate`)"],
              ["cuda device", "yes" if cuda else "no",
               f"{torch.cuda.device_count()} GPU(s)" if cuda else "no CUDA device: GPU kernels, NCCL and CUDA timing "
                                                                  "are unavailable here"]]
