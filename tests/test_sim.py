@@ -13,7 +13,7 @@ from methods.comm.counting import CommRecord
 from suite.sim.compute import ComputeModel
 from suite.sim.engine import Flow, SimError, max_min_rates, replay
 from suite.sim.topology import Topology, TopologyError, available_topologies, load_topology
-from suite.sim.trace import Compute, Trace, TraceCache, Wait, trace
+from suite.sim.trace import Compute, Memory, Trace, TraceCache, Wait, trace
 
 GB = 1e9
 ALPHA, BW = 10e-6, 100 * GB
@@ -129,13 +129,19 @@ def test_unmatched_messages_are_reported_not_hung():
 @pytest.mark.parametrize("name", ["ring", "zigzag_ring", "stripe_ring", "ulysses", "usp", "allgather_kv", "burst",
                                   "tasp"])
 def test_extrapolated_traces_equal_direct_traces(name):
+    """Blocks, messages, waits and the method's own tensor work (Memory events) alike, at batch 1 (its
+    own templates: a batch of one skips some copies) and at batch 3."""
     cache = TraceCache()
-    for p, causal in itertools.product([3, 4], [True, False]):
-        case = Case(batch=3, seq_len=2 * p * (p - 1) * 6, heads=12, kv_heads=4 if p == 4 else 12, head_dim=8,
+    for p, causal, batch in itertools.product([3, 4], [True, False], [1, 3]):
+        case = Case(batch=batch, seq_len=4 * p * (p - 1) * 6, heads=12, kv_heads=4 if p == 4 else 12, head_dim=8,
                     dtype="bfloat16", causal=causal, world_size=p)
         if not methods.get_method(name).supports(case)[0]:
             continue
-        assert cache.get(name, case, "fwd_bwd").ranks == trace(name, case, "fwd_bwd").ranks, (name, p, causal)
+        got = cache.get(name, case, "fwd_bwd").ranks
+        assert got == trace(name, case, "fwd_bwd").ranks, (name, p, causal, batch)
+        assert any(isinstance(e, Memory) for r in got for e in r)
+        # the forward pass is served from the same templates: the first part of the fwd_bwd trace
+        assert cache.get(name, case, "fwd").ranks == trace(name, case, "fwd").ranks, (name, p, causal, batch)
 
 
 # -- topologies and compute ----------------------------------------------------------------------------

@@ -86,6 +86,30 @@ def time_block(e: Compute, device: torch.device, kernel: str, repeats: int) -> f
     return statistics.median(samples)
 
 
+def measure_memory(device: torch.device, repeats: int) -> dict:
+    """The methods' bookkeeping rates: bandwidth of an elementwise op on a large tensor (bytes read
+    + written), and the fixed cost of one op on a tiny tensor."""
+    def timed(fn) -> float:
+        samples = []
+        for i in range(repeats + 2):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            fn()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if i >= 2:
+                samples.append(time.perf_counter() - t0)
+        return statistics.median(samples)
+
+    n = (64 if device.type == "cuda" else 8) * MB // 4
+    a, b = torch.ones(n, device=device), torch.ones(n, device=device)
+    tiny = torch.ones(4, device=device)
+    op = timed(lambda: tiny.mul_(1.0))
+    big = timed(lambda: b.mul_(1.0).add_(a))  # two ops: 2 + 3 tensor passes of n floats
+    return {"GBps": round(5 * n * 4 / max(big - 2 * op, 1e-9) / 1e9, 3), "op_us": round(op * 1e6, 3)}
+
+
 # ---------------------------------------------------------------------------------------------
 # Loopback links (CPU, gloo)
 # ---------------------------------------------------------------------------------------------
@@ -195,7 +219,9 @@ def calibrate(cfg, *, out: Path, device: torch.device, threads: Optional[int], r
         secs = time_block(e, device, cfg.run.kernel, repeats)
         rows.append({**e.__dict__, "seconds": secs})
     label = hardware_label(device.type)
-    table = {"device": label, "kernel": kernel_name, "threads": threads,
+    memory = measure_memory(device, repeats)
+    log(f"bookkeeping: {memory['GBps']} GB/s elementwise, {memory['op_us']} us per op")
+    table = {"device": label, "kernel": kernel_name, "threads": threads, "memory": memory,
              "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
              "sweep": cfg.name, "blocks": rows}
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,9 @@ Two sources, per topology (`compute:` section of its YAML):
   tokens) from the topology's table by the block's size sqrt(sq x sk), a full-mask and a
   causal-mask curve per op (flash-attention's published curves).
 
-Blocks that see no key cost nothing (the methods skip the kernel for them).
+Blocks that see no key cost nothing (the methods skip the kernel for them). The methods' own
+tensor work between blocks (`Memory` events) costs `op_us` per operation plus its bytes at
+`mem_GBps`: measured by calibrate (the table's `memory` section) or the topology's figures.
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from typing import Optional
 import yaml
 
 from suite.sim.topology import Topology, TopologyError
-from suite.sim.trace import Compute
+from suite.sim.trace import Compute, Memory
 
 
 def mask_class(e: Compute) -> str:
@@ -56,6 +58,8 @@ class ComputeModel:
         self.table: dict[tuple, float] = {}
         self.rates: dict[tuple, tuple[list[float], list[float]]] = {}
         self.source = f"roofline {topology.gpu}"
+        self.mem_Bps = float(c.get("mem_GBps", 0.0)) * 1e9
+        self.op_s = float(c.get("op_us", 0.0)) * 1e-6
         if c.get("table"):
             path = Path(c["table"])
             if not path.is_absolute() and topology.source is not None:
@@ -70,6 +74,9 @@ class ComputeModel:
             raise TopologyError(f"topology {self.topology.name}: compute table {path} not found "
                                 f"(write it with `python -m suite calibrate`)")
         data = yaml.safe_load(path.read_text()) or {}
+        mem = data.get("memory") or {}
+        if mem:
+            self.mem_Bps, self.op_s = float(mem["GBps"]) * 1e9, float(mem["op_us"]) * 1e-6
         by_class: dict[tuple, list[tuple[float, float]]] = {}
         for b in data.get("blocks", []):
             e = Compute(b["op"], b["batch"], b["sq"], b["sk"], b["heads"], b["kv_heads"], b["head_dim"],
@@ -91,7 +98,9 @@ class ComputeModel:
             return False, f"topology {self.topology.name} gives no {dtype} rate for {self.topology.gpu}"
         return True, ""
 
-    def time(self, e: Compute) -> float:
+    def time(self, e: Compute | Memory) -> float:
+        if isinstance(e, Memory):
+            return e.ops * self.op_s + (e.bytes / self.mem_Bps if self.mem_Bps else 0.0)
         if e.pairs == 0:
             return 0.0
         if self.table:

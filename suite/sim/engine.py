@@ -4,6 +4,7 @@ Each rank runs its traced events in order (`suite/sim/trace.py`):
 
 - `Compute`: the rank is busy for the compute model's time of that block (a "flow" of work on the
   rank's compute resource, so ranks that share cores, as CPU processes do, share them fairly);
+  `Memory` (the method's own tensor work between blocks: merges, copies) likewise;
 - a point-to-point exchange is posted and does not block; each send is matched with the peer's
   receive from this rank (first posted with first posted, per ordered pair) and becomes a flow
   once both are posted, after the path's per-message latency;
@@ -26,7 +27,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from methods.comm.counting import CommRecord
-from suite.sim.trace import Compute, Trace, Wait
+from suite.sim.trace import Compute, Memory, Trace, Wait
 
 COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
 
@@ -82,8 +83,8 @@ def max_min_rates(flows: list[Flow], capacity: dict) -> None:
 
 @dataclass
 class Replay:
-    """The simulated iteration: per rank when it finished, how long it computed and how long it sat
-    blocked on communication (waits and collectives)."""
+    """The simulated iteration: per rank when it finished, how long it spent in block kernels and
+    how long it sat blocked on communication (waits and collectives)."""
 
     end_s: list[float]
     compute_s: list[float]
@@ -158,10 +159,11 @@ class _Sim:
             i = self.pc[r]
             e = events[i]
             self.pc[r] += 1
-            if isinstance(e, Compute):
+            if isinstance(e, (Compute, Memory)):
                 secs = self.compute_time(e) if self.with_compute else 0.0
                 if secs > 0:
-                    self.compute_s[r] += secs
+                    if isinstance(e, Compute):
+                        self.compute_s[r] += secs
                     self.blocked[r] = "compute"
                     res, cap = self.topo.compute_resource(r)
                     self.start_flow(res, cap, secs, lambda r=r: self.unblock(r))

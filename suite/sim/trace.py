@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import methods
 from methods import kernels
@@ -50,7 +51,17 @@ class Wait:
     handle: int
 
 
-Event = Union[Compute, CommRecord, Wait]
+@dataclass(frozen=True)
+class Memory:
+    """The method's own tensor work between two recorded events (online-softmax merges, copies,
+    concatenations, layout changes): `ops` aten operations touching `bytes` bytes (inputs read plus
+    outputs written; views and bare allocations are free)."""
+
+    bytes: int
+    ops: int
+
+
+Event = Union[Compute, CommRecord, Wait, Memory]
 
 
 def visible_pairs(sq: int, sk: int, causal_offset: Optional[int]) -> int:
@@ -67,22 +78,74 @@ def visible_pairs(sq: int, sk: int, causal_offset: Optional[int]) -> int:
 class _Tap(list):
     """The ledger's record list that also appends every record to the event list."""
 
-    def __init__(self, events: list):
+    def __init__(self, ledger: "TraceLedger"):
         super().__init__()
-        self._events = events
+        self._ledger = ledger
 
     def append(self, record: CommRecord) -> None:
         super().append(record)
-        self._events.append(record)
+        self._ledger.add(record)
 
 
 class TraceLedger(CommLedger):
-    """A comm ledger (bytes, per peer) plus the ordered events of one rank."""
+    """A comm ledger (bytes, per peer) plus the ordered events of one rank. Tensor work seen between
+    two events is folded into one `Memory` event placed before the next one."""
 
     def __init__(self):
         super().__init__()
         self.events: list[Event] = []
-        self.records = _Tap(self.events)
+        self.records = _Tap(self)
+        self.paused = 0               # > 0 inside kernels and communication: their tensor work is not bookkeeping
+        self._bytes = self._ops = 0
+
+    def add(self, event: Event) -> None:
+        self.flush()
+        self.events.append(event)
+
+    def flush(self) -> None:
+        if self._ops:
+            self.events.append(Memory(self._bytes, self._ops))
+            self._bytes = self._ops = 0
+
+    def tensor_op(self, nbytes: int) -> None:
+        if not self.paused:
+            self._bytes += nbytes
+            self._ops += 1
+
+    @contextlib.contextmanager
+    def pause(self):
+        self.paused += 1
+        try:
+            yield
+        finally:
+            self.paused -= 1
+
+
+_FREE = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default", "aten.lift_fresh.default"}
+
+
+def _tensor_bytes(x) -> int:
+    if isinstance(x, torch.Tensor):
+        return x.numel() * x.element_size()
+    if isinstance(x, (list, tuple)):
+        return sum(_tensor_bytes(y) for y in x)
+    return 0
+
+
+class _Bookkeeping(TorchDispatchMode):
+    """Sees every aten op of the rank's thread (dispatch modes are thread-local) and charges the
+    non-view ones to the ledger."""
+
+    def __init__(self, ledger: TraceLedger):
+        super().__init__()
+        self._ledger = ledger
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and str(func) not in _FREE:
+            self._ledger.tensor_op(_tensor_bytes(list(args)) + _tensor_bytes(list((kwargs or {}).values()))
+                                   + _tensor_bytes(out))
+        return out
 
 
 class _TracedWork:
@@ -90,18 +153,45 @@ class _TracedWork:
         self._work, self._ledger, self._handle = work, ledger, handle
 
     def wait(self) -> None:
-        self._work.wait()
-        self._ledger.events.append(Wait(self._handle))
+        with self._ledger.pause():
+            self._work.wait()
+        self._ledger.add(Wait(self._handle))
 
 
 class TracingComm(CountingComm):
-    """A counting comm whose exchanges return handles that record their wait."""
+    """A counting comm whose exchanges return handles that record their wait; the tensor work of
+    communication itself is not the method's bookkeeping."""
 
     ledger: TraceLedger
 
     def exchange(self, ops):
-        work = super().exchange(ops)
+        with self.ledger.pause():
+            work = super().exchange(ops)
         return _TracedWork(work, self.ledger, len(self.ledger.events) - 1)
+
+    def all_to_all(self, output, input):
+        with self.ledger.pause():
+            super().all_to_all(output, input)
+
+    def all_gather(self, output, input):
+        with self.ledger.pause():
+            super().all_gather(output, input)
+
+    def reduce_scatter(self, output, input):
+        with self.ledger.pause():
+            super().reduce_scatter(output, input)
+
+    def all_reduce(self, tensor):
+        with self.ledger.pause():
+            super().all_reduce(tensor)
+
+    def split(self, groups):
+        with self.ledger.pause():
+            return super().split(groups)
+
+    def barrier(self):
+        with self.ledger.pause():
+            super().barrier()
 
 
 class TracingKernel(kernels.TimedKernel):
@@ -118,9 +208,9 @@ class TracingKernel(kernels.TimedKernel):
         sk, hkv = k.shape[1], k.shape[2]
         pairs = visible_pairs(sq, sk, causal_offset)
         flops = 4.0 * b * h * d * pairs * (2.5 if op == "bwd" else 1.0)
-        self._ledger.events.append(Compute(op, b, sq, sk, h, hkv, d, causal_offset,
-                                           dtype_name(q.dtype), pairs, flops))
-        yield
+        self._ledger.add(Compute(op, b, sq, sk, h, hkv, d, causal_offset, dtype_name(q.dtype), pairs, flops))
+        with self._ledger.pause():
+            yield
 
 
 @dataclass
@@ -132,6 +222,14 @@ class Trace:
     case: Case
     pass_: str
     ranks: list[list[Event]] = field(default_factory=list)
+    forward_end: Optional[list[int]] = None   # fwd_bwd traces: per rank, where the backward's events start
+
+    def forward_part(self) -> "Trace":
+        """The forward pass alone of a fwd_bwd trace: the same code runs first in both passes."""
+        if self.pass_ == "fwd":
+            return self
+        return Trace(self.method, self.options, self.case, "fwd",
+                     [r[:n] for r, n in zip(self.ranks, self.forward_end)], list(self.forward_end))
 
     def comm(self, rank: int) -> list[CommRecord]:
         return [e for e in self.ranks[rank] if isinstance(e, CommRecord)]
@@ -168,20 +266,25 @@ def trace(method_name: str, case: Case, pass_: str = "fwd", options: Optional[di
     q = torch.empty(case.batch, case.seq_len, case.heads, case.head_dim, **meta)
     kv = torch.empty(case.batch, case.seq_len, case.kv_heads, case.head_dim, **meta)
 
-    def rank_fn(comm) -> list[Event]:
+    def rank_fn(comm) -> tuple[list[Event], int]:
         ledger = TraceLedger()
         method = methods.get_method(method_name, **options)  # one per rank: its kernel is per rank
         method.kernel = TracingKernel(ledger)
         c = TracingComm(comm, ledger)
         ql, kl, vl, dl = (layout.shard(x, comm.rank) for x in (q, kv, kv, q))
         scale = kernels.default_scale(case.head_dim)
-        with torch.no_grad():  # what `attention` + autograd run (no LSE asked for: it can cost messages)
+        # what `attention` + autograd run (no LSE asked for: it can cost messages)
+        with torch.no_grad(), _Bookkeeping(ledger):
             _, _, residuals = method.forward(ql, kl, vl, comm=c, causal=case.causal, scale=scale, return_lse=False)
+            ledger.flush()
+            forward_end = len(ledger.events)
             if pass_ == "fwd_bwd":
                 method.backward(dl, residuals, comm=c, causal=case.causal, scale=scale)
-        return ledger.events
+        ledger.flush()
+        return ledger.events, forward_end
 
-    return Trace(method_name, options, case, pass_, run_threads(case.world_size, rank_fn, timeout_s=timeout_s))
+    per_rank = run_threads(case.world_size, rank_fn, timeout_s=timeout_s)
+    return Trace(method_name, options, case, pass_, [e for e, _ in per_rank], [n for _, n in per_rank])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -189,11 +292,12 @@ def trace(method_name: str, case: Case, pass_: str = "fwd", options: Optional[di
 # ---------------------------------------------------------------------------------------------
 def template_seq_len(method_name: str, case: Case, options: Optional[dict[str, Any]] = None) -> Optional[int]:
     """The shortest sequence s0 whose schedule has the shape of `case`'s, or None: s0 is a multiple
-    of 2P (every layout's chunking) that divides `case.seq_len`, with 2 * s0 <= seq_len, and the method
+    of 4P (every layout's chunking, with chunks of at least two tokens: a size-1 dimension changes
+    which copies torch makes) that divides `case.seq_len`, with 2 * s0 <= seq_len, and the method
     supports it (e.g. TASP needs multiples of 2P(P-1)). See `extrapolate`."""
     probe = methods.get_method(method_name, **dict(options or {}))
-    unit = 2 * case.world_size
-    for mult in range(1, 257):
+    unit = 4 * case.world_size
+    for mult in range(1, 129):
         s0 = unit * mult
         if 2 * s0 > case.seq_len:
             break
@@ -202,25 +306,41 @@ def template_seq_len(method_name: str, case: Case, options: Optional[dict[str, A
     return None
 
 
-def extrapolate(a: Trace, b: Trace, batch: int, seq_len: int) -> Trace:
-    """The trace at `batch` x `seq_len` from traces `a` and `b` of the same schedule at batch 1 and
-    two sequence lengths. Every token count, mask offset and byte count of a schedule is an affine
-    function of the sequence length at a fixed chunking (a stripe's diagonal offset stays -1, a
-    block's length grows), so each is extrapolated from the two traces; bytes and FLOPs then scale
-    with the batch. The tests check the result against direct traces, event for event."""
-    s_a, s_b = a.case.seq_len, b.case.seq_len
-    if a.case.batch != 1 or b.case.batch != 1 or s_a == s_b:
-        raise ValueError("extrapolate needs two traces at batch 1 and different sequence lengths")
+TEMPLATE_BATCHES = (2, 4)  # not 1: a batch of one makes some copies no-ops (batch-1 points get their own)
 
-    def lin(x: int, y: int) -> int:
-        num = (y - x) * (seq_len - s_a)
-        if num % (s_b - s_a):
-            raise ValueError(f"schedule is not affine in the sequence length ({x} at {s_a}, {y} at {s_b})")
-        return x + num // (s_b - s_a)
 
-    def one(e: Event, f: Event) -> Event:
-        if type(e) is not type(f):
-            raise ValueError(f"traces of {a.method} at {s_a} and {s_b} tokens differ in structure")
+def extrapolate(traces: dict[tuple[int, int], Trace], batch: int, seq_len: int) -> Trace:
+    """The trace at `batch` x `seq_len` from four traces of the same schedule at two batches and two
+    sequence lengths, keyed (batch, seq_len). Every token count and mask offset of a schedule is an
+    affine function of the sequence length at a fixed chunking (a stripe's diagonal offset stays -1,
+    a block's length grows), and every byte count a bilinear function of batch and length (index
+    tensors grow with the length alone), so each number is extrapolated from the four traces. The
+    tests check the result against direct traces, event for event."""
+    (b1, s1), (b2, s2) = min(traces), max(traces)
+    if b1 == b2:  # traced at the point's own batch (batch 1): extrapolate in the length alone
+        if batch != b1:
+            raise ValueError(f"traces at batch {b1} extrapolate only to batch {b1}, not {batch}")
+        b2 = b1 + 1
+        traces = {**traces, (b2, s1): traces[(b1, s1)], (b2, s2): traces[(b1, s2)]}  # no batch dependence
+    t11, t12, t21, t22 = traces[(b1, s1)], traces[(b1, s2)], traces[(b2, s1)], traces[(b2, s2)]
+    name = t11.method
+
+    def exact(num: int, den: int, what) -> int:
+        if num % den:
+            raise ValueError(f"schedule of {name} is not affine in batch and length ({what})")
+        return num // den
+
+    def lin(x: int, y: int) -> int:          # affine in the length
+        return x + exact((y - x) * (seq_len - s1), s2 - s1, (x, y))
+
+    def bil(v11: int, v12: int, v21: int, v22: int) -> int:   # bilinear in batch and length
+        db, ds = batch - b1, seq_len - s1
+        return (v11 + exact((v21 - v11) * db, b2 - b1, (v11, v21)) + exact((v12 - v11) * ds, s2 - s1, (v11, v12))
+                + exact((v22 - v21 - v12 + v11) * db * ds, (b2 - b1) * (s2 - s1), (v11, v12, v21, v22)))
+
+    def one(e: Event, f: Event, g: Event, h: Event) -> Event:
+        if not type(e) is type(f) is type(g) is type(h):
+            raise ValueError(f"traces of {name} at different sizes differ in structure")
         if isinstance(e, Compute):
             sq, sk = lin(e.sq, f.sq), lin(e.sk, f.sk)
             off = None if e.causal_offset is None else lin(e.causal_offset, f.causal_offset)
@@ -228,28 +348,35 @@ def extrapolate(a: Trace, b: Trace, batch: int, seq_len: int) -> Trace:
             return Compute(e.op, batch, sq, sk, e.heads, e.kv_heads, e.head_dim, off, e.dtype, pairs,
                            4.0 * batch * e.heads * e.head_dim * pairs * (2.5 if e.op == "bwd" else 1.0))
         if isinstance(e, CommRecord):
-            if e.kind != f.kind or e.peers != f.peers or e.per_peer.keys() != f.per_peer.keys():
-                raise ValueError(f"traces of {a.method} at {s_a} and {s_b} tokens talk to different peers")
-            return CommRecord(e.kind, batch * lin(e.bytes_sent, f.bytes_sent), batch * lin(e.bytes_recv, f.bytes_recv),
-                              e.peers, {p: (batch * lin(s, f.per_peer[p][0]), batch * lin(r, f.per_peer[p][1]))
-                                        for p, (s, r) in e.per_peer.items()})
-        if e != f:
-            raise ValueError(f"traces of {a.method} at {s_a} and {s_b} tokens wait differently")
+            if any(x.kind != e.kind or x.peers != e.peers or x.per_peer.keys() != e.per_peer.keys() for x in (f, g, h)):
+                raise ValueError(f"traces of {name} at different sizes talk to different peers")
+            per_peer = {p: tuple(bil(e.per_peer[p][i], f.per_peer[p][i], g.per_peer[p][i], h.per_peer[p][i])
+                                 for i in (0, 1)) for p in e.per_peer}
+            return CommRecord(e.kind, bil(e.bytes_sent, f.bytes_sent, g.bytes_sent, h.bytes_sent),
+                              bil(e.bytes_recv, f.bytes_recv, g.bytes_recv, h.bytes_recv), e.peers, per_peer)
+        if isinstance(e, Memory):
+            if not e.ops == f.ops == g.ops == h.ops:
+                raise ValueError(f"traces of {name} at different sizes do different tensor work")
+            return Memory(bil(e.bytes, f.bytes, g.bytes, h.bytes), e.ops)
+        if not e == f == g == h:
+            raise ValueError(f"traces of {name} at different sizes wait differently")
         return e
 
-    if [len(r) for r in a.ranks] != [len(r) for r in b.ranks]:
-        raise ValueError(f"traces of {a.method} at {s_a} and {s_b} tokens differ in structure")
-    case = Case(**{**a.case.__dict__, "batch": batch, "seq_len": seq_len})
-    return Trace(a.method, a.options, case, a.pass_,
-                 [[one(e, f) for e, f in zip(ra, rb)] for ra, rb in zip(a.ranks, b.ranks)])
+    if not [len(r) for r in t11.ranks] == [len(r) for r in t12.ranks] == [len(r) for r in t21.ranks] \
+            == [len(r) for r in t22.ranks]:
+        raise ValueError(f"traces of {name} at different sizes differ in structure")
+    case = Case(**{**t11.case.__dict__, "batch": batch, "seq_len": seq_len})
+    return Trace(name, t11.options, case, t11.pass_,
+                 [[one(*evs) for evs in zip(*ranks)] for ranks in zip(t11.ranks, t12.ranks, t21.ranks, t22.ranks)],
+                 t11.forward_end)
 
 
 class TraceCache:
-    """Traces for many sweep points from two small traces per schedule shape (method, options,
+    """Traces for many sweep points from four small traces per schedule shape (method, options,
     world size, mask, pass, heads, head dim, dtype): a 200-point sweep costs a few dozen traces."""
 
     def __init__(self):
-        self._templates: dict[tuple, tuple[Trace, Trace]] = {}
+        self._templates: dict[tuple, dict[tuple[int, int], Trace]] = {}
         self.traced = 0
 
     def get(self, method_name: str, case: Case, pass_: str, options: Optional[dict[str, Any]] = None) -> Trace:
@@ -259,11 +386,18 @@ class TraceCache:
             self.traced += 1
             return trace(method_name, case, pass_, options)
         # the shape key: s0 itself is in it (a different chunking is a different schedule)
-        key = (method_name, tuple(sorted(options.items())), case.world_size, case.causal, pass_, case.heads,
-               case.kv_heads, case.head_dim, case.dtype, s0)
+        batches = (1,) if case.batch == 1 else TEMPLATE_BATCHES
+        # one fwd_bwd trace serves both passes (the forward pass is its first part), unless the
+        # method has no backward for this case
+        traced_pass = "fwd" if methods.get_method(method_name, **options).forward_only_reason(case) else "fwd_bwd"
+        key = (method_name, traced_pass, tuple(sorted(options.items())), case.world_size, case.causal, case.heads,
+               case.kv_heads, case.head_dim, case.dtype, s0, batches)
         if key not in self._templates:
-            small = [Case(**{**case.__dict__, "batch": 1, "seq_len": s}) for s in (s0, 2 * s0)]
-            self._templates[key] = tuple(trace(method_name, c, pass_, options) for c in small)  # type: ignore
-            self.traced += 2
-        a, b = self._templates[key]
-        return extrapolate(a, b, case.batch, case.seq_len)
+            self._templates[key] = {(b, s): trace(method_name, Case(**{**case.__dict__, "batch": b, "seq_len": s}),
+                                                  traced_pass, options)
+                                    for b in batches for s in (s0, 2 * s0)}
+            self.traced += len(self._templates[key])
+        full = extrapolate(self._templates[key], case.batch, case.seq_len)
+        if pass_ == "fwd_bwd" and traced_pass == "fwd":
+            raise ValueError(f"{method_name} has no backward for this case")
+        return full if pass_ == "fwd_bwd" else full.forward_part()
