@@ -34,7 +34,7 @@ sim-check: install
 	$(PY) -m suite run configs/sim_check_cpu.yaml run.executor=sim name=sim_check_cpu_sim --no-progress
 	$(PY) -m suite report results/sim_check_cpu results/sim_check_cpu_sim --out reports/sim_check_cpu --no-mlflow
 
-# The simulated studies (TASP, BurstAttention, USP grid, multi-node); about 13 minutes on 2 cores.
+# The simulated studies (TASP, BurstAttention, USP grid, multi-node); several minutes each for the multi-node ones.
 simulate: install
 	for c in tasp burst usp multinode; do $(PY) -m suite run configs/simulate_$$c.yaml --no-progress || exit 1; done
 
