@@ -73,12 +73,17 @@ def time_block(e: Compute, device: torch.device, kernel: str, repeats: int) -> f
 
         def call():
             kernels.block_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=e.causal_offset, kernel=kernel)
+    return median_seconds(call, device, repeats)
+
+
+def median_seconds(fn, device: torch.device, repeats: int) -> float:
+    """Median wall time of `fn` over `repeats` calls after two warm-up calls (synchronised on CUDA)."""
     samples = []
     for i in range(repeats + 2):
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         t0 = time.perf_counter()
-        call()
+        fn()
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         if i >= 2:
@@ -90,17 +95,7 @@ def measure_memory(device: torch.device, repeats: int) -> dict:
     """The methods' bookkeeping rates: bandwidth of an elementwise op on a large tensor (bytes read
     + written), and the fixed cost of one op on a tiny tensor."""
     def timed(fn) -> float:
-        samples = []
-        for i in range(repeats + 2):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            fn()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            if i >= 2:
-                samples.append(time.perf_counter() - t0)
-        return statistics.median(samples)
+        return median_seconds(fn, device, repeats)
 
     n = (64 if device.type == "cuda" else 8) * MB // 4
     a, b = torch.ones(n, device=device), torch.ones(n, device=device)
