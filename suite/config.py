@@ -384,11 +384,16 @@ def _validate_sim(cfg: SuiteConfig) -> None:
     _require(cfg.kind == "attention", "run.executor",
              "sim predicts attention trials; a perplexity check trains a model and needs dist or threads")
     _require(len(cfg.sim.topology) > 0, "sim.topology", "needs at least one topology")
+    names = []
     for t in cfg.sim.topology:
         try:
-            ComputeModel(load_topology(t))
+            topo = load_topology(t)
+            ComputeModel(topo)
         except TopologyError as exc:
             raise ConfigError(f"sim.topology: {exc}") from None
+        names.append(topo.name)
+    _require(len(set(names)) == len(names), "sim.topology",
+             f"topology names must differ (they name the trials); got {names}: change `name:` in the copied file")
 
 
 def _validate_perplexity(cfg: SuiteConfig) -> None:

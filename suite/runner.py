@@ -40,7 +40,8 @@ def resolve_backend(backend: str, device: str) -> str:
 
 
 def check_supported(spec: TrialSpec, executor=None) -> tuple[bool, str]:
-    """Decided in the parent, before any rank is involved; a False becomes a recorded skip."""
+    """Decided in the parent, before any rank is involved; a False becomes a recorded skip. An
+    executor with a `supports(spec)` method (the simulator's) adds its own limits."""
     if spec.method not in methods.available():
         return False, methods.unavailable().get(spec.method, f"method {spec.method!r} is not registered here")
     try:
@@ -52,13 +53,9 @@ def check_supported(spec: TrialSpec, executor=None) -> tuple[bool, str]:
         return False, reason
     if method.needs_processes and spec.executor == "threads":
         return False, f"{spec.method} calls torch.distributed itself; it needs run.executor=dist"
-    if spec.executor == "sim":
-        if method.needs_processes:
-            return False, (f"{spec.method} calls torch.distributed itself, so its schedule cannot be traced; "
-                           f"simulate the suite's own implementation of the algorithm instead")
-        if executor is not None:
-            return executor.supports(spec)
-        return True, ""
+    if method.needs_processes and spec.executor == "sim":
+        return False, (f"{spec.method} calls torch.distributed itself, so its schedule cannot be traced; "
+                       f"simulate the suite's own implementation of the algorithm instead")
     if spec.pass_ != "fwd":
         why = method.forward_only_reason(spec.case())
         if why:
@@ -72,6 +69,8 @@ def check_supported(spec: TrialSpec, executor=None) -> tuple[bool, str]:
     if spec.pass_ == "train" and spec.executor == "threads" and spec.device == "cuda":
         return False, ("training needs autograd across ranks, which virtual ranks on one GPU cannot use "
                        "(autograd runs a device's backward on one thread); use run.executor=dist")
+    if hasattr(executor, "supports"):  # what only the executor knows (e.g. a topology's node count)
+        return executor.supports(spec)
     return True, ""
 
 

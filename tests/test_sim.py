@@ -109,7 +109,7 @@ def test_overlap_hides_communication_behind_compute():
     """A rank that posts its exchange, computes, then waits takes max(compute, comm) + latency-free
     nothing more; with comm=False/compute=False the two parts alone."""
     n, secs = 100 << 20, 2e-3
-    blk = Compute("fwd", 1, 8, 8, 1, 1, 8, None, "float32", 64, 1.0)
+    blk = Compute("fwd", 1, 8, 8, 1, 1, 8, None, "float32")
     ranks = [[p2p({1: (n, n)}), blk, Wait(0)], [p2p({0: (n, n)}), blk, Wait(0)]]
     t = topo()
     full = replay(synthetic(ranks), t, lambda e: secs).time_s
@@ -166,11 +166,14 @@ def test_bad_topologies_name_the_key():
 
 def test_roofline_uses_the_causal_curve_for_masked_blocks_and_skips_empty_ones():
     cm = ComputeModel(load_topology("h100_sxm"))
-    full = Compute("fwd", 1, 4096, 4096, 32, 8, 128, None, "bfloat16", 4096 * 4096, 4.0 * 32 * 128 * 4096 * 4096)
-    diag = Compute("fwd", 1, 4096, 4096, 32, 8, 128, 0, "bfloat16", 4096 * 4097 // 2, full.flops * 4097 / 8192)
+    full = Compute("fwd", 1, 4096, 4096, 32, 8, 128, None, "bfloat16")
+    diag = Compute("fwd", 1, 4096, 4096, 32, 8, 128, 0, "bfloat16")
+    assert (full.pairs, full.flops) == (4096 * 4096, 4.0 * 32 * 128 * 4096 * 4096)
+    assert (diag.pairs, diag.flops) == (4096 * 4097 // 2, full.flops * 4097 / 8192)
+    assert Compute("bwd", 1, 4096, 4096, 32, 8, 128, None, "bfloat16").flops == 2.5 * full.flops
     assert full.flops / (cm.time(full) - 5e-6) == pytest.approx(0.372 * 989e12, rel=1e-6)
     assert diag.flops / (cm.time(diag) - 5e-6) == pytest.approx(0.323 * 989e12, rel=1e-6)
-    assert cm.time(Compute("fwd", 1, 8, 8, 1, 1, 8, -9, "bfloat16", 0, 0.0)) == 0.0
+    assert cm.time(Compute("fwd", 1, 8, 8, 1, 1, 8, -9, "bfloat16")) == 0.0
     assert not cm.supports("float64", 128)[0]
 
 
@@ -183,8 +186,9 @@ def test_a_measured_table_is_used_exactly_and_interpolated_by_rate(tmp_path):
     d["compute"] = {"table": "t.blocks.yaml"}
     (tmp_path / "t.yaml").write_text(yaml.safe_dump(d))
     cm = ComputeModel(load_topology(str(tmp_path / "t.yaml")))
-    assert cm.time(Compute("fwd", 1, 16, 16, 2, 2, 8, None, "float32", 256, 64.0 * 256)) == 1e-3
-    mid = Compute("fwd", 1, 32, 32, 2, 2, 8, None, "float32", 1024, 64.0 * 1024)
+    assert cm.time(Compute("fwd", 1, 16, 16, 2, 2, 8, None, "float32")) == 1e-3
+    mid = Compute("fwd", 1, 32, 32, 2, 2, 8, None, "float32")
+    assert mid.flops == 64.0 * 1024
     r16, r64 = 64.0 * 256 / 1e-3, 64.0 * 4096 / 4e-3   # achieved rates; 32x32 lies half-way in log FLOPs
     assert mid.flops / cm.time(mid) == pytest.approx((r16 + r64) / 2, rel=1e-9)
 
@@ -219,6 +223,9 @@ def test_a_simulated_sweep_records_labelled_rows(tmp_path):
     assert "divisible" in rows[("tasp", "h100_sxm", 16, "bfloat16")]["reason"]   # 2P(P-1) = 480
     with pytest.raises(ConfigError, match="sim.topology: unknown topology 'nope'"):
         load_config(cfg_path, ["sim.topology=[nope]"])
+    same_name = load_topology("h100_sxm").source
+    with pytest.raises(ConfigError, match="topology names must differ"):
+        load_config(cfg_path, [f"sim.topology=[h100_sxm,{same_name}]"])
 
 
 # -- calibrate ---------------------------------------------------------------------------------------------

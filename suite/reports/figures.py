@@ -19,7 +19,7 @@ import seaborn as sns  # noqa: E402
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator  # noqa: E402
 
 from suite import metrics as M  # noqa: E402
-from suite.reports.tables import attention_rows, measured, perplexity_rows  # noqa: E402
+from suite.reports.tables import attention_rows, measured, perplexity_rows, sim_pairs  # noqa: E402
 
 # Fixed method styles: (colour, marker). Unknown methods get the next free style deterministically.
 _ORDER = ["reference", "ring", "zigzag_ring", "stripe_ring", "ulysses", "usp", "allgather_kv", "burst", "tasp",
@@ -282,12 +282,7 @@ def _per_pass_lines(m: pd.DataFrame, out: Path, name: str, *, ylabel: str, title
 
 def fig_sim_vs_measured(df: pd.DataFrame, out: Path) -> list[str]:
     """Simulated against measured time of the same trial identity (needs both executors)."""
-    m = measured(df)
-    if not {"sim", "dist"} <= set(m["executor"]):
-        return []
-    ident = ["method", "options", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
-             "causal", "pass"]
-    pair = m[m["executor"] == "dist"].merge(m[m["executor"] == "sim"], on=ident, suffixes=("_dist", "_sim"))
+    pair = sim_pairs(df)
     if pair.empty:
         return []
     fig, ax = plt.subplots(figsize=(4.6, 4.2))

@@ -13,6 +13,7 @@ import math
 import pandas as pd
 
 from suite import metrics as M
+from suite.plan import method_label
 
 # Columns that, with the series, identify a comparable point (everything but the method).
 POINT = ["hardware", "executor", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
@@ -220,17 +221,23 @@ SIM_PAIR = ["method", "options", "world_size", "batch", "seq_len", "heads", "kv_
             "pass"]
 
 
-def sim_vs_measured(df: pd.DataFrame) -> pd.DataFrame:
-    """Each measured (executor dist) time beside the simulator's prediction of the same trial, with
-    the relative error (predicted / measured - 1) and the topology it was predicted on."""
+def sim_pairs(df: pd.DataFrame) -> pd.DataFrame:
+    """Measured (executor dist) rows joined with the simulator's rows of the same trial, columns
+    suffixed _dist and _sim; empty unless both exist."""
     m = measured(df)
     if m.empty or not {"sim", "dist"} <= set(m["executor"]):
         return pd.DataFrame()
-    pair = m[m["executor"] == "dist"].merge(m[m["executor"] == "sim"], on=SIM_PAIR, suffixes=("_dist", "_sim"))
+    return m[m["executor"] == "dist"].merge(m[m["executor"] == "sim"], on=SIM_PAIR, suffixes=("_dist", "_sim"))
+
+
+def sim_vs_measured(df: pd.DataFrame) -> pd.DataFrame:
+    """Each measured (executor dist) time beside the simulator's prediction of the same trial, with
+    the relative error (predicted / measured - 1) and the topology it was predicted on."""
+    pair = sim_pairs(df)
     if pair.empty:
         return pd.DataFrame()
     out = pd.DataFrame({
-        "method": [r["method"] + _option_suffix(r["options"]) for _, r in pair.iterrows()],
+        "method": [method_label(r["method"], _options(r["options"])) for _, r in pair.iterrows()],
         "P": pair["world_size"], "S": pair["seq_len"], "B": pair["batch"],
         "mask": pair["causal"].map({True: "causal", False: "full"}), "pass": pair["pass"],
         "measured on": pair["hardware_dist"], "predicted on": pair["topology_sim"],
@@ -238,11 +245,6 @@ def sim_vs_measured(df: pd.DataFrame) -> pd.DataFrame:
     })
     out["error %"] = 100 * (out["predicted ms"] / out["measured ms"] - 1)
     return out.sort_values(["P", "method", "mask", "pass"]).reset_index(drop=True)
-
-
-def _option_suffix(text) -> str:
-    opts = _options(text)
-    return "(" + ",".join(f"{k}={v}" for k, v in sorted(opts.items())) + ")" if opts else ""
 
 
 def build_tables(df: pd.DataFrame, baseline: str) -> dict[str, pd.DataFrame]:

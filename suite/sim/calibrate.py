@@ -14,6 +14,7 @@ topology with its roofline replaced by the measured table.
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import math
 import os
@@ -35,10 +36,9 @@ def sweep_blocks(cfg) -> list[Compute]:
     """The distinct blocks (shape, mask, dtype) of every own-method trial of a sweep, traced."""
     import methods
     from suite.plan import expand
-    from suite.sim.compute import block_key
     from suite.sim.trace import TraceCache
 
-    cache, seen = TraceCache(), {}
+    cache, seen = TraceCache(), set()
     for spec in expand(cfg, hardware="calibrate", device="cpu"):
         if spec.method not in methods.available() or spec.world_size < 2:
             continue
@@ -49,8 +49,8 @@ def sweep_blocks(cfg) -> list[Compute]:
         for rank in cache.get(spec.method, spec.case(), spec.pass_, spec.method_options).ranks:
             for e in rank:
                 if isinstance(e, Compute) and e.pairs:
-                    seen.setdefault(block_key(e), e)
-    return sorted(seen.values(), key=lambda e: (e.op, e.flops))
+                    seen.add(e)
+    return sorted(seen, key=lambda e: (e.op, e.flops))
 
 
 def time_block(e: Compute, device: torch.device, kernel: str, repeats: int) -> float:
@@ -158,7 +158,7 @@ def measure_link(world: int, sizes: list[int], repeats: int, pattern: str) -> di
 
 def _busy_worker(threads: int, seconds_out, barrier, repeats: int) -> None:
     torch.set_num_threads(threads)
-    e = Compute("fwd", 1, 512, 512, 8, 8, 64, None, "float32", 512 * 512, 0.0)
+    e = Compute("fwd", 1, 512, 512, 8, 8, 64, None, "float32")
     time_block(e, torch.device("cpu"), "auto", 1)
     barrier.wait()
     seconds_out.put(time_block(e, torch.device("cpu"), "auto", repeats))
@@ -212,7 +212,7 @@ def calibrate(cfg, *, out: Path, device: torch.device, threads: Optional[int], r
     rows = []
     for e in blocks:
         secs = time_block(e, device, cfg.run.kernel, repeats)
-        rows.append({**e.__dict__, "seconds": secs})
+        rows.append({**dataclasses.asdict(e), "pairs": e.pairs, "flops": e.flops, "seconds": secs})
     label = hardware_label(device.type)
     memory = measure_memory(device, repeats)
     log(f"bookkeeping: {memory['GBps']} GB/s elementwise, {memory['op_us']} us per op")

@@ -33,10 +33,6 @@ def mask_class(e: Compute) -> str:
     return "full" if e.pairs == e.sq * e.sk else "masked"
 
 
-def block_key(e: Compute) -> tuple:
-    return (e.op, e.batch, e.sq, e.sk, e.heads, e.kv_heads, e.head_dim, e.causal_offset, e.dtype)
-
-
 def _interp(xs: list[float], ys: list[float], x: float) -> float:
     """Piecewise-linear interpolation, clamped to the end values."""
     if x <= xs[0]:
@@ -55,7 +51,8 @@ class ComputeModel:
         self.launch_s = float(c.get("launch_us", 0.0)) * 1e-6
         self.peak = {k: float(v) * 1e12 for k, v in (c.get("peak_tflops") or {}).items()}
         self.eff = c.get("efficiency")
-        self.table: dict[tuple, float] = {}
+        self.log_tokens = [math.log(t) for t in self.eff["tokens"]] if self.eff else []
+        self.table: dict[Compute, float] = {}
         self.rates: dict[tuple, tuple[list[float], list[float]]] = {}
         self.source = f"roofline {topology.gpu}"
         self.mem_Bps = float(c.get("mem_GBps", 0.0)) * 1e9
@@ -80,8 +77,8 @@ class ComputeModel:
         by_class: dict[tuple, list[tuple[float, float]]] = {}
         for b in data.get("blocks", []):
             e = Compute(b["op"], b["batch"], b["sq"], b["sk"], b["heads"], b["kv_heads"], b["head_dim"],
-                        b["causal_offset"], b["dtype"], b["pairs"], b["flops"])
-            self.table[block_key(e)] = float(b["seconds"])
+                        b["causal_offset"], b["dtype"])
+            self.table[e] = float(b["seconds"])
             if e.pairs:
                 by_class.setdefault((e.op, mask_class(e), e.head_dim, e.dtype), []).append(
                     (math.log(e.flops), e.flops / float(b["seconds"])))
@@ -91,9 +88,9 @@ class ComputeModel:
 
     def supports(self, dtype: str, head_dim: int) -> tuple[bool, str]:
         if self.table:
-            if any(k[3] == dtype for k in self.rates):
+            if any(k[2:] == (head_dim, dtype) for k in self.rates):
                 return True, ""
-            return False, f"the compute table of {self.topology.name} has no {dtype} blocks"
+            return False, f"the compute table of {self.topology.name} has no {dtype} blocks of head dim {head_dim}"
         if dtype not in self.peak:
             return False, f"topology {self.topology.name} gives no {dtype} rate for {self.topology.gpu}"
         return True, ""
@@ -104,16 +101,16 @@ class ComputeModel:
         if e.pairs == 0:
             return 0.0
         if self.table:
-            hit = self.table.get(block_key(e))
+            hit = self.table.get(e)
             if hit is not None:
                 return hit
             cls = (e.op, mask_class(e), e.head_dim, e.dtype)
             if cls not in self.rates:
-                raise TopologyError(f"compute table of {self.topology.name} has no {cls} blocks near {block_key(e)}; "
+                raise TopologyError(f"compute table of {self.topology.name} has no {cls} blocks near {e}; "
                                     f"calibrate with this sweep")
             xs, ys = self.rates[cls]
             return e.flops / _interp(xs, ys, math.log(e.flops))
         eff = self.eff
         curve = eff[e.op] if mask_class(e) == "full" else eff.get(f"{e.op}_causal", eff[e.op])
-        tokens = [math.log(t) for t in eff["tokens"]]
-        return self.launch_s + e.flops / (self.peak[e.dtype] * _interp(tokens, curve, 0.5 * math.log(e.sq * e.sk)))
+        return self.launch_s + e.flops / (self.peak[e.dtype] * _interp(self.log_tokens, curve,
+                                                                        0.5 * math.log(e.sq * e.sk)))

@@ -87,7 +87,7 @@ class Replay:
     how long it sat blocked on communication (waits and collectives)."""
 
     end_s: list[float]
-    compute_s: list[float]
+    kernel_s: list[float]
     blocked_s: list[float]
 
     @property
@@ -118,7 +118,7 @@ class _Sim:
         self.blocked: list[Optional[str]] = [None] * p
         self.blocked_since = [0.0] * p
         self.end = [0.0] * p
-        self.compute_s = [0.0] * p
+        self.kernel_s = [0.0] * p
         self.blocked_s = [0.0] * p
         self.handles: dict[tuple[int, int], _Handle] = {}
         self.sends: dict[tuple[int, int], deque] = defaultdict(deque)
@@ -148,7 +148,8 @@ class _Sim:
         self.dirty = True
 
     def unblock(self, rank: int) -> None:
-        self.blocked_s[rank] += self.t - self.blocked_since[rank] if self.blocked[rank] != "compute" else 0.0
+        if self.blocked[rank] != "compute":  # computing is not waiting on communication
+            self.blocked_s[rank] += self.t - self.blocked_since[rank]
         self.blocked[rank] = None
         self.ready.append(rank)
 
@@ -163,7 +164,7 @@ class _Sim:
                 secs = self.compute_time(e) if self.with_compute else 0.0
                 if secs > 0:
                     if isinstance(e, Compute):
-                        self.compute_s[r] += secs
+                        self.kernel_s[r] += secs
                     self.blocked[r] = "compute"
                     res, cap = self.topo.compute_resource(r)
                     self.start_flow(res, cap, secs, lambda r=r: self.unblock(r))
@@ -276,8 +277,8 @@ class _Sim:
                     f.remaining -= f.rate * dt
             self.t = t_next
             if finished:
-                gone = set(map(id, finished))
-                self.flows = [f for f in self.flows if id(f) not in gone]
+                gone = set(finished)  # flows compare by identity
+                self.flows = [f for f in self.flows if f not in gone]
                 self.dirty = True
                 for f in finished:
                     f.on_done()
@@ -289,4 +290,4 @@ class _Sim:
             raise SimError(f"{self.tr.method}: ranks {stuck} never finished (blocked on "
                            f"{[self.blocked[r] for r in stuck]}): unmatched messages or a collective not all "
                            f"ranks called")
-        return Replay(self.end, self.compute_s, self.blocked_s)
+        return Replay(self.end, self.kernel_s, self.blocked_s)

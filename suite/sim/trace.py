@@ -4,8 +4,9 @@ Nothing is computed: tensors have shapes and dtypes but no storage, the block ke
 one that records each call (`Compute`: which block, its mask, its FLOPs) and returns placeholders,
 and the comm is a counting comm (`methods/comm/counting.py`, so bytes follow the suite's one
 convention) that also records when each exchange is waited for. The result is, per rank, the
-ordered events the simulator replays: `Compute`, `CommRecord` (with a handle id for exchanges)
-and `Wait`. Since it is the method's own code that runs, a trace cannot drift from the method.
+ordered events the simulator replays: `Compute`, `CommRecord` (with a handle id for exchanges),
+`Wait`, and `Memory` (the method's own tensor work between them, seen by a thread-local dispatch
+mode). Since it is the method's own code that runs, a trace cannot drift from the method.
 
 FLOPs per block follow flash-attention's convention on the *visible* (query, key) pairs of the
 block: forward 4 * B * H * D * pairs, backward 2.5x that.
@@ -13,7 +14,7 @@ block: forward 4 * B * H * D * pairs, backward 2.5x that.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
 import torch
@@ -29,7 +30,7 @@ from methods.comm.counting import CommRecord
 
 @dataclass(frozen=True)
 class Compute:
-    """One block-kernel call."""
+    """One block-kernel call (also the key of a measured block time)."""
 
     op: str                      # "fwd" or "bwd"
     batch: int
@@ -40,8 +41,15 @@ class Compute:
     head_dim: int
     causal_offset: Optional[int]
     dtype: str
-    pairs: int                   # visible (query, key) pairs of one head of one batch element
-    flops: float
+
+    @property
+    def pairs(self) -> int:
+        """Visible (query, key) pairs of one head of one batch element."""
+        return visible_pairs(self.sq, self.sk, self.causal_offset)
+
+    @property
+    def flops(self) -> float:
+        return 4.0 * self.batch * self.heads * self.head_dim * self.pairs * (2.5 if self.op == "bwd" else 1.0)
 
 
 @dataclass(frozen=True)
@@ -205,10 +213,7 @@ class TracingKernel(kernels.TimedKernel):
     def measure(self, device: torch.device, *, op: str, q: torch.Tensor, k: torch.Tensor,
                 causal_offset: Optional[int]):
         b, sq, h, d = q.shape
-        sk, hkv = k.shape[1], k.shape[2]
-        pairs = visible_pairs(sq, sk, causal_offset)
-        flops = 4.0 * b * h * d * pairs * (2.5 if op == "bwd" else 1.0)
-        self._ledger.add(Compute(op, b, sq, sk, h, hkv, d, causal_offset, dtype_name(q.dtype), pairs, flops))
+        self._ledger.add(Compute(op, b, sq, k.shape[1], h, k.shape[2], d, causal_offset, dtype_name(q.dtype)))
         with self._ledger.pause():
             yield
 
@@ -234,14 +239,18 @@ class Trace:
     def comm(self, rank: int) -> list[CommRecord]:
         return [e for e in self.ranks[rank] if isinstance(e, CommRecord)]
 
+    def ledger(self, rank: int) -> CommLedger:
+        """One rank's communication as a byte-counting comm would have recorded it."""
+        return CommLedger(self.comm(rank))
+
     def compute(self, rank: int) -> list[Compute]:
         return [e for e in self.ranks[rank] if isinstance(e, Compute)]
 
     def bytes_sent(self, rank: int) -> int:
-        return sum(e.bytes_sent for e in self.comm(rank))
+        return self.ledger(rank).bytes_sent
 
     def bytes_recv(self, rank: int) -> int:
-        return sum(e.bytes_recv for e in self.comm(rank))
+        return self.ledger(rank).bytes_recv
 
     def flops(self, rank: Optional[int] = None, op: Optional[str] = None) -> float:
         ranks = range(len(self.ranks)) if rank is None else [rank]
@@ -257,7 +266,7 @@ def trace(method_name: str, case: Case, pass_: str = "fwd", options: Optional[di
     probe = methods.get_method(method_name, **options)
     if probe.needs_processes:
         raise ValueError(f"{method_name} calls torch.distributed itself; its schedule cannot be traced")
-    ok, why = probe.supports(Case(**{**case.__dict__, "device": "cpu"}))
+    ok, why = probe.supports(replace(case, device="cpu"))
     if not ok:
         raise ValueError(why)
     layout = probe.layout(case)
@@ -301,7 +310,7 @@ def template_seq_len(method_name: str, case: Case, options: Optional[dict[str, A
         s0 = unit * mult
         if 2 * s0 > case.seq_len:
             break
-        if case.seq_len % s0 == 0 and probe.supports(Case(**{**case.__dict__, "seq_len": s0, "device": "cpu"}))[0]:
+        if case.seq_len % s0 == 0 and probe.supports(replace(case, seq_len=s0, device="cpu"))[0]:
             return s0
     return None
 
@@ -342,11 +351,8 @@ def extrapolate(traces: dict[tuple[int, int], Trace], batch: int, seq_len: int) 
         if not type(e) is type(f) is type(g) is type(h):
             raise ValueError(f"traces of {name} at different sizes differ in structure")
         if isinstance(e, Compute):
-            sq, sk = lin(e.sq, f.sq), lin(e.sk, f.sk)
             off = None if e.causal_offset is None else lin(e.causal_offset, f.causal_offset)
-            pairs = visible_pairs(sq, sk, off)
-            return Compute(e.op, batch, sq, sk, e.heads, e.kv_heads, e.head_dim, off, e.dtype, pairs,
-                           4.0 * batch * e.heads * e.head_dim * pairs * (2.5 if e.op == "bwd" else 1.0))
+            return replace(e, batch=batch, sq=lin(e.sq, f.sq), sk=lin(e.sk, f.sk), causal_offset=off)
         if isinstance(e, CommRecord):
             if any(x.kind != e.kind or x.peers != e.peers or x.per_peer.keys() != e.per_peer.keys() for x in (f, g, h)):
                 raise ValueError(f"traces of {name} at different sizes talk to different peers")
@@ -365,8 +371,7 @@ def extrapolate(traces: dict[tuple[int, int], Trace], batch: int, seq_len: int) 
     if not [len(r) for r in t11.ranks] == [len(r) for r in t12.ranks] == [len(r) for r in t21.ranks] \
             == [len(r) for r in t22.ranks]:
         raise ValueError(f"traces of {name} at different sizes differ in structure")
-    case = Case(**{**t11.case.__dict__, "batch": batch, "seq_len": seq_len})
-    return Trace(name, t11.options, case, t11.pass_,
+    return Trace(name, t11.options, replace(t11.case, batch=batch, seq_len=seq_len), t11.pass_,
                  [[one(*evs) for evs in zip(*ranks)] for ranks in zip(t11.ranks, t12.ranks, t21.ranks, t22.ranks)],
                  t11.forward_end)
 
@@ -390,14 +395,14 @@ class TraceCache:
         # one fwd_bwd trace serves both passes (the forward pass is its first part), unless the
         # method has no backward for this case
         traced_pass = "fwd" if methods.get_method(method_name, **options).forward_only_reason(case) else "fwd_bwd"
+        if pass_ == "fwd_bwd" and traced_pass == "fwd":
+            raise ValueError(f"{method_name} has no backward for this case")
         key = (method_name, traced_pass, tuple(sorted(options.items())), case.world_size, case.causal, case.heads,
                case.kv_heads, case.head_dim, case.dtype, s0, batches)
         if key not in self._templates:
-            self._templates[key] = {(b, s): trace(method_name, Case(**{**case.__dict__, "batch": b, "seq_len": s}),
+            self._templates[key] = {(b, s): trace(method_name, replace(case, batch=b, seq_len=s),
                                                   traced_pass, options)
                                     for b in batches for s in (s0, 2 * s0)}
             self.traced += len(self._templates[key])
         full = extrapolate(self._templates[key], case.batch, case.seq_len)
-        if pass_ == "fwd_bwd" and traced_pass == "fwd":
-            raise ValueError(f"{method_name} has no backward for this case")
         return full if pass_ == "fwd_bwd" else full.forward_part()
