@@ -1,11 +1,17 @@
-"""Shared measurement definitions: result columns, FLOP convention, derived rates.
+"""The bottom layer of the suite: trial identity, result columns, statuses, the FLOP convention.
 
-Every column name of a trial row is a constant here (DESIGN.md section 7; STYLE: metric names in
-one module). Identity goes to MLflow params, numbers to metrics, environment to tags.
+Every column name of a trial row is a constant here, so that metric names live in one module.
+Identity goes to MLflow params, numbers to metrics, environment to tags. This module imports
+nothing from the suite (nor torch), so that readers of stored results (reports) can use it alone.
 """
 from __future__ import annotations
 
-from suite.plan import IDENTITY
+from typing import Any
+
+# The identity of a trial: what was run, where and how. Everything else in a row is a measurement.
+IDENTITY = ("method", "impl", "executor", "hardware", "topology", "world_size", "nodes", "ulysses_degree",
+            "ring_degree", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal", "pass",
+            "kernel", "options", "workload")
 
 # -- statuses ------------------------------------------------------------------------------------
 OK, INCORRECT, SKIPPED, FAILED, TIMEOUT = "ok", "incorrect", "skipped", "failed", "timeout"
@@ -82,3 +88,8 @@ def tflops_per_gpu(flops: float, seconds: float, world_size: int) -> float:
 
 def tokens_per_s(batch: int, seq_len: int, seconds: float) -> float:
     return batch * seq_len / seconds
+
+
+def method_label(method: str, options: dict[str, Any]) -> str:
+    """A method with its options, as tables print it: usp(ulysses_degree=2)."""
+    return method + ("(" + ",".join(f"{k}={v}" for k, v in sorted(options.items())) + ")" if options else "")

@@ -10,11 +10,8 @@ from typing import Any
 import methods
 from methods.base import Case
 from suite.config import SuiteConfig
+from suite.metrics import IDENTITY, method_label
 
-# The identity of a trial (DESIGN.md section 7). Everything else in a row is a measurement.
-IDENTITY = ("method", "impl", "executor", "hardware", "topology", "world_size", "nodes", "ulysses_degree",
-            "ring_degree", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal", "pass",
-            "kernel", "options", "workload")
 
 
 @dataclass(frozen=True)
@@ -78,11 +75,6 @@ class TrialSpec:
         name = method_label(self.method, self.method_options)
         return (f"{name} P={self.world_size} B={self.batch} S={self.seq_len} H={self.heads}/"
                 f"{self.kv_heads} D={self.head_dim} {self.dtype} {mask} {self.pass_}")
-
-
-def method_label(method: str, options: dict[str, Any]) -> str:
-    """A method with its options, as tables print it: usp(ulysses_degree=2)."""
-    return method + ("(" + ",".join(f"{k}={v}" for k, v in sorted(options.items())) + ")" if options else "")
 
 
 def _matches(rule: dict[str, Any], point: dict[str, Any]) -> bool:

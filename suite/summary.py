@@ -6,7 +6,7 @@ import json
 from tabulate import tabulate
 
 from suite import metrics as M
-from suite.plan import method_label
+from suite.metrics import method_label
 
 
 def _fmt(value, spec: str) -> str:

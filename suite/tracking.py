@@ -21,7 +21,7 @@ from typing import Optional
 
 from suite import metrics as M
 from suite.env import tags as env_tags
-from suite.plan import IDENTITY
+from suite.metrics import IDENTITY
 from suite.results import CONFIG, ENVIRONMENT, MLFLOW, PARQUET, TRIALS, ResultsStore
 
 _MAX_TAG = 4000

@@ -13,7 +13,7 @@ import math
 import pandas as pd
 
 from suite import metrics as M
-from suite.plan import method_label
+from suite.metrics import method_label
 
 # Columns that, with the series, identify a comparable point (everything but the method).
 POINT = ["hardware", "executor", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
