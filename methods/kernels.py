@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 from typing import Optional, Union
 
 import torch
+
+from methods.timing import Stopwatch
 
 KERNELS = ("math", "cpu_flash", "flash_attn")
 KERNEL_CHOICES = ("auto",) + KERNELS
@@ -44,37 +45,31 @@ class TimedKernel:
     """A kernel choice that also measures the time this rank spends in block kernels.
 
     Pass it wherever a kernel name goes (a method's `kernel`); it dispatches to `name` and adds up
-    the time of every block_forward / block_backward call: wall time on CPU, CUDA events on GPU
-    (read `seconds` after the work is done). Used for the overhead breakdown of a trial.
+    the time of every block_forward / block_backward call with the suite's one timer
+    (methods/timing.py: wall time on CPU, CUDA events on GPU; read `seconds` after the work is
+    done). Used for the time split of a trial.
     """
 
     def __init__(self, name: str = "auto"):
         self.name = name
-        self.calls = 0
-        self._cpu_s = 0.0
-        self._events: list = []
+        self._watch: Optional[Stopwatch] = None
 
     @contextlib.contextmanager
     def measure(self, device: torch.device, **block):
         """Time one block call. `block` describes it (op, q, k, causal_offset) for subclasses that
         record what runs (the simulator's tracer); timing ignores it."""
-        self.calls += 1
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        if self._watch is None:
+            self._watch = Stopwatch(device)
+        with self._watch.region():
             yield
-            end.record()
-            self._events.append((start, end))
-        else:
-            t0 = time.perf_counter()
-            yield
-            self._cpu_s += time.perf_counter() - t0
+
+    @property
+    def calls(self) -> int:
+        return self._watch.calls if self._watch is not None else 0
 
     @property
     def seconds(self) -> float:
-        if self._events:
-            torch.cuda.synchronize()
-        return self._cpu_s + sum(s.elapsed_time(e) for s, e in self._events) / 1e3
+        return self._watch.seconds if self._watch is not None else 0.0
 
 
 def default_scale(head_dim: int) -> float:

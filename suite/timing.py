@@ -1,19 +1,19 @@
 """The runner owns timing (a method never times itself).
 
 Each timed iteration starts after a barrier, so ranks start together and the per-iteration time
-of the group is the maximum over ranks (taken by the parent from every rank's samples). CUDA uses
-events around the iteration; CPU uses perf_counter (gloo collectives are synchronous, so the
-iteration is complete when the call returns).
+of the group is the maximum over ranks (taken by the parent from every rank's samples). The clock
+is the suite's one timer (methods/timing.py): CUDA events around the iteration on GPU, wall time
+on CPU (gloo collectives are synchronous, so the iteration is complete when the call returns).
 """
 from __future__ import annotations
 
 import statistics
-import time
 from typing import Callable, Sequence
 
 import torch
 
 from methods.comm.base import Comm
+from methods.timing import Stopwatch
 
 
 def time_iterations(step: Callable[[], None], *, comm: Comm, repeats: int, device: torch.device) -> list[float]:
@@ -21,17 +21,10 @@ def time_iterations(step: Callable[[], None], *, comm: Comm, repeats: int, devic
     samples = []
     for _ in range(repeats):
         comm.barrier()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+        watch = Stopwatch(device)
+        with watch.region():
             step()
-            end.record()
-            end.synchronize()
-            samples.append(float(start.elapsed_time(end)))
-        else:
-            t0 = time.perf_counter()
-            step()
-            samples.append((time.perf_counter() - t0) * 1e3)
+        samples.append(watch.seconds * 1e3)
     return samples
 
 

@@ -6,16 +6,16 @@
   communication: inside its calls, including waits for asynchronous ones (transfers hidden behind
   compute cost nothing here). On CPU that is wall time. On CUDA, NCCL calls and waits return to
   the host at once and instead make the compute stream wait, so CUDA events recorded on the current
-  stream around each call and wait measure the stream's stall (found in review: host time read 0).
+  stream around each call and wait measure the stream's stall (host time would read about 0).
 """
 from __future__ import annotations
 
-import time
 from typing import Sequence
 
 import torch
 
 from methods.comm.base import P2P, Comm, DoneWork, Work, WrappedComm, validate_partition
+from methods.timing import Stopwatch
 
 
 class NullComm:
@@ -70,23 +70,20 @@ class _TimedWork:
 
 
 class TimingComm(WrappedComm):
-    """Forwards to `inner`; `seconds` is the time spent inside its calls and waits (see above)."""
+    """Forwards to `inner`; `seconds` is the time spent inside its calls and waits (see above),
+    measured with the suite's one timer (methods/timing.py); sub-comms share it."""
 
-    def __init__(self, inner: Comm, device: torch.device | None = None, _shared: dict | None = None):
+    def __init__(self, inner: Comm, device: torch.device | None = None, _watch: Stopwatch | None = None):
         super().__init__(inner)
         self.device = device if device is not None else torch.device("cpu")
-        # shared with sub-comms: CPU seconds and CUDA event pairs
-        self._acc = _shared if _shared is not None else {"seconds": 0.0, "events": []}
+        self._watch = _watch if _watch is not None else Stopwatch(self.device)
 
     @property
     def seconds(self) -> float:
-        events = self._acc["events"]
-        if events:
-            torch.cuda.synchronize(self.device)
-        return self._acc["seconds"] + sum(a.elapsed_time(b) for a, b in events) / 1e3
+        return self._watch.seconds
 
     def timing(self):
-        return _Timer(self._acc, self.device)
+        return self._watch.region()
 
     def exchange(self, ops: Sequence[P2P]) -> Work:
         with self.timing():
@@ -109,25 +106,4 @@ class TimingComm(WrappedComm):
             self.inner.all_reduce(tensor)
 
     def split(self, groups: Sequence[Sequence[int]]) -> "TimingComm":
-        return TimingComm(self.inner.split(groups), self.device, self._acc)
-
-
-class _Timer:
-    def __init__(self, acc: dict, device: torch.device):
-        self._acc, self._cuda = acc, device.type == "cuda"
-
-    def __enter__(self):
-        if self._cuda:
-            self._start = torch.cuda.Event(enable_timing=True)
-            self._start.record()
-        else:
-            self._t0 = time.perf_counter()
-
-    def __exit__(self, *exc):
-        if self._cuda:
-            end = torch.cuda.Event(enable_timing=True)
-            end.record()
-            self._acc["events"].append((self._start, end))
-        else:
-            self._acc["seconds"] += time.perf_counter() - self._t0
-        return False
+        return TimingComm(self.inner.split(groups), self.device, self._watch)
