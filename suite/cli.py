@@ -161,6 +161,7 @@ def _calibrate(args) -> int:
 
 
 def _run(args) -> int:
+    from suite.config import ConfigError
     from suite.runner import run_sweep
 
     loaded = _load_config(args)
@@ -169,6 +170,9 @@ def _run(args) -> int:
     cfg, yaml_text = loaded
     try:
         run_sweep(cfg, yaml_text, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
     except FileNotFoundError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

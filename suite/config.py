@@ -8,6 +8,7 @@ the key and what is allowed, before anything starts. `methods/` never sees any o
 """
 from __future__ import annotations
 
+import itertools
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -342,7 +343,6 @@ def validate(cfg: SuiteConfig) -> None:
         _require(m in s.methods, "sweep.method_options", f"options for {m!r}, which is not in sweep.methods")
         if m in methods.available():
             from methods.base import option_names
-            from suite.plan import option_points
             allowed = option_names(methods.method_class(m))
             for k, v in opts.items():
                 _require(k in allowed and k != "kernel", f"sweep.method_options.{m}",
@@ -418,6 +418,13 @@ def _validate_perplexity(cfg: SuiteConfig) -> None:
                  f"data.source is file: give an existing text file (got {p.data.path!r})")
     if p.data.source == "hf":
         _require(bool(p.data.hf_dataset), "perplexity.data.hf_dataset", "data.source is hf: name a dataset")
+
+
+def option_points(options: dict[str, Any]) -> list[dict[str, Any]]:
+    """Method options with list values are axes: {ulysses_degree: [1, 2]} -> two option sets."""
+    keys = sorted(options)
+    values = [v if isinstance(v, (list, tuple)) else [v] for v in (options[k] for k in keys)]
+    return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
 
 
 def to_dict(cfg: SuiteConfig) -> dict:

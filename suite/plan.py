@@ -1,17 +1,39 @@
-"""The sweep expanded into trials, each with a stable key (hash of its identity)."""
+"""The sweep expanded into trials, each with a stable key (hash of its identity).
+
+`expand` is given where trials run (`Place`s, from the executor) and what they are (the workload's
+passes and identity), so that planning needs neither the executors nor the workloads.
+"""
 from __future__ import annotations
 
 import hashlib
 import itertools
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable, Protocol
 
 import methods
 from methods.base import Case
-from suite.config import SuiteConfig
+from suite.config import SuiteConfig, option_points
 from suite.metrics import IDENTITY, method_label
 
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """How every trial of a sweep runs on its ranks (picklable; sent to workers once)."""
+
+    warmup: int
+    repeats: int
+    check: bool
+    check_max_seq_len: int
+    seed: int
+    breakdown: bool = True
+
+    @classmethod
+    def of(cls, cfg: SuiteConfig) -> "RunSettings":
+        r = cfg.run
+        return cls(warmup=r.warmup, repeats=r.repeats, check=r.check, check_max_seq_len=r.check_max_seq_len,
+                   seed=r.seed, breakdown=r.breakdown)
 
 
 @dataclass(frozen=True)
@@ -39,11 +61,13 @@ class TrialSpec:
     options: str = "{}"            # method options as canonical JSON
     workload: str = ""             # "" for attention trials; the model/data/training of a perplexity trial (JSON)
     device: str = field(default="cpu", compare=False)
+    kind: str = field(default="attention", compare=False)   # the workload that runs it (config `kind`)
 
     def identity(self) -> dict[str, Any]:
         d = asdict(self)
         d["pass"] = d.pop("pass_")
         d.pop("device")
+        d.pop("kind")
         return {k: d[k] for k in IDENTITY}
 
     @property
@@ -87,45 +111,49 @@ def _matches(rule: dict[str, Any], point: dict[str, Any]) -> bool:
     return True
 
 
-def option_points(options: dict[str, Any]) -> list[dict[str, Any]]:
-    """Method options with list values are axes: {ulysses_degree: [1, 2]} -> two option sets."""
-    keys = sorted(options)
-    values = [v if isinstance(v, (list, tuple)) else [v] for v in (options[k] for k in keys)]
-    return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
+@dataclass(frozen=True)
+class Place:
+    """Where trials run: the hardware label, the topology label and the node count per world size."""
+
+    hardware: str
+    topology: str
+    nodes_for: Callable[[int], int]
 
 
-def expand(cfg: SuiteConfig, *, hardware: str, device: str, topology: str = "single-node",
-           nodes: int = 1) -> list[TrialSpec]:
+class PlannedWorkload(Protocol):
+    """What planning needs of a workload (suite/workloads)."""
+
+    kind: str
+
+    def passes(self, cfg: SuiteConfig) -> list[str]: ...
+
+    def identity(self, cfg: SuiteConfig) -> str: ...
+
+
+def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], device: str) -> list[TrialSpec]:
     """Cartesian product of the sweep axes (and of list-valued method options) minus exclude
-    rules, ordered for the runner: by world size (one worker group each), then problem (so inputs
-    and the float64 reference are reused), then method and pass."""
+    rules, for every place, ordered for the runner: by world size (one worker group each), then
+    problem (so inputs and the float64 reference are reused), then method and pass."""
     s = cfg.sweep
     specs = []
-    passes, workload = s.passes, ""
-    if cfg.kind == "perplexity":  # model-level check: one training run per point (suite/perplexity)
-        from suite.perplexity.trial import TRAIN, workload_json
-        passes, workload = [TRAIN], workload_json(cfg)
-    places = [(hardware, topology, lambda ws: nodes)]
-    if cfg.run.executor == "sim":  # one set of trials per topology, each with its GPU and node count
-        from suite.sim.topology import load_topology
-        topos = [load_topology(t) for t in cfg.sim.topology]
-        places = [(t.gpu, t.name, t.nodes_for) for t in topos]
+    passes, identity = workload.passes(cfg), workload.identity(cfg)
     axes = itertools.product(places, s.world_size, s.batch, s.seq_len, s.heads, s.kv_heads, s.head_dim, s.dtype,
                              s.causal, s.methods, passes)
-    for (hw, topo, nodes_for), ws, b, sl, h, kvh, hd, dt, causal, m, ps in axes:
+    for place, ws, b, sl, h, kvh, hd, dt, causal, m, ps in axes:
         case = Case(batch=b, seq_len=sl, heads=h, kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal),
                     world_size=ws, device=device)
         for options in option_points(dict(s.method_options.get(m, {}))):
             ud, rd, impl = _method_facts(m, options, cfg.run.kernel, case)
-            point = dict(options, method=m, topology=topo, world_size=ws, batch=b, seq_len=sl, heads=h, kv_heads=kvh, head_dim=hd,
-                         dtype=dt, causal=causal, ulysses_degree=ud, ring_degree=rd, **{"pass": ps})
+            point = dict(options, method=m, topology=place.topology, world_size=ws, batch=b, seq_len=sl, heads=h,
+                         kv_heads=kvh, head_dim=hd, dtype=dt, causal=causal, ulysses_degree=ud, ring_degree=rd,
+                         **{"pass": ps})
             if any(_matches(rule, point) for rule in s.exclude):
                 continue
             specs.append(TrialSpec(
-                method=m, impl=impl, executor=cfg.run.executor, hardware=hw, topology=topo,
-                world_size=ws, nodes=nodes_for(ws), ulysses_degree=ud, ring_degree=rd, batch=b, seq_len=sl, heads=h,
-                kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal), pass_=ps, kernel=cfg.run.kernel,
-                options=json.dumps(options, sort_keys=True), workload=workload, device=device))
+                method=m, impl=impl, executor=cfg.run.executor, hardware=place.hardware, topology=place.topology,
+                world_size=ws, nodes=place.nodes_for(ws), ulysses_degree=ud, ring_degree=rd, batch=b, seq_len=sl,
+                heads=h, kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal), pass_=ps, kernel=cfg.run.kernel,
+                options=json.dumps(options, sort_keys=True), workload=identity, device=device, kind=workload.kind))
     return specs
 
 

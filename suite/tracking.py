@@ -39,6 +39,7 @@ class NullTracker:
     """Tracking switched off (tracking.mlflow: false)."""
 
     enabled = False
+    uri: Optional[str] = None
     seconds = 0.0
     disabled_reason: Optional[str] = "tracking.mlflow is false"
     parent_run_id: Optional[str] = None

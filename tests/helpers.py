@@ -81,3 +81,18 @@ def run_dist(world_size: int, fn, *args, timeout_s: float = 240.0) -> list:
             if p.is_alive():
                 p.kill()
     return out
+
+
+# -- planning --------------------------------------------------------------------------------------
+def plan_for(cfg, hardware: str | None = None, device: str = "cpu"):
+    """The trials of `cfg` as the runner plans them: on the executor's places, or on one machine
+    labelled `hardware`."""
+    from suite.executors import make_executor
+    from suite.plan import Place, expand
+    from suite.workloads import make_workload
+
+    if hardware is None:
+        places = make_executor(cfg, dry_run=True).places()
+    else:
+        places = [Place(hardware, "single-node", lambda world_size: 1)]
+    return expand(cfg, make_workload(cfg.kind, cfg), places, device)

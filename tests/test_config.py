@@ -1,7 +1,7 @@
 import pytest
 
 from suite.config import ConfigError, load_config
-from suite.plan import expand
+from tests.helpers import plan_for
 
 BASE = """
 name: t
@@ -79,15 +79,15 @@ def test_missing_name_and_missing_file(write_config, tmp_path):
 
 def test_plan_is_the_product_minus_excludes_with_stable_keys(write_config):
     cfg, _ = load_config(write_config(BASE))
-    plan = expand(cfg, hardware="cpu:test", device="cpu")
+    plan = plan_for(cfg, "cpu:test")
     # 3 methods x 2 ws x 2 kv x 2 causal x 2 passes = 48, minus reference at ws 2 (8)
     assert len(plan) == 40
     assert not any(s.method == "reference" and s.world_size == 2 for s in plan)
     keys = [s.key for s in plan]
     assert len(set(keys)) == len(keys)
-    again = expand(load_config(write_config(BASE))[0], hardware="cpu:test", device="cpu")
+    again = plan_for(load_config(write_config(BASE))[0], "cpu:test")
     assert [s.key for s in again] == keys  # stable across loads and processes (no hash randomisation)
-    assert expand(cfg, hardware="other", device="cpu")[0].key != keys[0]  # hardware is identity
+    assert plan_for(cfg, "other")[0].key != keys[0]  # hardware is identity
     # ordered by world size, then problem: trials sharing inputs are adjacent
     assert [s.world_size for s in plan] == sorted(s.world_size for s in plan)
     ring = next(s for s in plan if s.method == "ring" and s.world_size == 2)
@@ -103,7 +103,7 @@ def test_every_shipped_config_validates():
     assert len(paths) >= 12  # including configs/paper/ and the simulate_* sweeps
     for path in paths:
         cfg, _ = load_config(path)
-        assert expand(cfg, hardware="x", device="cpu")
+        assert plan_for(cfg)  # on the places of its own executor (the simulator: every topology)
 
 
 def test_list_valued_method_options_are_axes(write_config):
@@ -120,7 +120,7 @@ sweep:
   method_options: {usp: {ulysses_degree: [1, 2, 4]}}
   exclude: [{method: usp, ring_degree: 4}]
 """))
-    plan = expand(cfg, hardware="x", device="cpu")
+    plan = plan_for(cfg, "x")
     usp = [(s.ulysses_degree, s.ring_degree) for s in plan if s.method == "usp"]
     assert usp == [(2, 2), (4, 1)]  # (1, 4) excluded by its ring degree
     assert len({s.key for s in plan}) == len(plan) == 3

@@ -17,6 +17,7 @@ from suite.config import ConfigError, load_config
 from suite.perplexity.data import load_corpus, train_windows, val_windows
 from suite.perplexity.model import ModelConfig, TinyLlama, rope, sdpa_attend
 from suite.perplexity.train import PLANTED_BUGS, TrainConfig, train_and_evaluate
+from tests.helpers import plan_for
 
 CAUSAL_METHODS = ["ring", "zigzag_ring", "stripe_ring", "ulysses", "usp", "allgather_kv", "burst", "tasp"]
 MODEL = ModelConfig(heads=4, kv_heads=2, head_dim=8, layers=2)
@@ -172,7 +173,6 @@ def test_config_errors_name_the_key(write_config):
 
 
 def test_plan_has_one_train_trial_per_point_with_the_corpus_hash(write_config):
-    from suite.plan import expand
     path = write_config("""
     name: ppl
     kind: perplexity
@@ -181,12 +181,12 @@ def test_plan_has_one_train_trial_per_point_with_the_corpus_hash(write_config):
     perplexity: {data: {max_bytes: 100000}}
     """)
     cfg, _ = load_config(path)
-    plan = expand(cfg, hardware="cpu:test", device="cpu")
+    plan = plan_for(cfg, "cpu:test")
     assert [s.pass_ for s in plan] == ["train"] * 4
     sha = load_corpus("stdlib", max_bytes=100_000).sha256
     assert all(sha in s.workload for s in plan) and len({s.key for s in plan}) == 4
     cfg2, _ = load_config(path, ["perplexity.steps=7"])
-    assert {s.key for s in expand(cfg2, hardware="cpu:test", device="cpu")}.isdisjoint({s.key for s in plan})
+    assert {s.key for s in plan_for(cfg2, "cpu:test")}.isdisjoint({s.key for s in plan})
 
 
 # -- the sweep, end to end ---------------------------------------------------------------------------

@@ -12,7 +12,7 @@ from suite.reports import build_report
 from suite.reports.load import load_runs
 from suite.reports.tables import build_tables, with_series
 from suite.results import ResultsStore
-from suite.trial import _complete
+from suite.records import complete as _complete
 
 
 def row(method, P, S, *, causal=True, pass_="fwd", executor="dist", status=M.OK, time_ms=None, reason="",

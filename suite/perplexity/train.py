@@ -17,7 +17,6 @@ the two differ only where sequence parallelism must differ:
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -27,6 +26,7 @@ import torch.nn.functional as F
 from methods import layouts
 from methods.comm import CommLedger, CountingComm
 from methods.comm.base import Comm
+from methods.timing import Stopwatch
 from suite.perplexity.data import Corpus, train_windows, val_windows
 from suite.perplexity.model import Attend, ModelConfig, TinyLlama
 
@@ -98,32 +98,31 @@ def train_and_evaluate(model_cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, 
 
     model.train()
     for step in range(tc.steps):
-        t0 = time.perf_counter()
-        ledger = CommLedger() if step == 0 and comm is not None else None
-        attend = make_attend(CountingComm(comm, ledger) if ledger is not None else comm)
-        tokens, labels, positions = _shard(windows[step].to(device), layout, rank, tc.planted_bug)
-        logits = model(tokens, positions, attend)
-        nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
-        (nll / n_tokens).backward()
-        # One all-reduce for every gradient and the loss (it is logged as the global mean).
-        flat = torch.cat([p.grad.reshape(-1).float() for p in params] + [nll.detach().float().view(1)])
-        if comm is not None and comm.world_size > 1:
-            if tc.planted_bug == "no_grad_sync":
-                loss_only = flat[-1:].clone()
-                comm.all_reduce(loss_only)
-                flat[-1:] = loss_only
-            else:
-                comm.all_reduce(flat)
-        _unflatten_grads(flat[:-1], params)
-        result.losses.append(float(flat[-1]) / n_tokens)
-        if tc.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        result.step_ms.append((time.perf_counter() - t0) * 1e3)
+        watch = Stopwatch(device)
+        with watch.region():
+            ledger = CommLedger() if step == 0 and comm is not None else None
+            attend = make_attend(CountingComm(comm, ledger) if ledger is not None else comm)
+            tokens, labels, positions = _shard(windows[step].to(device), layout, rank, tc.planted_bug)
+            logits = model(tokens, positions, attend)
+            nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
+            (nll / n_tokens).backward()
+            # One all-reduce for every gradient and the loss (it is logged as the global mean).
+            flat = torch.cat([p.grad.reshape(-1).float() for p in params] + [nll.detach().float().view(1)])
+            if comm is not None and comm.world_size > 1:
+                if tc.planted_bug == "no_grad_sync":
+                    loss_only = flat[-1:].clone()
+                    comm.all_reduce(loss_only)
+                    flat[-1:] = loss_only
+                else:
+                    comm.all_reduce(flat)
+            _unflatten_grads(flat[:-1], params)
+            result.losses.append(float(flat[-1]) / n_tokens)
+            if tc.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        result.step_ms.append(watch.seconds * 1e3)
         if ledger is not None:
             result.attn_bytes_sent, result.attn_bytes_recv = ledger.bytes_sent, ledger.bytes_recv
 

@@ -35,11 +35,13 @@ KB, MB = 1 << 10, 1 << 20
 def sweep_blocks(cfg) -> list[Compute]:
     """The distinct blocks (shape, mask, dtype) of every own-method trial of a sweep, traced."""
     import methods
-    from suite.plan import expand
+    from suite.plan import Place, expand
     from suite.sim.trace import TraceCache
+    from suite.workloads import make_workload
 
     cache, seen = TraceCache(), set()
-    for spec in expand(cfg, hardware="calibrate", device="cpu"):
+    places = [Place("calibrate", "single-node", lambda world_size: 1)]
+    for spec in expand(cfg, make_workload(cfg.kind, cfg), places, "cpu"):
         if spec.method not in methods.available() or spec.world_size < 2:
             continue
         m = spec.build_method()
@@ -198,7 +200,7 @@ def fit_alpha_beta(times: dict[int, float]) -> tuple[float, float]:
 def calibrate(cfg, *, out: Path, device: torch.device, threads: Optional[int], repeats: int, base: Optional[str],
               log=print) -> Path:
     from suite.env import hardware_label
-    from suite.launch import available_cores
+    from suite.executors.local import available_cores
 
     kernel_name = kernels.resolve_kernel(cfg.run.kernel, device, torch.float32 if device.type == "cpu"
                                          else torch.bfloat16)

@@ -2,25 +2,25 @@
 
 For each trial: the method's schedule (traced once per schedule shape, `TraceCache`) is replayed
 on the trial's topology three times - as is, with free communication (compute-only) and with free
-compute (comm-only) - and reported per rank exactly as a measured trial is (`suite/trial.py`
-builds the row), so simulated rows carry the same columns: time, bytes per rank, kernel time,
+compute (comm-only) - and reported per rank exactly as a measured trial is (the attention
+workload builds the row from the same `RankReport`s), so simulated rows carry the same columns: time, bytes per rank, kernel time,
 time blocked on communication, CCR and overlap efficiency. Nothing is checked numerically (a
 simulated row is `checked=false`) and every row says executor=sim.
 """
 from __future__ import annotations
 
-from suite.plan import TrialSpec
+from suite.executors.base import Executor
+from suite.plan import Place, TrialSpec
+from suite.records import Breakdown, Outcome, RankReport
 from suite.sim.compute import ComputeModel
 from suite.sim.engine import SimError, replay
 from suite.sim.topology import TopologyError, load_topology
 from suite.sim.trace import TraceCache
-from suite.trial import Outcome
 
 
-class SimExecutor:
+class SimExecutor(Executor):
     name = "sim"
-    startup_s = 0.0
-    groups_started = 0
+    device = "cpu"  # traces run on meta tensors: the device here is irrelevant to what is predicted
 
     def __init__(self, topologies: list[str]):
         self.topologies = {}
@@ -29,7 +29,14 @@ class SimExecutor:
             self.topologies[topo.name] = (topo, ComputeModel(topo))
         self.traces = TraceCache()
 
-    def supports(self, spec: TrialSpec) -> tuple[bool, str]:
+    def places(self) -> list[Place]:
+        """One set of trials per topology, each with its GPU and node count."""
+        return [Place(topo.gpu, topo.name, topo.nodes_for) for topo, _ in self.topologies.values()]
+
+    def supports(self, spec: TrialSpec, method, workload) -> tuple[bool, str]:
+        if method.needs_processes:
+            return False, (f"{spec.method} calls torch.distributed itself, so its schedule cannot be traced; "
+                           f"simulate the suite's own implementation of the algorithm instead")
         topo, compute = self.topologies[spec.topology]
         ok, why = topo.fits(spec.world_size)
         if not ok:
@@ -42,15 +49,9 @@ class SimExecutor:
         except (SimError, TopologyError, ValueError) as exc:
             return Outcome("failed", [], f"simulation failed: {type(exc).__name__}: {exc}")
 
-    def abort(self) -> None:
-        pass
 
-    def close(self) -> None:
-        pass
-
-
-def predict(spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache) -> list[dict]:
-    """Per-rank reports of one simulated trial (the fields `suite.trial.make_record` reads)."""
+def predict(spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache) -> list[RankReport]:
+    """Per-rank reports of one simulated trial, as a measured trial's ranks would report it."""
     tr = traces.get(spec.method, spec.case(), spec.pass_, spec.method_options)
     full = replay(tr, topology, compute.time)
     comp = replay(tr, topology, compute.time, comm=False)
@@ -58,14 +59,11 @@ def predict(spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache
     reports = []
     for r in range(spec.world_size):
         ledger = tr.ledger(r)  # what the counting comm of a measured trial reports
-        reports.append({
-            "ok": True, "rank": r, "checked": False, "errors": {}, "tol": {},
-            "kernel_used": f"sim: {compute.source}",
-            "bytes_sent": ledger.bytes_sent, "bytes_recv": ledger.bytes_recv,
-            "comm_ops": dict(sorted(ledger.counts().items())),
-            "samples_ms": [full.time_s * 1e3], "peak_mem": None,
-            "iter_ms": full.end_s[r] * 1e3, "kernel_ms": full.kernel_s[r] * 1e3,
-            "comm_wait_ms": full.blocked_s[r] * 1e3,
-            "compute_only_ms": [comp.end_s[r] * 1e3], "comm_only_ms": [comm.end_s[r] * 1e3],
-        })
+        reports.append(RankReport(
+            rank=r, checked=False, kernel_used=f"sim: {compute.source}",
+            bytes_sent=ledger.bytes_sent, bytes_recv=ledger.bytes_recv, comm_ops=dict(sorted(ledger.counts().items())),
+            samples_ms=[full.time_s * 1e3], peak_mem=None,
+            breakdown=Breakdown(iter_ms=full.end_s[r] * 1e3, kernel_ms=full.kernel_s[r] * 1e3,
+                                comm_wait_ms=full.blocked_s[r] * 1e3, compute_only_ms=[comp.end_s[r] * 1e3],
+                                comm_only_ms=[comm.end_s[r] * 1e3])))
     return reports

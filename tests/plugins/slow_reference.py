@@ -3,9 +3,9 @@ float64 reference, so a test can tell the preparation limit from the trial limit
 on how fast this machine computes the reference."""
 import time
 
-import suite.trial
+import suite.workloads.attention
 
-_build = suite.trial.build_problem
+_build = suite.workloads.attention.build_problem
 
 
 def _slow_build(*args, **kwargs):
@@ -13,4 +13,4 @@ def _slow_build(*args, **kwargs):
     return _build(*args, **kwargs)
 
 
-suite.trial.build_problem = _slow_build
+suite.workloads.attention.build_problem = _slow_build

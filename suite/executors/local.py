@@ -1,12 +1,9 @@
-"""Executors: how trials reach ranks.
+"""executor=dist on this machine: worker processes over torch.distributed.
 
-- `LocalDistExecutor` (executor=dist on one machine): one group of worker processes per world
-  size (gloo on CPU, NCCL on CUDA), started on the first trial of that size and reused for all of
-  them. A trial that fails on any rank, hangs past its timeout, or loses a worker gets the group
-  replaced before the next trial (its communicators may hold unmatched messages).
-- `ExternalDistExecutor` (executor=dist under torchrun/SLURM): the launched processes are the group;
-  rank 0 is the parent (collects reports, writes results).
-- `ThreadExecutor` (executor=threads): virtual ranks as threads of this process (ThreadComm).
+One group of worker processes per world size (gloo on CPU, NCCL on CUDA), started on the first
+trial of that size and reused for all of them. A trial that fails on any rank, hangs past its
+timeout, or loses a worker gets the group replaced before the next trial (its communicators may
+hold unmatched messages).
 """
 from __future__ import annotations
 
@@ -19,10 +16,11 @@ from typing import Optional
 
 import torch
 
-from suite.check import ProblemCache
-from suite.plan import TrialSpec
-from suite.trial import Outcome, RunSettings, run_trial
-from suite.worker import WorkerSettings, worker_main
+from suite.env import hardware_label
+from suite.executors.base import Executor
+from suite.executors.worker import WorkerSettings, worker_main
+from suite.plan import Place, RunSettings, TrialSpec
+from suite.records import Outcome
 
 
 def available_cores() -> int:
@@ -85,7 +83,7 @@ class LocalGroup:
         return [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
 
     def run(self, spec: TrialSpec, timeout_s: float, grace_s: float,
-            prepare_timeout_s: float = 1800.0) -> tuple[Outcome, bool]:
+            prepare_timeout_s: float) -> tuple[Outcome, bool]:
         """Send `spec` to every rank and collect their reports.
 
         The limit is `prepare_timeout_s` for building inputs and the float64 reference, then
@@ -101,7 +99,7 @@ class LocalGroup:
             now = time.monotonic()
             if now > deadline:
                 missing = [r for r, rep in enumerate(reports) if rep is None]
-                failed = any(rep is not None and not rep["ok"] for rep in reports)
+                failed = any(rep is not None and not rep.ok for rep in reports)
                 if failed:  # someone failed and the others are stuck waiting for it
                     return Outcome("failed", reports, f"ranks {missing} did not finish after the failure"), False
                 if len(prepared) < self.world_size:
@@ -128,9 +126,9 @@ class LocalGroup:
             if kind != "report":
                 continue
             reports[rank] = payload
-            if not payload["ok"]:
+            if not payload.ok:
                 deadline = min(deadline, time.monotonic() + grace_s)
-        ok = all(rep["ok"] for rep in reports)  # type: ignore[index]
+        ok = all(rep.ok for rep in reports)  # type: ignore[union-attr]
         return Outcome("reported", reports), ok
 
     def close(self) -> None:
@@ -154,14 +152,16 @@ class LocalGroup:
             q.close()
 
 
-class LocalDistExecutor:
+class LocalDistExecutor(Executor):
     """executor=dist on this machine: worker groups per world size, replaced after failures."""
 
     name = "dist"
 
     def __init__(self, *, device: str, backend: str, run: RunSettings, threads_per_rank: int,
                  plugins: tuple[str, ...], timeout_s: float, startup_timeout_s: float, grace_s: float,
-                 prepare_timeout_s: float = 1800.0):
+                 prepare_timeout_s: float, hardware: str = "auto"):
+        self.device = device
+        self._hardware = hardware_label(device) if hardware == "auto" else hardware
         self._device, self._backend, self._run = device, backend, run
         self._threads, self._plugins = threads_per_rank, plugins
         self._timeout_s, self._startup_timeout_s, self._grace_s = timeout_s, startup_timeout_s, grace_s
@@ -169,6 +169,15 @@ class LocalDistExecutor:
         self._group: Optional[LocalGroup] = None
         self.groups_started = 0
         self.startup_s = 0.0  # time spent starting worker groups (harness overhead, reported)
+
+    def places(self) -> list[Place]:
+        return [Place(self._hardware, "single-node", lambda world_size: 1)]
+
+    def supports(self, spec, method, workload) -> tuple[bool, str]:
+        if self.device == "cuda" and spec.world_size > torch.cuda.device_count():
+            return False, (f"needs {spec.world_size} GPUs on this node, found {torch.cuda.device_count()} "
+                           f"(run.executor=threads emulates ranks on one GPU, for numerics only)")
+        return True, ""
 
     def _group_for(self, world_size: int) -> LocalGroup:
         if self._group is not None and self._group.world_size == world_size:
@@ -207,46 +216,3 @@ class LocalDistExecutor:
         if self._group is not None:
             self._group.kill()
             self._group = None
-
-
-class _RankFailed(Exception):
-    def __init__(self, report: dict):
-        super().__init__(report["error"])
-        self.report = report
-
-
-class ThreadExecutor:
-    """executor=threads: P virtual ranks as threads of this process (numerics, not performance)."""
-
-    name = "threads"
-
-    def __init__(self, *, device: str, run: RunSettings, timeout_s: float):
-        self._device = torch.device(device)
-        self._run, self._timeout_s = run, timeout_s  # includes preparing the reference (threads cannot be stopped)
-        self._cache = ProblemCache()
-        # On CUDA, autograd runs all backward work of a device on one thread: virtual ranks that
-        # wait for each other inside backward would deadlock there, so call backward directly.
-        self._autograd = self._device.type != "cuda"
-
-    def run(self, spec: TrialSpec) -> Outcome:
-        from methods.comm import run_threads
-
-        def rank_fn(comm):
-            report = run_trial(spec, self._run, comm, self._device, self._cache, autograd=self._autograd)
-            if not report["ok"]:
-                raise _RankFailed(report)  # aborts the other virtual ranks at once
-            return report
-
-        try:
-            return Outcome("reported", run_threads(spec.world_size, rank_fn, timeout_s=self._timeout_s))
-        except _RankFailed as exc:
-            return Outcome("failed", [exc.report])
-        except Exception as exc:  # noqa: BLE001 - a hang (CommError) or an executor bug
-            kind = "timeout" if "hang" in str(exc) or "timed out" in str(exc) else "failed"
-            return Outcome(kind, [], f"{type(exc).__name__}: {exc}")
-
-    def close(self) -> None:
-        pass
-
-    def abort(self) -> None:
-        pass

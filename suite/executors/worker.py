@@ -1,7 +1,8 @@
-"""The worker process: joins a torch.distributed group, then runs trials sent by the parent.
+"""The worker process of the local dist executor: joins a torch.distributed group, then runs
+trials sent by the parent.
 
 Workers never write results or talk to MLflow: every trial's report goes back to the parent
-through a queue (DESIGN.md section 3). A worker exits when the parent sends None, or when the
+through a queue (only the parent writes anything persistent). A worker exits when the parent sends None, or when the
 parent disappears (so a killed sweep leaves no orphans).
 """
 from __future__ import annotations
@@ -14,6 +15,8 @@ from datetime import timedelta
 
 import torch
 
+from suite.plan import RunSettings
+
 
 @dataclass(frozen=True)
 class WorkerSettings:
@@ -25,11 +28,11 @@ class WorkerSettings:
     threads: int         # torch CPU threads per worker
     plugins: tuple[str, ...]
     comm_timeout_s: float
-    run: "object"        # suite.trial.RunSettings
+    run: RunSettings
 
 
 def worker_main(rank: int, store_port: int, settings: WorkerSettings, tasks, results, parent_pid: int) -> None:
-    """Entry point of one worker process (spawned by suite.launch.LocalGroup)."""
+    """Entry point of one worker process (spawned by suite.executors.local.LocalGroup)."""
     try:
         torch.set_num_threads(settings.threads)
         import torch.distributed as dist

@@ -1,0 +1,171 @@
+"""The attention workload (kind: attention): one sequence-parallel attention call per trial.
+
+Per rank: build the method, shard the global inputs by its layout, check out/lse (and dq/dk/dv)
+against the float64 reference, run one iteration through a byte-counting comm, warm up, then time
+`repeats` iterations, then split one iteration's time (kernels, blocked on communication, the
+rest). The parent's row takes the worst rank for errors, times and bytes.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from methods import kernels
+from methods.comm import CommLedger, CountingComm, NullComm, TimingComm
+from methods.comm.base import Comm
+from methods.timing import Stopwatch
+from suite import metrics as M
+from suite.check import build_problem, max_abs_err
+from suite.memtrack import TensorMemoryTracker
+from suite.plan import TrialSpec
+from suite.records import (Breakdown, Outcome, RankReport, RowContext, begin_row, breakdown_columns, check_columns,
+                           comm_columns, finish, timing_columns)
+from suite.timing import time_iterations
+from suite.workloads.base import RankContext, Workload
+
+
+class AttentionWorkload(Workload):
+    kind = "attention"
+
+    def run_rank(self, spec: TrialSpec, ctx: RankContext) -> RankReport:
+        comm, device, settings = ctx.comm, ctx.device, ctx.settings
+        method = spec.build_method()
+        layout = method.layout(spec.case())
+        checked = settings.check and spec.seq_len <= settings.check_max_seq_len
+        prob = ctx.cache.get((spec.problem_key(), checked, settings.seed, str(device)), lambda: build_problem(
+            *spec.problem_key(), seed=settings.seed, device=device, with_reference=checked))
+        ctx.prepared()
+        rank = comm.rank
+        q, k, v, dout = (layout.shard(x, rank) for x in (prob.q, prob.k, prob.v, prob.dout))
+        report = RankReport(rank=rank, checked=checked, kernel_used=method.kernel_used(device, q.dtype, spec.head_dim))
+
+        # 1. Correctness against float64 attention on the unsharded inputs.
+        if checked:
+            for name, tensor in _outputs(method, spec, q, k, v, dout, comm, ctx.autograd).items():
+                if tensor is None:  # a peer library that does not return the LSE
+                    continue
+                ref = layout.shard(prob.ref[name], rank, dim=2 if name == "lse" else 1)
+                report.errors[name] = max_abs_err(tensor, ref)
+                report.tol[name] = prob.tolerance(name, spec.world_size)
+
+        # 2. One iteration through a counting comm: bytes per rank (it is also the first warm-up).
+        step = _make_step(method, spec, q, k, v, dout, ctx.autograd)
+        ledger = CommLedger()
+        step(CountingComm(comm, ledger))
+        if not method.needs_processes:  # a peer library talks to torch.distributed itself: nothing was counted
+            report.bytes_sent, report.bytes_recv = ledger.bytes_sent, ledger.bytes_recv
+            report.comm_ops = dict(sorted(ledger.counts().items()))
+
+        # 3. Warm-up, then timed repeats. Peak memory: what an iteration allocates beyond what was
+        #    alive before it (CUDA allocator statistics over the timed iterations; on CPU one untimed
+        #    iteration under a tracker that sees every tensor allocation).
+        for _ in range(max(0, settings.warmup - 1)):
+            step(comm)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        report.samples_ms = time_iterations(lambda: step(comm), comm=comm, repeats=settings.repeats, device=device)
+        if device.type == "cuda":
+            report.peak_mem = torch.cuda.max_memory_allocated(device) - base
+        else:
+            with TensorMemoryTracker() as tracker:
+                step(comm)
+            report.peak_mem = tracker.peak_bytes
+
+        # 4. Where the time goes (after timing, so it cannot disturb the timed samples).
+        if settings.breakdown and not method.needs_processes:  # the split needs the suite's comm and kernels
+            report.breakdown = _breakdown(method, step, comm, device, settings.repeats)
+        return report
+
+    def row(self, spec: TrialSpec, outcome: Outcome, ctx: RowContext, started_at: str,
+            wall_s: float) -> dict[str, Any]:
+        """One result row from the ranks' reports (max over ranks for errors, times and bytes)."""
+        row, reports = begin_row(spec, outcome, ctx, started_at, wall_s)
+        if reports is None:
+            return row
+        checks, bad = check_columns(reports)
+        row.update(checks)
+        row.update(timing_columns([r.samples_ms for r in reports]))
+        med = row[M.TIME_MS_MEDIAN]
+        flops = M.attention_flops(spec.batch, spec.seq_len, spec.heads, spec.head_dim, spec.causal, spec.pass_)
+        row.update(breakdown_columns(reports, med))
+        row.update(comm_columns(reports))
+        peaks = [r.peak_mem for r in reports]
+        row.update({
+            M.KERNEL_USED: reports[0].kernel_used,
+            M.TFLOPS_PER_GPU: M.tflops_per_gpu(flops, med / 1e3, spec.world_size),
+            M.TOKENS_PER_S: M.tokens_per_s(spec.batch, spec.seq_len, med / 1e3),
+            M.PEAK_MEM: max(peaks) if None not in peaks else None,
+            M.STATUS: M.INCORRECT if bad else M.OK,
+            M.REASON: "; ".join(bad),
+        })
+        return finish(row, outcome)
+
+
+def _outputs(method, spec: TrialSpec, q, k, v, dout, comm: Comm, autograd: bool) -> dict[str, Any]:
+    """out, lse (and dq, dk, dv for fwd_bwd) of one call on this rank's shards."""
+    if spec.pass_ == "fwd":
+        with torch.no_grad():
+            out, lse = method.attention(q, k, v, causal=spec.causal, comm=comm, return_lse=True)
+        return {"out": out, "lse": lse}
+    if not autograd:
+        return dict(zip(("out", "lse", "dq", "dk", "dv"),
+                        method.attention_fwd_bwd(q, k, v, dout, causal=spec.causal, comm=comm)))
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    out, lse = method.attention(qg, kg, vg, causal=spec.causal, comm=comm, return_lse=True)
+    got = {"out": out.detach(), "lse": lse}
+    got.update(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (qg, kg, vg), dout)))
+    return got
+
+
+def _breakdown(method, step, comm: Comm, device: torch.device, repeats: int) -> Breakdown:
+    """Time split of one rank:
+
+    - `repeats` iterations with a timed kernel and a timing comm: time in block kernels, time
+      blocked in communication, and the iteration's total (the rest is the method's own
+      bookkeeping); the iteration with the median total is reported;
+    - compute-only: `repeats` iterations with communication replaced by a no-op comm;
+    - comm-only: `repeats` iterations with the block kernels replaced by no-ops.
+    """
+    kernel = method.kernel
+    split = []  # (total, kernel, comm wait) seconds per iteration
+    try:
+        for _ in range(repeats):
+            timed, tcomm = kernels.TimedKernel(kernel), TimingComm(comm, device)
+            method.kernel = timed
+            comm.barrier()
+            watch = Stopwatch(device)
+            with watch.region():
+                step(tcomm)
+            split.append((watch.seconds, timed.seconds, tcomm.seconds))
+        total_s, kernel_s, wait_s = sorted(split)[len(split) // 2]
+        method.kernel = kernel
+        null = NullComm(comm.rank, comm.world_size)
+        compute_only = time_iterations(lambda: step(null), comm=comm, repeats=repeats, device=device)
+        method.kernel = kernels.NOOP
+        comm_only = time_iterations(lambda: step(comm), comm=comm, repeats=repeats, device=device)
+    finally:
+        method.kernel = kernel
+    return Breakdown(iter_ms=total_s * 1e3, kernel_ms=kernel_s * 1e3, comm_wait_ms=wait_s * 1e3,
+                     compute_only_ms=compute_only, comm_only_ms=comm_only)
+
+
+def _make_step(method, spec: TrialSpec, q, k, v, dout, autograd: bool):
+    """The timed unit: forward without an autograd graph, or forward + backward."""
+    if spec.pass_ == "fwd":
+        def step(c: Comm) -> None:
+            with torch.no_grad():
+                method.attention(q, k, v, causal=spec.causal, comm=c)
+        return step
+    if not autograd:
+        def step(c: Comm) -> None:
+            method.attention_fwd_bwd(q, k, v, dout, causal=spec.causal, comm=c)
+        return step
+    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+
+    def step(c: Comm) -> None:
+        out = method.attention(qg, kg, vg, causal=spec.causal, comm=c)
+        torch.autograd.grad(out, (qg, kg, vg), dout)
+    return step
