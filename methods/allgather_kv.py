@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from methods import kernels, layouts
-from methods.base import Method
+from methods.base import Case, Method, element_bytes
 from methods.comm.base import Comm
 from methods.registry import register
 
@@ -67,6 +67,16 @@ class AllGatherKV(Method):
     name = "allgather_kv"
     description = "all-gather K/V, then local attention (Llama 3 / Megatron all_gather), zigzag layout"
     layout_kind = "zigzag"
+    gathers_whole_sequence = True
+
+    def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
+        p, l = case.world_size, case.seq_len // case.world_size
+        e, a = element_bytes(case)
+        kv = 2 * case.batch * l * case.kv_heads * case.head_dim
+        n = (p - 1) * kv * e                              # all-gather K, V
+        if pass_ == "fwd_bwd":
+            n += (p - 1) * kv * e + (p - 1) * kv * a      # again; reduce-scatter the fp32 dK, dV
+        return n, n
 
     def _order(self, comm: Comm, local_len: int) -> torch.Tensor:
         lay = layouts.zigzag(comm.world_size * local_len, comm.world_size)

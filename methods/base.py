@@ -61,6 +61,14 @@ class Method:
     layout_kind: ClassVar[str] = "contiguous"
     impl: ClassVar[str] = "own"       # "own", or the library and version for peer adapters
     needs_processes: ClassVar[bool] = False  # peers calling torch.distributed themselves
+    single_device: ClassVar[bool] = False    # the single-device baseline (world size 1 only)
+    gathers_whole_sequence: ClassVar[bool] = False
+    """True when a rank materialises the whole sequence's K/V, so its memory grows with the world
+    size at a fixed local length (all-gather K/V, by design); every other method keeps a fixed
+    number of blocks in flight, which a test checks."""
+    test_variants: ClassVar[tuple[dict[str, Any], ...]] = ({},)
+    """Option sets that change the algorithm (not only a knob): the generic tests check each one
+    against float64 and against `expected_bytes` (e.g. burst with and without its two-level ring)."""
 
     def __init__(self, kernel: str = "auto"):
         if kernel not in kernels.KERNEL_CHOICES:
@@ -80,6 +88,18 @@ class Method:
     def layout(self, case: Case) -> layouts.Layout:
         """Which global positions each rank holds (raises ValueError if the sizes do not fit)."""
         return layouts.make(self.layout_kind, case.seq_len, case.world_size)
+
+    def granule(self, case: Case) -> int:
+        """Global sequence lengths this method's layout takes at `case.world_size` (and its heads)
+        are the multiples of this."""
+        return layouts.granule(self.layout_kind, case.world_size)
+
+    def expected_bytes(self, case: Case, pass_: str) -> Optional[tuple[int, int]]:
+        """(sent, received) bytes of one rank in one call: forward only (`pass_` "fwd") or forward
+        and backward ("fwd_bwd"). This is the method's communication formula as code; a generic
+        test checks it against what the counting comm records. None: not declared (peer
+        libraries, which talk to torch.distributed themselves)."""
+        return None
 
     def supports(self, case: Case) -> tuple[bool, str]:
         """Whether this method can run `case`, and if not, why (recorded as the skip reason)."""
@@ -211,6 +231,12 @@ class SPAttention(torch.autograd.Function):
         dq, dk, dv = ctx.method.backward(dout.contiguous(), residuals, comm=ctx.comm,
                                          causal=ctx.causal, scale=ctx.scale)
         return dq, dk, dv, None, None, None, None, None
+
+
+def element_bytes(case: Case) -> tuple[int, int]:
+    """(bytes per input element, bytes per accumulator element) of `case`: accumulators (dK/dV
+    rings, dQ, LSE) are float32, or float64 for float64 inputs."""
+    return case.torch_dtype.itemsize, kernels.acc_dtype(case.torch_dtype).itemsize
 
 
 def option_names(cls: type[Method]) -> list[str]:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 
 from methods import kernels
-from methods.base import Case, Method
+from methods.base import Case, Method, element_bytes
 from methods.kv_ring import Plan, kv_ring_forward, make_route
 from methods.registry import register
 from methods.zigzag_ring import zigzag_plan
@@ -59,8 +59,20 @@ class Burst(Method):
             raise ValueError(f"burst: ranks_per_node must be an integer >= 0 (0 = one ring), got {ranks_per_node!r}")
         self.ranks_per_node = ranks_per_node
 
+    test_variants = ({}, {"ranks_per_node": 2})
+
     def options(self):
         return {**super().options(), "ranks_per_node": self.ranks_per_node}
+
+    def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
+        p, l = case.world_size, case.seq_len // case.world_size
+        e, a = element_bytes(case)
+        b, h, d = case.batch, case.heads, case.head_dim
+        n = (p - 1) * 2 * b * l * case.kv_heads * d * e                    # forward: K, V
+        if pass_ == "fwd_bwd":
+            n += (p - 1) * (2 * b * l * h * d * e + 2 * b * h * l * a)    # Q, dO; D, lse
+            n += p * b * l * h * d * a if p > 1 else 0                     # the dQ accumulator
+        return n, n
 
     def supports(self, case: Case) -> tuple[bool, str]:
         if self.ranks_per_node and case.world_size % self.ranks_per_node != 0 and \

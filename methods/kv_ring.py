@@ -32,7 +32,7 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from methods import kernels
-from methods.base import Method
+from methods.base import Case, Method, element_bytes
 from methods.comm.base import P2P, Comm
 
 ALL = slice(None)
@@ -252,6 +252,23 @@ def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 
+def kv_ring_bytes(case: Case, pass_: str, ring_size: Optional[int] = None, kv_heads: Optional[int] = None,
+                  local_len: Optional[int] = None) -> tuple[int, int]:
+    """Bytes one rank sends (and receives) on the K/V ring (the formula of this module's docstring):
+    K, V on P-1 hops; the backward again, plus the dK/dV accumulators on P hops. `ring_size`,
+    `kv_heads` and `local_len` default to the case's world size, KV heads and S/P (USP's inner
+    ring differs)."""
+    p = ring_size or case.world_size
+    hkv = kv_heads or case.kv_heads
+    l = local_len or case.seq_len // case.world_size
+    e, a = element_bytes(case)
+    kv = 2 * case.batch * l * hkv * case.head_dim
+    n = (p - 1) * kv * e
+    if pass_ == "fwd_bwd":
+        n += (p - 1) * kv * e + (p * kv * a if p > 1 else 0)
+    return n, n
+
+
 class KVRingMethod(Method):
     """A method that is a block plan on the K/V ring (ring, zigzag_ring, stripe_ring): forward and
     backward are the ring engine's; subclasses give `plan`."""
@@ -259,6 +276,9 @@ class KVRingMethod(Method):
     def plan(self, causal: bool, rank: int, local_len: int) -> Plan:
         """Which blocks of the K/V arriving from each source rank this rank computes."""
         raise NotImplementedError
+
+    def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
+        return kv_ring_bytes(case, pass_)
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse):
         plan = self.plan(causal, comm.rank, q.shape[1])

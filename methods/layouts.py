@@ -14,6 +14,8 @@ positions (what RoPE and the loss labels need). Layouts:
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -99,6 +101,18 @@ def usp(seq_len: int, world_size: int, ulysses_degree: int) -> Layout:
     pairs = zigzag(seq_len, ring_degree)
     return Layout("usp", seq_len, world_size,
                   tuple(piece for r in range(ring_degree) for piece in pairs.positions(r).chunk(ulysses_degree)))
+
+
+def granule(kind: str, world_size: int, **params) -> int:
+    """The sequence lengths layout `kind` takes at `world_size` are the multiples of this."""
+    if kind in ("contiguous", "stripe"):
+        return world_size
+    if kind == "zigzag":
+        return 2 * world_size
+    if kind == "usp":
+        ring_degree = world_size // params["ulysses_degree"]
+        return math.lcm(2 * ring_degree, world_size)
+    raise ValueError(f"unknown layout {kind!r}; choose one of {LAYOUTS}")
 
 
 def make(kind: str, seq_len: int, world_size: int, **params) -> Layout:

@@ -47,6 +47,7 @@ from methods import kernels, layouts
 from methods.base import Case, Method
 from methods.comm.base import P2P, Comm
 from methods.hamilton import hamiltonian_cycles, predecessors, successors
+from methods.kv_ring import kv_ring_bytes
 from methods.registry import register
 
 
@@ -145,6 +146,12 @@ class TASP(Method):
     name = "tasp"
     description = "TASP: K/V units on arc-disjoint Hamiltonian cycles (all links busy), zigzag-TASP layout"
     layout_kind = "zigzag"
+
+    def granule(self, case: Case) -> int:
+        return 2 * case.world_size * num_cycles(case.world_size)
+
+    def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
+        return kv_ring_bytes(case, pass_)  # the ring's bytes, spread over k links per round
 
     def layout(self, case: Case) -> layouts.Layout:
         k = num_cycles(case.world_size)

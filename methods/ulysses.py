@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from methods import kernels
 from methods.base import Case, Method
-from methods.common import (check_ulysses_heads, heads_to_seq, lse_heads_to_seq, seq_to_heads,
+from methods.common import (check_ulysses_heads, heads_to_seq, lse_heads_to_seq, seq_to_heads, ulysses_bytes,
                             ulysses_gather_grads, ulysses_scatter_heads)
 from methods.registry import register
 
@@ -37,6 +37,10 @@ class Ulysses(Method):
 
     def degrees(self, case: Case) -> tuple[int, int]:
         return case.world_size, 1
+
+    def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
+        n = ulysses_bytes(case, case.world_size) * (2 if pass_ == "fwd_bwd" else 1)
+        return n, n
 
     def supports(self, case: Case) -> tuple[bool, str]:
         reason = check_ulysses_heads(case.heads, case.kv_heads, case.world_size)

@@ -32,9 +32,9 @@ from typing import Optional
 from methods import layouts
 from methods.base import Case, Method
 from methods.comm.base import Comm
-from methods.common import (check_ulysses_heads, heads_to_seq, lse_heads_to_seq, seq_to_heads,
-                            ulysses_gather_grads, ulysses_scatter_heads)
-from methods.kv_ring import kv_ring_backward, kv_ring_forward
+from methods.common import (check_ulysses_heads, heads_to_seq, kv_replication, lse_heads_to_seq, seq_to_heads,
+                            ulysses_bytes, ulysses_gather_grads, ulysses_scatter_heads)
+from methods.kv_ring import kv_ring_backward, kv_ring_bytes, kv_ring_forward
 from methods.registry import register
 from methods.zigzag_ring import zigzag_plan
 
@@ -80,9 +80,23 @@ class USP(Method):
         u = self._degree(case.world_size, case.heads, case.kv_heads)
         return u, case.world_size // u
 
+    test_variants = ({}, {"ulysses_degree": 2})
+
     def layout(self, case: Case) -> layouts.Layout:
         u, _ = self.degrees(case)
         return layouts.usp(case.seq_len, case.world_size, u)
+
+    def granule(self, case: Case) -> int:
+        return layouts.granule("usp", case.world_size, ulysses_degree=self.degrees(case)[0])
+
+    def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
+        u, r = self.degrees(case)
+        a2a = ulysses_bytes(case, u) * (2 if pass_ == "fwd_bwd" else 1)
+        kv_sent = case.kv_heads * kv_replication(case.kv_heads, u)
+        # the inner zigzag ring: R ranks holding U local lengths of Hkv'/U heads each
+        ring, _ = kv_ring_bytes(case, pass_, ring_size=r, kv_heads=kv_sent // u,
+                                local_len=u * (case.seq_len // case.world_size))
+        return a2a + ring, a2a + ring
 
     def supports(self, case: Case) -> tuple[bool, str]:
         u = self._degree(case.world_size, case.heads, case.kv_heads)

@@ -96,3 +96,37 @@ def plan_for(cfg, hardware: str | None = None, device: str = "cpu"):
     else:
         places = [Place(hardware, "single-node", lambda world_size: 1)]
     return expand(cfg, make_workload(cfg.kind, cfg), places, device)
+
+
+# -- the methods under test, from the registry -------------------------------------------------------
+def own_variants() -> list[tuple[str, dict]]:
+    """Every sequence-parallel method implemented in methods/ (not peers, test plugins or the
+    single-device reference), once per option set it declares in `test_variants`."""
+    import methods
+
+    out = []
+    for name in methods.available():
+        cls = methods.method_class(name)
+        if cls.impl != "own" or cls.single_device or not cls.__module__.startswith("methods."):
+            continue
+        out += [(name, dict(options)) for options in cls.test_variants]
+    return out
+
+
+def own_methods() -> list[str]:
+    return sorted({name for name, _ in own_variants()})
+
+
+def variant_id(name: str, options: dict) -> str:
+    return name + "".join(f"-{k}={v}" for k, v in options.items())
+
+
+def seq_len_for(name: str, world_size: int, options: dict | None = None, heads: int = 8, kv_heads: int = 8,
+                factor: int = 3) -> int:
+    """A length the method's layout takes at `world_size`: `factor` granules (factor 3: never a
+    power of two)."""
+    import methods
+    from methods import Case
+
+    m = methods.get_method(name, **(options or {}))
+    return factor * m.granule(Case(1, 0, heads, kv_heads, 8, "float32", True, world_size))

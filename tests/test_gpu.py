@@ -19,10 +19,12 @@ import pytest
 import torch
 import yaml
 
+from tests.helpers import own_methods
+
 DEVICE = os.environ.get("SUITE_GPU_CHECK_DEVICE", "cuda")
 OUT = Path(os.environ.get("SUITE_GPU_CHECK_OUT", "results/gpu_check"))
 ROOT = Path(__file__).resolve().parents[1]
-OWN = ["ring", "zigzag_ring", "stripe_ring", "ulysses", "usp", "allgather_kv", "burst", "tasp"]
+OWN = own_methods()
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     DEVICE == "cuda" and not torch.cuda.is_available(),
     reason="needs a CUDA device: run `make gpu-check` on a GPU machine (SUITE_GPU_CHECK_DEVICE=cpu checks the "

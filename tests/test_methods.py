@@ -10,23 +10,15 @@ import methods
 from methods import Case
 from methods.comm import CommLedger, CountingComm, run_threads
 from methods.kernels import is_full
-from tests.helpers import TENSORS, errors_vs_reference, problem_for, run_method_rank
+from tests.helpers import (TENSORS, errors_vs_reference, own_methods, own_variants, problem_for, run_method_rank,
+                           seq_len_for, variant_id)
 
-# (name, options): every own method, with the option settings that change its algorithm
-OWN = [("ring", {}), ("zigzag_ring", {}), ("stripe_ring", {}), ("ulysses", {}), ("usp", {}),
-       ("usp", {"ulysses_degree": 2}), ("allgather_kv", {}), ("burst", {}), ("burst", {"ranks_per_node": 2}),
-       ("tasp", {})]
-IDS = [n + "".join(f"-{k}={v}" for k, v in o.items()) for n, o in OWN]
+# (name, options): every own method, with each option set that changes its algorithm (the
+# method's own `test_variants`)
+OWN = own_variants()
+IDS = [variant_id(n, o) for n, o in OWN]
 WORLD_SIZES = [1, 2, 3, 4, 5, 6, 8]
 HEADS = [(8, 8), (8, 2), (5, 5)]  # MHA, GQA, an odd head count
-
-
-def seq_len_for(name: str, world_size: int) -> int:
-    """A length every layout of `name` accepts at `world_size`, never a power of two (factor 3)."""
-    if name == "tasp":
-        from methods.tasp import num_cycles
-        return 2 * world_size * num_cycles(world_size) * 3
-    return 2 * world_size * 3
 
 
 def check(name, options, case):
@@ -45,7 +37,8 @@ def check(name, options, case):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("heads,kv_heads", HEADS, ids=["mha", "gqa", "odd"])
 def test_method_matches_float64_or_says_why_not(name, options, world_size, causal, heads, kv_heads):
-    case = Case(2, seq_len_for(name, world_size), heads, kv_heads, 8, "float32", causal, world_size)
+    case = Case(2, seq_len_for(name, world_size, options, heads, kv_heads), heads, kv_heads, 8, "float32", causal,
+                world_size)
     m = methods.get_method(name, **options)
     ok, why = m.supports(case)
     if not ok:
@@ -72,7 +65,7 @@ def test_burst_two_level_ring(world_size, per_node):
 @pytest.mark.parametrize("name,options", OWN, ids=IDS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_within_the_pass_rule(name, options, dtype):
-    check(name, options, Case(2, seq_len_for(name, 4) * 4, 8, 2, 32, dtype, True, 4))
+    check(name, options, Case(2, seq_len_for(name, 4, options, 8, 2, factor=12), 8, 2, 32, dtype, True, 4))
 
 
 def test_reference_is_single_device():
@@ -89,7 +82,7 @@ def test_float64_inputs_stay_float64_exact():
 @pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
 def test_every_cpu_kernel_gives_the_same_answer(kernel):
     for name in ("ring", "stripe_ring", "burst", "tasp"):
-        check(name, {"kernel": kernel}, Case(2, seq_len_for(name, 4), 4, 2, 16, "float32", True, 4))
+        check(name, {"kernel": kernel}, Case(2, seq_len_for(name, 4, {}, 4, 2), 4, 2, 16, "float32", True, 4))
 
 
 def test_edge_cases_agree_with_usp():
@@ -123,7 +116,7 @@ def test_the_check_catches_a_wrong_method():
 @pytest.mark.parametrize("name,world_size", [("ring", 3), ("ulysses", 2), ("burst", 4), ("tasp", 3)])
 def test_direct_forward_backward_equals_autograd(name, world_size):
     """attention_fwd_bwd (no autograd engine; virtual ranks on one GPU) computes what autograd does."""
-    case = Case(2, seq_len_for(name, world_size), 4, 2, 8, "float32", True, world_size)
+    case = Case(2, seq_len_for(name, world_size, {}, 4, 2), 4, 2, 8, "float32", True, world_size)
     m = methods.get_method(name)
     prob = problem_for(case)
     lay = m.layout(case)
@@ -156,65 +149,40 @@ def counted(name, case, **options):
     return run_threads(case.world_size, fn)
 
 
-def assert_bytes(name, case, fwd, bwd, **options):
+B, D = 2, 8
+
+
+@pytest.mark.parametrize("name,options", OWN, ids=IDS)
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6, 8])
+@pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2), (12, 3)], ids=["mha", "gqa", "gqa3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+def test_counted_bytes_equal_the_declared_formula(name, options, world_size, heads, kv_heads, dtype):
+    """Every rank's counted bytes, forward and backward, equal the method's `expected_bytes`
+    (its documented communication formula, as code)."""
+    case = Case(B, seq_len_for(name, world_size, options, heads, kv_heads), heads, kv_heads, D, dtype, True,
+                world_size)
+    m = methods.get_method(name, **options)
+    if not m.supports(case)[0]:
+        return  # heads or degrees this method cannot split (test_method_matches_float64 checks the reasons)
+    fwd_want, both_want = m.expected_bytes(case, "fwd"), m.expected_bytes(case, "fwd_bwd")
+    assert fwd_want is not None and both_want is not None, f"{name} declares no communication formula"
     for got_fwd, got_bwd, _ in counted(name, case, **options):
-        assert got_fwd == (fwd, fwd), (name, options, "forward", got_fwd, fwd)
-        assert got_bwd == (bwd, bwd), (name, options, "backward", got_bwd, bwd)
+        assert got_fwd == fwd_want, (name, options, "forward", got_fwd, fwd_want)
+        both = (got_fwd[0] + got_bwd[0], got_fwd[1] + got_bwd[1])
+        assert both == both_want, (name, options, "forward + backward", both, both_want)
 
 
-B, HEADS_Q, HKV, D = 2, 8, 2, 8
-
-
-@pytest.mark.parametrize("name", ["ring", "zigzag_ring", "stripe_ring", "tasp"])
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_kv_ring_family_bytes(name, world_size, dtype):
-    p, e, a = world_size, torch.finfo(getattr(torch, dtype)).bits // 8, 4
-    case = Case(B, seq_len_for(name, p), HEADS_Q, HKV, D, dtype, True, p)
-    l = case.seq_len // p
-    kv = 2 * B * l * HKV * D
-    assert_bytes(name, case, (p - 1) * kv * e, (p - 1) * kv * e + (p * kv * a if p > 1 else 0))
-
-
-@pytest.mark.parametrize("world_size,kv_heads", [(2, 4), (4, 4), (4, 2), (4, 1)])
-def test_ulysses_bytes(world_size, kv_heads):
-    p, e = world_size, 4
-    case = Case(B, 24, HEADS_Q, kv_heads, D, "float32", False, p)
-    each = (p - 1) * B * (24 // p) * D * e * (2 * HEADS_Q + 2 * max(kv_heads, p)) // p
-    assert_bytes("ulysses", case, each, each)
-
-
-@pytest.mark.parametrize("world_size,u,kv_heads", [(4, 2, 2), (4, 2, 1), (6, 3, 3), (6, 2, 6), (8, 4, 2)])
-def test_usp_bytes(world_size, u, kv_heads):
-    p, e, a = world_size, 4, 4
-    r = p // u
-    case = Case(B, 2 * p * 3, 12 if p == 6 else HEADS_Q, kv_heads, D, "float32", True, p)
-    h, l = case.heads, case.seq_len // p
-    hkv = max(kv_heads, u)
-    a2a = (u - 1) * B * l * D * e * (2 * h + 2 * hkv) // u
-    ring_kv = 2 * B * (u * l) * (hkv // u) * D
-    assert_bytes("usp", case, a2a + (r - 1) * ring_kv * e,
-                 a2a + (r - 1) * ring_kv * e + (r * ring_kv * a if r > 1 else 0), ulysses_degree=u)
-
-
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
-def test_allgather_kv_bytes(world_size):
-    p, e, a = world_size, 4, 4
-    case = Case(B, 2 * p * 3, HEADS_Q, HKV, D, "float32", True, p)
-    kv = 2 * B * (case.seq_len // p) * HKV * D
-    assert_bytes("allgather_kv", case, (p - 1) * kv * e, (p - 1) * kv * e + (p - 1) * kv * a)
-
-
-@pytest.mark.parametrize("world_size,per_node", [(1, 0), (2, 0), (3, 0), (4, 0), (4, 2), (6, 3)])
-def test_burst_bytes_query_ring_backward(world_size, per_node):
-    """Forward: the K/V ring. Backward: Q, dO (H heads, input dtype) and D, lse (fp32 per row)
-    make P-1 hops, the fp32 dQ accumulator P hops; K, V, dK, dV never move."""
-    p, e, a = world_size, 4, 4
-    case = Case(B, 2 * p * 3, HEADS_Q, HKV, D, "float32", True, p)
-    l = case.seq_len // p
-    fwd = (p - 1) * 2 * B * l * HKV * D * e
-    bwd = (p - 1) * (2 * B * l * HEADS_Q * D * e + 2 * B * HEADS_Q * l * 4) + (p * B * l * HEADS_Q * D * a if p > 1 else 0)
-    assert_bytes("burst", case, fwd, bwd, ranks_per_node=per_node)
+def test_the_byte_formulas_are_not_vacuous():
+    """The formulas the generic test checks move what the algorithms must: the ring family's K/V
+    on P-1 hops, Ulysses' (P-1)/P of q, k, v, out, and nothing at one rank."""
+    case = Case(2, 48, 8, 2, 8, "float32", True, 4)
+    kv = 2 * 2 * 12 * 2 * 8 * 4
+    assert methods.get_method("ring").expected_bytes(case, "fwd") == (3 * kv, 3 * kv)
+    assert methods.get_method("ring").expected_bytes(case, "fwd_bwd")[0] == 3 * kv + 3 * kv + 4 * kv
+    uly = 3 * 2 * 12 * 8 * 4 * (2 * 8 + 2 * 4) // 4  # 2 KV heads replicated to one per rank
+    assert methods.get_method("ulysses").expected_bytes(case, "fwd") == (uly, uly)
+    one = Case(2, 48, 8, 2, 8, "float32", True, 1)
+    assert all(methods.get_method(n).expected_bytes(one, "fwd_bwd") == (0, 0) for n in own_methods())
 
 
 def test_burst_two_level_ring_crosses_nodes_once_per_cycle():
@@ -233,8 +201,8 @@ def test_tasp_spreads_each_round_over_every_link(world_size):
     p = world_size
     k = num_cycles(p)
     assert k == p - 1
-    case = Case(B, seq_len_for("tasp", p), HEADS_Q, HKV, D, "float32", False, p)
-    unit = 2 * B * (case.seq_len // p // k) * HKV * D * 4  # K and V of one unit
+    case = Case(B, seq_len_for("tasp", p), 8, 2, D, "float32", False, p)
+    unit = 2 * B * (case.seq_len // p // k) * 2 * D * 4  # K and V of one unit
     for rank, (_, _, records) in enumerate(counted("tasp", case)):
         assert len(records) == p - 1  # one batched exchange per round
         for rec in records:
@@ -322,8 +290,7 @@ def test_registry_errors_list_the_valid_choices():
         @methods.register
         class Dup(methods.Method):
             name = "ring"
-    assert {"reference", "ring", "zigzag_ring", "stripe_ring", "ulysses", "usp", "allgather_kv", "burst",
-            "tasp"} <= set(methods.available())
+    assert {"reference", "ring", "zigzag_ring", "ulysses", "usp", "burst", "tasp"} <= set(methods.available())
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -350,7 +317,7 @@ def test_the_check_catches_a_dropped_block_in_low_precision(dtype):
 def test_views_of_a_fused_projection_are_accepted():
     """q, k, v as views of one qkv tensor (not contiguous) work for every method."""
     for name, options in OWN:
-        case = Case(2, seq_len_for(name, 4), 4, 4, 8, "float32", True, 4)
+        case = Case(2, seq_len_for(name, 4, options, 4, 4), 4, 4, 8, "float32", True, 4)
         m = methods.get_method(name, **options)
         prob = problem_for(case)
         lay = m.layout(case)

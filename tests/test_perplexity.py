@@ -17,9 +17,9 @@ from suite.config import ConfigError, load_config
 from suite.perplexity.data import load_corpus, train_windows, val_windows
 from suite.perplexity.model import ModelConfig, TinyLlama, rope, sdpa_attend
 from suite.perplexity.train import PLANTED_BUGS, TrainConfig, train_and_evaluate
-from tests.helpers import plan_for
+from tests.helpers import own_methods, plan_for
 
-CAUSAL_METHODS = ["ring", "zigzag_ring", "stripe_ring", "ulysses", "usp", "allgather_kv", "burst", "tasp"]
+CAUSAL_METHODS = own_methods()  # every own method takes the causal mask
 MODEL = ModelConfig(heads=4, kv_heads=2, head_dim=8, layers=2)
 TRAIN = TrainConfig(steps=6, batch=2, seq_len=96, lr=3e-3, warmup_steps=2, eval_batches=2)
 

@@ -14,6 +14,7 @@ from suite.sim.compute import ComputeModel
 from suite.sim.engine import Flow, SimError, max_min_rates, replay
 from suite.sim.topology import Topology, TopologyError, available_topologies, load_topology
 from suite.sim.trace import Compute, Memory, Trace, TraceCache, Wait, trace
+from tests.helpers import own_methods
 
 GB = 1e9
 ALPHA, BW = 10e-6, 100 * GB
@@ -126,8 +127,7 @@ def test_unmatched_messages_are_reported_not_hung():
 
 
 # -- traces once per schedule shape ------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["ring", "zigzag_ring", "stripe_ring", "ulysses", "usp", "allgather_kv", "burst",
-                                  "tasp"])
+@pytest.mark.parametrize("name", own_methods())
 def test_extrapolated_traces_equal_direct_traces(name):
     """Blocks, messages, waits and the method's own tensor work (Memory events) alike, at batch 1 (its
     own templates: a batch of one skips some copies) and at batch 3."""
