@@ -1,4 +1,4 @@
-"""Sequence-parallel attention methods behind one interface (DESIGN.md section 4).
+"""Sequence-parallel attention methods behind one interface (docs/DESIGN.md section 4).
 
     import methods
     methods.available()                      # ["reference", "ring", "ulysses", ...]

@@ -36,7 +36,7 @@ def _load():
 def _parameter_names(fn) -> set:
     """Names of fn's parameters. Since flash-attn 2.7 these functions are torch.library.custom_op
     objects whose own signature is (*args, **kwargs); the wrapped function (`_init_fn`) has the real
-    one (found in review: filtering kwargs by the outer signature dropped every argument)."""
+    one (filtering kwargs by the outer signature would drop every argument)."""
     inner = getattr(fn, "_init_fn", fn)
     params = inspect.signature(inner).parameters
     if any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values()):

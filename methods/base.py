@@ -1,4 +1,4 @@
-"""The method interface (DESIGN.md section 4) and the one autograd wrapper every method shares.
+"""The method interface (docs/DESIGN.md section 4) and the one autograd wrapper every method shares.
 
 A method is a class with two plain functions, `forward` and `backward`, written against the
 `Comm` protocol; `Method.attention` wraps them in `SPAttention` (a single autograd.Function for

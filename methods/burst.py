@@ -20,10 +20,10 @@ ring of the paper's code (methods/kv_ring.TwoLevelRoute): intra-node ring steps,
 inter-node hop sent at the start of each cycle and hidden behind it.
 
 Communication per rank (L = S/P local tokens, e input bytes, a = 4 accumulator bytes, 8 for
-float64; the dQ accumulator travels in fp32, trap 9 of our notes: Burst's code ships it in the
-input dtype):
+float64; the dQ accumulator travels in fp32: BurstAttention's released code ships it in the input
+dtype, which rounds the partial sums of dQ to bf16 at every hop):
     forward:  sent = received = (P-1) * 2*B*L*Hkv*D*e                        (K, V)
-    backward: sent = received = (P-1) * (2*B*L*H*D*e + 2*B*H*L*4)           (Q, dO; D, lse)
+    backward: sent = received = (P-1) * (2*B*L*H*D*e + 2*B*H*L*a)           (Q, dO; D, lse)
                                 + P * B*L*H*D*a                              (dQ, P hops)
 With GQA the query packet carries H heads where a K/V ring carries Hkv: for H/Hkv > 4/3 this
 backward moves more bytes than the K/V + dK/dV ring (a property of the algorithm, not a bug).

@@ -3,7 +3,7 @@
 Every method computes attention block by block through `block_forward` / `block_backward`, and
 combines partial results with `merge_`; this module is the only place that knows the kernels.
 
-Conventions (DESIGN.md sections 4 and 6):
+Conventions (docs/DESIGN.md sections 4 and 6):
 - q: [B, Sq, H, D], k and v: [B, Sk, Hkv, D] with H % Hkv == 0 (GQA: query head h uses KV head
   h // (H // Hkv)). out: [B, Sq, H, D] in q's dtype. lse: [B, H, Sq] float32, natural log.
   (float64 inputs keep a float64 lse so that float64 runs are exact.)
@@ -13,7 +13,7 @@ Conventions (DESIGN.md sections 4 and 6):
 - A query row that sees no key has lse = -inf and output 0 (the CPU flash op returns lse = 0 for
   such rows; we repair it, or merging would weight an empty block as if it held softmax mass).
 - The backward takes the *global* (fully merged) out and lse: with them, per-block dq sum to the
-  full dq and per-block dk, dv are exact (DESIGN.md trap: never use block-local out/lse).
+  full dq and per-block dk, dv are exact (block-local out/lse would give wrong gradients).
 
 Backends:
 - "math": explicit matrix products in float32 (float64 for float64 inputs); the reference path.

@@ -114,7 +114,7 @@ class TwoLevelRoute(Route):
 
     Intra-node and inter-node hops use their own sub-communicators (ranks of one node; ranks with
     the same local index): on NCCL one communicator runs its operations in order on one stream, so
-    sharing one would make every intra-node step wait for the inter-node transfer (found in review).
+    sharing one would make every intra-node step wait for the inter-node transfer.
     """
 
     def __init__(self, comm: Comm, per_node: int):

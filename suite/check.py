@@ -1,4 +1,4 @@
-"""Global inputs of a trial, the float64 reference, and the pass rule (DESIGN.md section 7).
+"""Global inputs of a trial, the float64 reference, and the pass rule (docs/DESIGN.md section 7).
 
 Pass rule (flash-attention's test oracle, extended to P ranks): for each of out, lse, dq, dk, dv,
     max|method - ref64|  <=  2 * max|naive - ref64|  +  (4 * eps(dtype) + 4 * P * eps(acc)) * max(1, max|ref64|),
@@ -10,7 +10,8 @@ the naive error happens to be tiny: a few roundings of the dtype at the output's
 flash-attention's atol), plus one accumulator rounding per partial result a distributed method
 folds in (up to one per rank: measured, correct fp32 ring-family methods at P = 4 reached 0.8-1.0
 of a bound without it on dq). The P term uses the *accumulator's* eps: with bf16's, a ring that
-silently dropped a whole K/V block still passed at P = 8 (found in review). For float64 inputs
+silently dropped a whole K/V block still passed at P = 8 (tests/test_methods.py keeps that
+case). For float64 inputs
 the naive computation *is* the reference, so the floor alone applies. What bf16 checking can
 catch is limited by bf16 itself: a dropped block whose weight is below the naive bf16 error (e.g.
 one block of 16 at P = 16) stays invisible; float32 runs catch it.

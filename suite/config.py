@@ -1,4 +1,4 @@
-"""Sweep configuration: Hydra YAML -> validated dataclasses (DESIGN.md section 3).
+"""Sweep configuration: Hydra YAML -> validated dataclasses (docs/DESIGN.md section 3).
 
 A config file is composed with Hydra's Compose API (so `defaults:` lists in YAML work), merged
 into the `SuiteConfig` schema below, then command-line overrides in Hydra syntax are applied

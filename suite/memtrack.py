@@ -1,4 +1,4 @@
-"""Peak tensor memory of a region, on any device (DESIGN.md 7: memory on CPU).
+"""Peak tensor memory of a region, on any device (docs/DESIGN.md section 7: memory on CPU).
 
 CUDA has an allocator with peak statistics; the CPU does not. `TensorMemoryTracker` is a
 TorchDispatchMode that sees every op in its thread, counts the bytes of each *new* storage an op

@@ -36,7 +36,7 @@ BYTES_RECV = "bytes_recv_per_rank"
 COMM_OPS = "comm_ops"
 PEAK_MEM = "peak_mem_bytes"             # allocated by one iteration beyond what was alive before, max over ranks
 KERNEL_USED = "kernel_used"
-# time split (DESIGN.md 7), measured after the timed repeats
+# time split (docs/DESIGN.md section 7), measured after the timed repeats
 KERNEL_MS = "kernel_ms"                  # time in block kernels, median-total iteration, mean over ranks
 COMM_WAIT_MS = "comm_wait_ms"            # time blocked in communication calls/waits, mean over ranks
 OVERHEAD_RATIO = "overhead_ratio"        # iteration / (kernel + comm wait): the method's own bookkeeping

@@ -1,4 +1,4 @@
-"""The results store: the source of truth of every sweep (DESIGN.md section 8).
+"""The results store: the source of truth of every sweep (docs/DESIGN.md section 8).
 
     results/<sweep name>/<YYYYmmdd-HHMMSS>/
         config.yaml        the resolved config

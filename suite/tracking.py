@@ -1,4 +1,4 @@
-"""MLflow logging: one parent run per sweep, one nested child run per trial (DESIGN.md section 8).
+"""MLflow logging: one parent run per sweep, one nested child run per trial (docs/DESIGN.md section 8).
 
 Only the parent process logs (concurrent sqlite writers corrupt the store), from one background
 thread, so that importing MLflow and writing runs overlap the trials instead of adding to the

@@ -1,6 +1,6 @@
 """The flash-attn adapter without a GPU: fake flash-attn modules in the shape of flash-attn >= 2.7
 (private functions as torch.library custom ops, whose own signature is (*args, **kwargs)) record
-what the adapter passes. The real kernels run in the GPU session (issue 8)."""
+what the adapter passes. The real kernels run in `make gpu-check` on a GPU."""
 import sys
 import types
 from typing import Optional

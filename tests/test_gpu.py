@@ -1,4 +1,4 @@
-"""GPU checks (issue 8): `make gpu-check` on a machine with a CUDA GPU. Skipped without one.
+"""GPU checks: `make gpu-check` on a machine with a CUDA GPU. Skipped without one.
 
 - every own method, emulated with 2, 4 and 8 virtual ranks on the one GPU (executor threads), in bf16
   with the GPU kernels, checked against float64 (out, lse, dq, dk, dv), causal and full, MHA and GQA;

@@ -1,7 +1,7 @@
 """Every own method against float64 attention on the unsharded inputs, under ThreadComm (virtual
 ranks), plus communication volume and causal balance. Real processes: test_methods_dist.py.
 
-Pass rule (DESIGN.md 7): error <= 2 x error of naive same-dtype attention + 4 eps floor.
+Pass rule (docs/DESIGN.md section 7): error <= 2 x error of naive same-dtype attention + a floor.
 """
 import pytest
 import torch
@@ -295,8 +295,8 @@ def test_registry_errors_list_the_valid_choices():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_the_check_catches_a_dropped_block_in_low_precision(dtype):
-    """The last rank silently skips the block of rank 0 (found in review: with a floor scaled by
-    bf16's eps, this passed at P = 8). The pass rule's P term uses the accumulator's eps."""
+    """The last rank silently skips the block of rank 0: with a floor scaled by bf16's eps this
+    passed at P = 8, so the pass rule's P term uses the accumulator's eps."""
     from methods.kv_ring import kv_ring_forward
     from methods.ring import ring_plan
 

@@ -1,5 +1,5 @@
 """End-to-end sweeps through the real harness: processes over gloo, results store, MLflow,
-and every failure behaviour of DESIGN.md section 11."""
+and every failure behaviour of docs/DESIGN.md section 11."""
 import json
 import os
 import signal
@@ -203,7 +203,7 @@ def test_external_launcher_torchrun(write_config, tmp_path):
 
 def test_building_the_reference_is_not_the_methods_time(write_config):
     """The float64 reference has its own limit (run.prepare_timeout_s); run.timeout_s starts once
-    every rank has its inputs (found in review: a slow reference timed out the method)."""
+    every rank has its inputs (a slow reference must not time out the method)."""
     path = write_config("""
     name: prep
     sweep: {methods: [ring], world_size: [2], seq_len: [128], heads: [2], kv_heads: [2], head_dim: [16],

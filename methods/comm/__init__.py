@@ -1,4 +1,4 @@
-"""Communication layer: the `Comm` protocol and its executors (DESIGN.md section 5)."""
+"""Communication layer: the `Comm` protocol and its executors (docs/DESIGN.md section 5)."""
 from methods.comm.base import P2P, Comm, CommAborted, CommError, DoneWork, Work
 from methods.comm.counting import CommLedger, CommRecord, CountingComm
 from methods.comm.measure import NullComm, TimingComm

@@ -1,7 +1,7 @@
 """The `Comm` protocol: the only way our own methods communicate.
 
 Methods never call `torch.distributed` directly. They talk to a `Comm`, which has three
-implementations (DESIGN.md section 5):
+implementations (docs/DESIGN.md section 5):
 
 - `DistComm` (methods/comm/dist.py): torch.distributed, gloo on CPU, NCCL on CUDA. The only executor
   whose timings are reported as real performance.

@@ -1,5 +1,5 @@
 """Reports regenerated from stored results: tables (Markdown, LaTeX, CSV), figures (PNG, PDF) and
-one self-contained HTML page (DESIGN.md section 9). Nothing is rerun.
+one self-contained HTML page (docs/DESIGN.md section 9). Nothing is rerun.
 
     python -m suite report [RESULTS_DIR ...] [--out reports/NAME] [--baseline ring]
 """

@@ -18,7 +18,9 @@ A topology is one node type repeated `nodes` times (as many as a world size need
   ranks share CPU cores instead of owning a GPU each.
 
 GB/s are 1e9 bytes per second, one direction. Every number in the shipped files carries its
-source (../shared/research/topology_sim.md) in a comment.
+source in a comment, tagged [P] (a primary source: the vendor's or the library's own
+document or code), [S] (a secondary source), [D] (derived by arithmetic from cited numbers) or
+[assumed].
 """
 from __future__ import annotations
 
