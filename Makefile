@@ -6,7 +6,7 @@ PY     := $(VENV)/bin/python
 # CUDA packages). On GPU nodes pass the build you want, e.g. `make install TORCH=torch==2.13.0`.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install quickstart test test-fast list ui clean sim-check simulate gpu-check
+.PHONY: install quickstart test test-fast lint list ui clean sim-check simulate gpu-check
 
 install: $(VENV)/.installed
 
@@ -21,6 +21,10 @@ quickstart: install
 
 test: install
 	$(PY) -m pytest -q
+
+# ruff (pyproject.toml [tool.ruff]): 120 columns, unused or undefined names, import order.
+lint: install
+	$(PY) -m ruff check suite methods tests
 
 test-fast: install  ## everything except multi-process and end-to-end sweeps
 	$(PY) -m pytest -q -m "not slow"

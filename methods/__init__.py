@@ -7,13 +7,29 @@
 
 This package never imports `suite` or Hydra.
 """
-from methods.base import Case, Method, SPAttention
-from methods.registry import (available, get_method, load_plugins, method_class, register,
-                              register_unavailable, unavailable)
-
 # Own methods register themselves on import.
-from methods import allgather_kv, burst, reference, ring, stripe_ring, tasp, ulysses, usp, zigzag_ring  # noqa: E402,F401
-from methods import peers  # noqa: E402,F401  (registered only where the library imports)
+from methods import (  # noqa: E402,F401
+                              allgather_kv,
+                              burst,
+                              peers,  # noqa: E402,F401  (registered only where the library imports)
+                              reference,
+                              ring,
+                              stripe_ring,
+                              tasp,
+                              ulysses,
+                              usp,
+                              zigzag_ring,
+)
+from methods.base import Case, Method, SPAttention
+from methods.registry import (
+                              available,
+                              get_method,
+                              load_plugins,
+                              method_class,
+                              register,
+                              register_unavailable,
+                              unavailable,
+)
 
 __all__ = ["Case", "Method", "SPAttention", "available", "get_method", "load_plugins",
            "method_class", "register", "register_unavailable", "unavailable"]

@@ -95,7 +95,8 @@ def forward(q, k, v, *, scale: float, causal_offset: Optional[int]):
     qs, ks, vs = q[:, d:], k[:, : k.shape[1] - d], v[:, : v.shape[1] - d]
     kwargs = dict(dropout_p=0.0, softmax_scale=scale, softcap=0.0, alibi_slopes=None, return_softmax=False)
     kwargs.update(_window_kwargs(fnames, causal, -1, right))
-    ret = fwd(qs.contiguous(), ks.contiguous(), vs.contiguous(), **{k_: v_ for k_, v_ in kwargs.items() if k_ in fnames})
+    accepted = {k_: v_ for k_, v_ in kwargs.items() if k_ in fnames}
+    ret = fwd(qs.contiguous(), ks.contiguous(), vs.contiguous(), **accepted)
     out_s, lse_s = (ret[0], ret[1]) if len(ret) == 4 else (ret[0], ret[5])
     # A row that sees no key: our convention is lse = -inf (flash-attn may report +inf).
     lse_s = torch.where(torch.isposinf(lse_s), torch.full_like(lse_s, float("-inf")), lse_s.float())

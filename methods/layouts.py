@@ -15,7 +15,6 @@ positions (what RoPE and the loss labels need). Layouts:
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass
 from typing import Sequence
 

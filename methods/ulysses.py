@@ -24,8 +24,15 @@ from __future__ import annotations
 
 from methods import kernels
 from methods.base import Case, Method
-from methods.common import (check_ulysses_heads, heads_to_seq, lse_heads_to_seq, seq_to_heads, ulysses_bytes,
-                            ulysses_gather_grads, ulysses_scatter_heads)
+from methods.common import (
+    check_ulysses_heads,
+    heads_to_seq,
+    lse_heads_to_seq,
+    seq_to_heads,
+    ulysses_bytes,
+    ulysses_gather_grads,
+    ulysses_scatter_heads,
+)
 from methods.registry import register
 
 

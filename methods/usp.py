@@ -32,8 +32,16 @@ from typing import Optional
 from methods import layouts
 from methods.base import Case, Method
 from methods.comm.base import Comm
-from methods.common import (check_ulysses_heads, heads_to_seq, kv_replication, lse_heads_to_seq, seq_to_heads,
-                            ulysses_bytes, ulysses_gather_grads, ulysses_scatter_heads)
+from methods.common import (
+    check_ulysses_heads,
+    heads_to_seq,
+    kv_replication,
+    lse_heads_to_seq,
+    seq_to_heads,
+    ulysses_bytes,
+    ulysses_gather_grads,
+    ulysses_scatter_heads,
+)
 from methods.kv_ring import kv_ring_backward, kv_ring_bytes, kv_ring_forward
 from methods.registry import register
 from methods.zigzag_ring import zigzag_plan

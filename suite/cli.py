@@ -53,17 +53,18 @@ def _parser() -> argparse.ArgumentParser:
                      help="run folders (results/<sweep>/<time>) or sweep folders (their latest run); default: the "
                           "latest run of every sweep under --results-root")
     rep.add_argument("--out", default=None, help="output folder (default: reports/<sweep names>)")
-    rep.add_argument("--baseline", default="ring", help="method the speedup tables and figures divide by (default: ring)")
+    rep.add_argument("--baseline", default="ring",
+                     help="method the speedup tables and figures divide by (default: ring)")
     rep.add_argument("--results-root", default="results")
     rep.add_argument("--mlflow-experiment", default=None, help="also read the child runs of this MLflow experiment")
     rep.add_argument("--mlflow-uri", default=None)
     rep.add_argument("--no-mlflow", action="store_true", help="do not attach the HTML to the sweeps' MLflow runs")
 
     cal = sub.add_parser("calibrate", help="measure kernel times (and, on CPU, loopback links) for the simulator",
-                         description="Time every block shape a sweep's schedules emit with the suite's kernels on this "
-                                     "device and write a topology YAML for run.executor=sim: on CPU a full model of this "
-                                     "host (gloo loopback latency and bandwidth measured too), on a GPU the --base "
-                                     "topology with its roofline replaced by the measured table.")
+                         description="Time every block shape a sweep's schedules emit with the suite's kernels on "
+                                     "this device and write a topology YAML for run.executor=sim: on CPU a full model "
+                                     "of this host (gloo loopback latency and bandwidth measured too), on a GPU the "
+                                     "--base topology with its roofline replaced by the measured table.")
     cal.add_argument("config", help="sweep YAML whose block shapes to time (its methods, sizes and world sizes)")
     cal.add_argument("overrides", nargs="*", help="Hydra-style overrides, as for run")
     cal.add_argument("--out", default=None, help="topology file to write (default: results/calibration/<host>.yaml)")

@@ -65,8 +65,9 @@ NUMERIC_METRICS = (TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX, TFLOPS_PER_GPU, TOK
 
 COLUMNS = ((KEY,) + IDENTITY + (STATUS, REASON, CHECKED) + tuple(ERR.values()) + tuple(TOL.values())
            + (TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX, TFLOPS_PER_GPU, TOKENS_PER_S, BYTES_SENT, BYTES_RECV,
-              PEAK_MEM) + BREAKDOWN + MODEL_CHECK + (LOSS_CURVE, KERNEL_USED, COMM_OPS, TIME_MS_SAMPLES, SEED, WARMUP, REPEATS, DURATION_S,
-                                       STARTED_AT, RUN_ID, ERROR_TRACE))
+              PEAK_MEM) + BREAKDOWN + MODEL_CHECK
+           + (LOSS_CURVE, KERNEL_USED, COMM_OPS, TIME_MS_SAMPLES, SEED, WARMUP, REPEATS, DURATION_S, STARTED_AT, RUN_ID,
+              ERROR_TRACE))
 
 
 def attention_flops(batch: int, seq_len: int, heads: int, head_dim: int, causal: bool, pass_: str) -> float:

@@ -17,7 +17,6 @@ from suite.config import SuiteConfig, option_points
 from suite.metrics import IDENTITY, method_label
 
 
-
 @dataclass(frozen=True)
 class RunSettings:
     """How every trial of a sweep runs on its ranks (picklable; sent to workers once)."""

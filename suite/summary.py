@@ -29,8 +29,8 @@ def _perplexity_table(records: list[dict]) -> str:
                                            r["kv_heads"], r["head_dim"], r["dtype"], r["world_size"], r["method"]))
     rows = []
     for r in order:
-        rows.append([_name(r), r["executor"], r["world_size"], r["seq_len"], r["batch"], f"{r['heads']}/{r['kv_heads']}",
-                     r["head_dim"], r["dtype"], r[M.STATUS], _fmt(r.get(M.PPL), ".6f"),
+        rows.append([_name(r), r["executor"], r["world_size"], r["seq_len"], r["batch"],
+                     f"{r['heads']}/{r['kv_heads']}", r["head_dim"], r["dtype"], r[M.STATUS], _fmt(r.get(M.PPL), ".6f"),
                      _fmt(r.get(M.PPL_REL_DIFF), "+.2e"), _fmt(r.get(M.LOSS_MAX_REL_DIFF), ".2e"),
                      _fmt(r.get(M.TIME_MS_MEDIAN), ".1f"), _short_reason(r)])
     headers = ["method", "executor", "P", "seq", "B", "H/Hkv", "D", "dtype", "status", "perplexity",

@@ -45,6 +45,7 @@ def _entry(rank, world_size, port, fn, args, results):
     try:
         torch.set_num_threads(1)
         import torch.distributed as dist
+
         from methods.comm import DistComm
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
         dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,

@@ -92,7 +92,8 @@ def test_calibrate_writes_the_kernel_table_of_the_main_shapes(tmp_path):
     assert blocks and all(b["seconds"] > 0 for b in blocks)
     peak = 989e12 if DEVICE == "cuda" else None
     lines = [f"# Kernel times on {table['device']} ({table['kernel']}), from `suite calibrate`", "",
-             "| op | sq | sk | heads | kv | D | mask offset | ms | TFLOP/s | of bf16 peak |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| op | sq | sk | heads | kv | D | mask offset | ms | TFLOP/s | of bf16 peak |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for b in blocks:
         tf = b["flops"] / b["seconds"] / 1e12
         lines.append(f"| {b['op']} | {b['sq']} | {b['sk']} | {b['heads']} | {b['kv_heads']} | {b['head_dim']} | "

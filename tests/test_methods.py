@@ -10,8 +10,16 @@ import methods
 from methods import Case
 from methods.comm import CommLedger, CountingComm, run_threads
 from methods.kernels import is_full
-from tests.helpers import (TENSORS, errors_vs_reference, own_methods, own_variants, problem_for, run_method_rank,
-                           seq_len_for, variant_id)
+from tests.helpers import (
+    TENSORS,
+    errors_vs_reference,
+    own_methods,
+    own_variants,
+    problem_for,
+    run_method_rank,
+    seq_len_for,
+    variant_id,
+)
 
 # (name, options): every own method, with each option set that changes its algorithm (the
 # method's own `test_variants`)
@@ -250,7 +258,8 @@ def test_stripe_work_differs_by_at_most_one_diagonal():
     from methods.stripe_ring import stripe_plan
     p, l = 4, 9
     for step in range(p):
-        work = [sum(visible_pairs(l, l, b.causal_offset) for b in stripe_plan(True, r)((r - step) % p)) for r in range(p)]
+        work = [sum(visible_pairs(l, l, b.causal_offset) for b in stripe_plan(True, r)((r - step) % p))
+                for r in range(p)]
         assert max(work) - min(work) <= l
 
 
@@ -304,7 +313,9 @@ def test_the_check_catches_a_dropped_block_in_low_precision(dtype):
         def forward(self, q, k, v, *, comm, causal, scale, return_lse):
             base = ring_plan(causal, comm.rank)
             drop = comm.rank == comm.world_size - 1
-            plan = (lambda src: [] if drop and src == 0 else base(src))
+
+            def plan(src):
+                return [] if drop and src == 0 else base(src)
             out, lse = kv_ring_forward(q, k, v, comm=comm, plan=plan, scale=scale, kernel=self.kernel)
             return out, lse, (q, k, v, out, lse)
     case = Case(2, 8 * 48, 8, 8, 32, dtype, False, 8)

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from suite import metrics as M
+from suite.records import complete as _complete
 from suite.reports import build_report
 from suite.reports.load import load_runs
 from suite.reports.tables import build_tables, with_series
 from suite.results import ResultsStore
-from suite.records import complete as _complete
 
 
 def row(method, P, S, *, causal=True, pass_="fwd", executor="dist", status=M.OK, time_ms=None, reason="",

@@ -2,7 +2,6 @@
 the `sim` executor end to end. (The measured check against CPU gloo runs is `make sim-check`; its
 figures are in reports/recorded/sim_check_cpu.md.)"""
 import itertools
-import math
 
 import pytest
 import yaml
@@ -78,7 +77,8 @@ def test_flows_out_of_one_port_share_it_but_a_mesh_gives_each_its_link():
 
 def test_max_min_fairness_gives_capped_flows_their_cap_and_splits_the_rest():
     caps = {"r": 10.0, "s": 4.0}
-    a, b, c = Flow(("r",), 2.0, 1, lambda: None), Flow(("r",), 99, 1, lambda: None), Flow(("r", "s"), 99, 1, lambda: None)
+    a, b = Flow(("r",), 2.0, 1, lambda: None), Flow(("r",), 99, 1, lambda: None)
+    c = Flow(("r", "s"), 99, 1, lambda: None)
     max_min_rates([a, b, c], caps)
     assert (a.rate, c.rate, b.rate) == pytest.approx((2.0, 4.0, 4.0))  # a capped, c by s, b gets the rest of r
 

@@ -17,7 +17,6 @@ from typing import ClassVar
 
 import torch
 
-
 from methods.base import Case
 from methods.peers.base import PeerMethod, version_of
 from methods.registry import register, register_unavailable

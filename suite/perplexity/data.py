@@ -57,8 +57,8 @@ def load_corpus(source: str = "stdlib", *, path: Optional[str] = None, hf_datase
 
 def _stdlib_bytes(max_bytes: int) -> bytes:
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py")
-                   if not {"site-packages", "dist-packages", "test", "tests", "idlelib"} & set(p.relative_to(root).parts))
+    skip = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
+    files = sorted(p for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts))
     out, size = [], 0
     for p in files:
         data = p.read_bytes()
@@ -93,7 +93,8 @@ def train_windows(corpus: Corpus, *, steps: int, batch: int, seq_len: int, seed:
     """
     n = corpus.train.numel() - seq_len - 1
     if n <= 0:
-        raise ValueError(f"the training split has {corpus.train.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}")
+        raise ValueError(f"the training split has {corpus.train.numel()} tokens, fewer than seq_len + 1 = "
+                         f"{seq_len + 1}")
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, n, (steps, batch), generator=g)
     offsets = torch.arange(seq_len + 1)

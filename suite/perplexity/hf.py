@@ -141,7 +141,8 @@ def _nll(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, int]:
     return float(lp), input_ids[:, 1:].numel()
 
 
-def hf_perplexity(model, batches: list[torch.Tensor], method_names: list[str], world_sizes: list[int]) -> list[HFResult]:
+def hf_perplexity(model, batches: list[torch.Tensor], method_names: list[str],
+                  world_sizes: list[int]) -> list[HFResult]:
     """Perplexity of `model` on `batches` ([B, S] token ids each) with each method and world size,
     against the model's eager attention on the same tokens."""
     import methods
@@ -180,9 +181,8 @@ def load_model_and_batches(model_ref: str, *, text_path: Optional[str], batch: i
                            dtype: str, device: str):
     """The model (`tiny-llama` or a local folder for `from_pretrained`) and token batches of the text:
     the model's own tokenizer when its folder has one, else byte tokens (vocabulary >= 256)."""
-    from suite.perplexity.data import load_corpus
-
     from methods.base import torch_dtype
+    from suite.perplexity.data import load_corpus
 
     if model_ref == "tiny-llama":
         model, tokenizer = tiny_llama(), None

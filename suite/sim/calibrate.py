@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import math
-import os
 import statistics
 import time
 from pathlib import Path

@@ -19,7 +19,6 @@ from __future__ import annotations
 import bisect
 import math
 from pathlib import Path
-from typing import Optional
 
 import yaml
 

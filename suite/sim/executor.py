@@ -3,9 +3,9 @@
 For each trial: the method's schedule (traced once per schedule shape, `TraceCache`) is replayed
 on the trial's topology three times - as is, with free communication (compute-only) and with free
 compute (comm-only) - and reported per rank exactly as a measured trial is (the attention
-workload builds the row from the same `RankReport`s), so simulated rows carry the same columns: time, bytes per rank, kernel time,
-time blocked on communication, CCR and overlap efficiency. Nothing is checked numerically (a
-simulated row is `checked=false`) and every row says executor=sim.
+workload builds the row from the same `RankReport`s), so simulated rows carry the same columns:
+time, bytes per rank, kernel time, time blocked on communication, CCR and overlap efficiency.
+Nothing is checked numerically (a simulated row is `checked=false`) and every row says executor=sim.
 """
 from __future__ import annotations
 

@@ -19,8 +19,18 @@ from suite import metrics as M
 from suite.check import build_problem, max_abs_err
 from suite.memtrack import TensorMemoryTracker
 from suite.plan import TrialSpec
-from suite.records import (Breakdown, Outcome, RankReport, RowContext, begin_row, breakdown_columns, check_columns,
-                           comm_columns, finish, timing_columns)
+from suite.records import (
+    Breakdown,
+    Outcome,
+    RankReport,
+    RowContext,
+    begin_row,
+    breakdown_columns,
+    check_columns,
+    comm_columns,
+    finish,
+    timing_columns,
+)
 from suite.timing import time_iterations
 from suite.workloads.base import RankContext, Workload
 

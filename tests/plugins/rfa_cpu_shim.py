@@ -23,7 +23,8 @@ def _offset(sq: int, sk: int, causal: bool):
 
 def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1, window_size_right=-1,
                         softcap=0.0, alibi_slopes=None, return_softmax=False):
-    out, lse = kernels.block_forward(q, k, v, scale=softmax_scale, causal_offset=_offset(q.shape[1], k.shape[1], causal))
+    out, lse = kernels.block_forward(q, k, v, scale=softmax_scale,
+                                     causal_offset=_offset(q.shape[1], k.shape[1], causal))
     return out, lse, None, None
 
 
