@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import statistics
-import time
 from pathlib import Path
 from typing import Optional
 
@@ -25,6 +24,7 @@ import torch
 import yaml
 
 from methods import kernels
+from methods.timing import Stopwatch
 from suite.sim.trace import Compute
 
 KB, MB = 1 << 10, 1 << 20
@@ -77,17 +77,15 @@ def time_block(e: Compute, device: torch.device, kernel: str, repeats: int) -> f
 
 
 def median_seconds(fn, device: torch.device, repeats: int) -> float:
-    """Median wall time of `fn` over `repeats` calls after two warm-up calls (synchronised on CUDA)."""
+    """Median time of `fn` over `repeats` calls after two warm-up calls (the suite's one timer:
+    CUDA events on a GPU, wall time on CPU)."""
     samples = []
     for i in range(repeats + 2):
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        watch = Stopwatch(device)
+        with watch.region():
+            fn()
         if i >= 2:
-            samples.append(time.perf_counter() - t0)
+            samples.append(watch.seconds)
     return statistics.median(samples)
 
 
@@ -127,10 +125,11 @@ def _link_worker(rank: int, world: int, port: int, sizes: list[int], repeats: in
         samples = []
         for i in range(repeats + 2):
             comm.barrier()
-            t0 = time.perf_counter()
-            comm.exchange(ops).wait()
+            watch = Stopwatch("cpu")
+            with watch.region():
+                comm.exchange(ops).wait()
             if i >= 2:
-                samples.append(time.perf_counter() - t0)
+                samples.append(watch.seconds)
         res[n] = statistics.median(samples)
     dist.barrier()
     if rank == 0:
