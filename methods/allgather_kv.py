@@ -82,20 +82,28 @@ class AllGatherKV(Method):
         lay = layouts.zigzag(comm.world_size * local_len, comm.world_size)
         return torch.cat([lay.positions(r) for r in range(comm.world_size)])
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
+    def _mask(self, masks, comm: Comm, rows, keys: int):
+        """The documents' mask of local rows against the gathered keys [0, keys) in global order."""
+        if masks is None:
+            return None
+        return masks.docs.block(masks.positions(comm.rank)[rows], torch.arange(keys), masks.causal)
+
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         order = self._order(comm, q.shape[1]).to(q.device)
         k_full, v_full = _gather_global(comm, k, order), _gather_global(comm, v, order)
+        masks = self.block_masks(q, k, comm, causal, docs)
         outs, lses = [], []
         for rows, keys, offset in _blocks(causal, comm.rank, comm.world_size, q.shape[1]):
             o, l = kernels.block_forward(q[:, rows], k_full[:, :keys], v_full[:, :keys], scale=scale,
-                                         causal_offset=offset, kernel=self.kernel)
+                                         causal_offset=offset, kernel=self.kernel,
+                                         mask=self._mask(masks, comm, rows, keys))
             outs.append(o)
             lses.append(l)
         out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=2)
-        return out, lse, (q, k, v, out, lse)
+        return out, lse, (q, k, v, out, lse, masks)
 
-    def backward(self, dout, residuals, *, comm, causal, scale):
-        q, k, v, out, lse = residuals
+    def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
+        q, k, v, out, lse, masks = residuals
         order = self._order(comm, q.shape[1]).to(q.device)
         k_full, v_full = _gather_global(comm, k, order), _gather_global(comm, v, order)
         acc = kernels.acc_dtype(q.dtype)
@@ -105,7 +113,8 @@ class AllGatherKV(Method):
         for rows, keys, offset in _blocks(causal, comm.rank, comm.world_size, q.shape[1]):
             bdq, bdk, bdv = kernels.block_backward(dout[:, rows], q[:, rows], k_full[:, :keys], v_full[:, :keys],
                                                    out[:, rows], lse[:, :, rows], scale=scale,
-                                                   causal_offset=offset, kernel=self.kernel)
+                                                   causal_offset=offset, kernel=self.kernel,
+                                                   mask=self._mask(masks, comm, rows, keys))
             dq[:, rows] = bdq
             dk_full[:, :keys] += bdk
             dv_full[:, :keys] += bdv

@@ -256,3 +256,36 @@ def pack(lengths: Sequence[int], seq_len: int) -> tuple[int, ...]:
     if total < seq_len:
         raise ValueError(f"documents of {total} tokens in all cannot fill a sequence of {seq_len}")
     return tuple(out)
+
+
+class BlockMasks:
+    """The document masks of one attention call's blocks.
+
+    `positions(r)` gives the global positions of rank r's local rows (of the comm the blocks are
+    computed on), so a block of rank q_rank's rows `q_rows` against rank k_rank's rows `k_rows`
+    has its mask; forward and backward compute the same blocks, so masks are kept.
+    """
+
+    def __init__(self, docs: Documents, positions, causal: bool):
+        self.docs, self.causal = docs, causal
+        self._positions = positions
+        self._pos: dict[int, torch.Tensor] = {}
+        self._masks: dict[tuple, BlockMask] = {}
+
+    def positions(self, rank: int) -> torch.Tensor:
+        if rank not in self._pos:
+            self._pos[rank] = self._positions(rank).to("cpu", torch.int64)
+        return self._pos[rank]
+
+    def __call__(self, q_rank: int, q_rows, k_rank: int, k_rows) -> BlockMask:
+        key = (q_rank, _key(q_rows), k_rank, _key(k_rows))
+        if key not in self._masks:
+            self._masks[key] = self.docs.block(self.positions(q_rank)[q_rows], self.positions(k_rank)[k_rows],
+                                               self.causal)
+        return self._masks[key]
+
+
+def _key(rows) -> tuple:
+    if isinstance(rows, slice):
+        return ("slice", rows.start, rows.stop, rows.step)
+    return ("rows", tuple(torch.as_tensor(rows).tolist()))

@@ -126,7 +126,7 @@ class PlannedWorkload(Protocol):
 
     def passes(self, cfg: SuiteConfig) -> list[str]: ...
 
-    def identity(self, cfg: SuiteConfig) -> str: ...
+    def identity(self, cfg: SuiteConfig, *, workload: str, batch: int, seq_len: int) -> str: ...
 
 
 def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], device: str) -> list[TrialSpec]:
@@ -135,17 +135,21 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
     problem (so inputs and the float64 reference are reused), then method and pass."""
     s = cfg.sweep
     specs = []
-    passes, identity = workload.passes(cfg), workload.identity(cfg)
-    axes = itertools.product(places, s.world_size, s.batch, s.seq_len, s.heads, s.kv_heads, s.head_dim, s.dtype,
-                             s.causal, s.methods, passes)
-    for place, ws, b, sl, h, kvh, hd, dt, causal, m, ps in axes:
+    passes = workload.passes(cfg)
+    identities: dict[tuple, str] = {}  # a packed workload draws its documents once per (mix, batch, length)
+    axes = itertools.product(places, s.world_size, s.workload, s.batch, s.seq_len, s.heads, s.kv_heads, s.head_dim,
+                             s.dtype, s.causal, s.methods, passes)
+    for place, ws, mix, b, sl, h, kvh, hd, dt, causal, m, ps in axes:
+        if (mix, b, sl) not in identities:
+            identities[mix, b, sl] = workload.identity(cfg, workload=mix, batch=b, seq_len=sl)
+        identity = identities[mix, b, sl]
         case = Case(batch=b, seq_len=sl, heads=h, kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal),
                     world_size=ws, device=device)
         for options in option_points(dict(s.method_options.get(m, {}))):
             ud, rd, impl = _method_facts(m, options, cfg.run.kernel, case)
             point = dict(options, method=m, topology=place.topology, world_size=ws, batch=b, seq_len=sl, heads=h,
                          kv_heads=kvh, head_dim=hd, dtype=dt, causal=causal, ulysses_degree=ud, ring_degree=rd,
-                         **{"pass": ps})
+                         workload=mix, **{"pass": ps})
             if any(_matches(rule, point) for rule in s.exclude):
                 continue
             specs.append(TrialSpec(

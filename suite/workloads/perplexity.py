@@ -28,7 +28,7 @@ from suite.perplexity.model import ModelConfig, sdpa_attend
 from suite.perplexity.train import TrainConfig, train_and_evaluate
 from suite.plan import TrialSpec
 from suite.records import Outcome, RankReport, RowContext, base_row, begin_row, complete, finish, timing_columns
-from suite.workloads.base import RankContext, Workload
+from suite.workloads.base import RankContext, Workload, documents_identity
 
 TRAIN = "train"          # the `pass` of a perplexity trial
 BASELINE = "baseline"    # the method name of the single-device baseline row
@@ -82,8 +82,12 @@ class PerplexityWorkload(Workload):
     def passes(self, cfg) -> list[str]:
         return [TRAIN]
 
-    def identity(self, cfg) -> str:
-        return workload_json(cfg)
+    def identity(self, cfg, *, workload: str, batch: int, seq_len: int) -> str:
+        ident = json.loads(workload_json(cfg))
+        packed = documents_identity(cfg, workload, batch, seq_len)
+        if packed:  # documents packed into the training windows: positions restart per document
+            ident.update(json.loads(packed))
+        return json.dumps(ident, sort_keys=True, separators=(",", ":"))
 
     def start(self, store, tracker, ctx: RowContext) -> None:
         self._baselines = Baselines(store, tracker, ctx)
