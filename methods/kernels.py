@@ -73,6 +73,36 @@ class TimedKernel:
         return self._watch.seconds if self._watch is not None else 0.0
 
 
+def visible_pairs(sq: int, sk: int, causal_offset: Optional[int]) -> int:
+    """(i, j) pairs with j <= i + causal_offset (all sq * sk pairs when None)."""
+    if causal_offset is None:
+        return sq * sk
+    c = causal_offset
+    i1 = min(max(-c, 0), sq)              # first query that sees a key
+    i2 = min(max(sk - c - 1, i1), sq)     # first query that sees every key
+    partial = (i2 - i1) * (c + 1) + (i1 + i2 - 1) * (i2 - i1) // 2
+    return partial + (sq - i2) * sk
+
+
+class PairCountingKernel(TimedKernel):
+    """A kernel choice that counts the (query, key) pairs its forward block calls compute, times
+    the query heads, summed over the batch: a rank's share of the attention work (packed
+    documents' masks counted exactly, by methods/documents.py)."""
+
+    def __init__(self, name: str = "auto"):
+        super().__init__(name)
+        self.pairs = 0
+
+    @contextlib.contextmanager
+    def measure(self, device: torch.device, *, op: str, q: torch.Tensor, k: torch.Tensor,
+                causal_offset: Optional[int], mask: Optional[BlockMask] = None):
+        if op == "fwd":
+            per_head = mask.pairs if mask is not None else q.shape[0] * visible_pairs(q.shape[1], k.shape[1],
+                                                                                      causal_offset)
+            self.pairs += per_head * q.shape[2]
+        yield
+
+
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
 

@@ -32,7 +32,6 @@ from typing import Optional
 from methods import layouts
 from methods.base import Case, Method
 from methods.comm.base import Comm
-from methods.documents import BlockMasks
 from methods.common import (
     check_ulysses_heads,
     heads_to_seq,
@@ -43,6 +42,7 @@ from methods.common import (
     ulysses_gather_grads,
     ulysses_scatter_heads,
 )
+from methods.documents import BlockMasks
 from methods.kv_ring import kv_ring_backward, kv_ring_bytes, kv_ring_forward
 from methods.registry import register
 from methods.zigzag_ring import zigzag_plan

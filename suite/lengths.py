@@ -16,6 +16,7 @@ Every distribution clips lengths to [`min`, `max`] (`max` 0: no cap).
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
 import zlib
@@ -165,6 +166,7 @@ def identity(dist: Distribution, seq_len: int, batch: int, seed: int) -> str:
                                      "seed": seed, "digest": digest}}, sort_keys=True, separators=(",", ":"))
 
 
+@functools.lru_cache(maxsize=256)
 def lengths_of(workload: str, seq_len: int, batch: int) -> Optional[tuple[tuple[int, ...], ...]]:
     """The document lengths of a trial from its `workload` column (None: one document per sequence).
     Raises if this process draws other lengths than the planner did."""

@@ -5,15 +5,18 @@ passes and identity), so that planning needs neither the executors nor the workl
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import methods
 from methods.base import Case
+from methods.documents import Documents
 from suite.config import SuiteConfig, option_points
+from suite.lengths import lengths_of
 from suite.metrics import IDENTITY, method_label
 
 
@@ -89,9 +92,25 @@ class TrialSpec:
     def build_method(self) -> methods.Method:
         return methods.get_method(self.method, kernel=self.kernel, **self.method_options)
 
+    def document_lengths(self) -> Optional[tuple[tuple[int, ...], ...]]:
+        """The packed documents' lengths per sequence (None: one document per sequence)."""
+        return lengths_of(self.workload, self.seq_len, self.batch)
+
+    def run_case(self, method: methods.Method) -> Case:
+        """The case `method` runs: the sequence padded to its granule, with the packed documents
+        (and the padding) as `documents` when there are any."""
+        case = self.case()
+        padded = method.padded_len(case)
+        lengths = self.document_lengths()
+        if lengths is None and padded == self.seq_len:
+            return case
+        docs = Documents(lengths or tuple((self.seq_len,) for _ in range(self.batch)), padded)
+        return dataclasses.replace(case, seq_len=padded, documents=docs)
+
     def problem_key(self) -> tuple:
         """Trials with equal problem keys share global inputs and the float64 reference."""
-        return (self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim, self.dtype, self.causal)
+        key = (self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim, self.dtype, self.causal)
+        return key + ((self.workload,) if self.document_lengths() is not None else ())
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"

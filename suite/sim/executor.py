@@ -52,7 +52,7 @@ class SimExecutor(Executor):
 
 def predict(spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache) -> list[RankReport]:
     """Per-rank reports of one simulated trial, as a measured trial's ranks would report it."""
-    tr = traces.get(spec.method, spec.case(), spec.pass_, spec.method_options)
+    tr = traces.get(spec.method, spec.run_case(spec.build_method()), spec.pass_, spec.method_options)
     full = replay(tr, topology, compute.time)
     comp = replay(tr, topology, compute.time, comm=False)
     comm = replay(tr, topology, compute.time, compute=False)

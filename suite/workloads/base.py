@@ -14,10 +14,9 @@ import torch
 
 from methods.comm.base import Comm
 from suite.check import ProblemCache
+from suite.lengths import UNIFORM, Distribution, identity
 from suite.plan import RunSettings, TrialSpec
 from suite.records import Outcome, RankReport, RowContext
-
-from suite.lengths import UNIFORM, Distribution, identity
 
 
 def documents_identity(cfg: "SuiteConfig", workload: str, batch: int, seq_len: int) -> str:
