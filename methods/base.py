@@ -270,6 +270,51 @@ class SPAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
+SHARDINGS = ("sequence", "documents")
+
+
+class DocumentSharding:
+    """The `sharding` option of a zigzag method: "sequence" zigzags the whole packed sequence (2P
+    chunks); "documents" cuts every document into 2P chunks (Megatron/TE's THD load balancing,
+    `layouts.documents`), which balances each document's causal work by itself. Positions then
+    follow the documents, so the method computes every block with the documents' masks (the
+    sequence layout's causal shortcuts do not hold)."""
+
+    sharding: str = "sequence"
+
+    def _init_sharding(self, sharding: str) -> None:
+        if sharding not in SHARDINGS:
+            raise ValueError(f"{self.name}: sharding must be one of {list(SHARDINGS)}, got {sharding!r}")
+        self.sharding = sharding
+
+    @property
+    def by_documents(self) -> bool:
+        return self.sharding == "documents"
+
+    def document_layout(self, case: Case) -> layouts.Layout:
+        if case.documents is None:
+            return layouts.documents([case.seq_len], case.world_size)
+        if len(set(case.documents.lengths)) > 1:
+            raise ValueError(f"{self.name}: sharding=documents needs every sequence of the batch packed alike "
+                             f"(THD format packs the batch into one sequence: use batch 1)")
+        return layouts.documents(case.documents.lengths[0], case.world_size)
+
+    def padded_len(self, case: Case) -> int:
+        if self.by_documents:
+            try:
+                return self.document_layout(case).seq_len
+            except ValueError:  # a batch packed unalike: `supports` gives the reason
+                return case.seq_len
+        return super().padded_len(case)
+
+    def documents_for(self, q: torch.Tensor, comm: Comm, docs: Optional[Documents]) -> Optional[Documents]:
+        """The documents to mask with: by-document sharding always masks (one document per
+        sequence when none are packed), since its positions are not the zigzag's."""
+        if docs is None and self.by_documents:
+            return Documents.single(q.shape[0], q.shape[1] * comm.world_size)
+        return docs
+
+
 def element_bytes(case: Case) -> tuple[int, int]:
     """(bytes per input element, bytes per accumulator element) of `case`: accumulators (dK/dV
     rings, dQ, LSE) are float32, or float64 for float64 inputs."""

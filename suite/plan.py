@@ -100,8 +100,10 @@ class TrialSpec:
         """The case `method` runs: the sequence padded to its granule, with the packed documents
         (and the padding) as `documents` when there are any."""
         case = self.case()
-        padded = method.padded_len(case)
         lengths = self.document_lengths()
+        if lengths is not None:  # a layout may follow the documents (sharding by documents)
+            case = dataclasses.replace(case, documents=Documents(lengths, self.seq_len))
+        padded = method.padded_len(case)
         if lengths is None and padded == self.seq_len:
             return case
         docs = Documents(lengths or tuple((self.seq_len,) for _ in range(self.batch)), padded)
