@@ -72,7 +72,9 @@ class Method:
     number of blocks in flight, which a test checks."""
     supports_documents: ClassVar[bool] = True
     """Computes the document-causal mask of packed documents and padding exactly (the `docs`
-    argument of `attention`); peer libraries without a varlen path say False."""
+    argument of `attention`); peer libraries without a varlen path say False, and why in
+    `documents_reason` (the library's own limitation)."""
+    documents_reason: ClassVar[str] = ""
     test_variants: ClassVar[tuple[dict[str, Any], ...]] = ({},)
     """Option sets that change the algorithm (not only a knob): the generic tests check each one
     against float64 and against `expected_bytes` (e.g. burst with and without its two-level ring)."""
@@ -119,7 +121,7 @@ class Method:
         if case.heads % case.kv_heads != 0:
             return False, f"heads ({case.heads}) must be a multiple of kv_heads ({case.kv_heads})"
         if case.documents is not None and not self.supports_documents:
-            return False, f"{self.name} has no path for packed documents (varlen) or padding"
+            return False, self.documents_reason or f"{self.name} has no path for packed documents (varlen) or padding"
         try:
             self.layout(case)
         except ValueError as exc:

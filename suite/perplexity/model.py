@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
