@@ -392,10 +392,10 @@ def draw(job: FigureJob, palette: S.Palette):
 
 
 def _grid(rows: list, cols: list, legend_w: float, *, sharey="row", sharex=False, panel_w=PANEL_W,
-          panel_h=PANEL_H, left=0.8, bottom=0.66, top=0.7):
+          panel_h=PANEL_H, left=0.8, bottom=0.66, top=0.7, hspace_in=0.42):
     """A figure of len(rows) x len(cols) panels with margins in inches (see PANEL_W)."""
     nr, nc = len(rows), len(cols)
-    wspace_in, hspace_in = 0.22 if sharey else 1.0, 0.42
+    wspace_in = 0.22 if sharey else 1.0
     width = left + nc * panel_w + (nc - 1) * wspace_in + 0.25 + legend_w
     height = bottom + nr * panel_h + (nr - 1) * hspace_in + top
     fig, axes = plt.subplots(nr, nc, figsize=(width, height), sharey=sharey, sharex=sharex, squeeze=False)
@@ -582,7 +582,7 @@ def _split(data, palette, *, rows, cols, xlabel, title):
     longest = max(len(s) for s in series)
     left = 0.3 + 0.074 * longest
     fig, axes = _grid(rows, cols, _legend_width(list(SPLIT), "time in"), sharey=True, sharex="row",
-                      panel_h=max(1.2, 0.26 * len(series) + 0.5), left=left)
+                      panel_h=max(1.2, 0.26 * len(series) + 0.5), left=left, hspace_in=0.7)
     ypos = {s: k for k, s in enumerate(series)}
     for i, r in enumerate(rows):
         for j, c in enumerate(cols):
@@ -597,9 +597,10 @@ def _split(data, palette, *, rows, cols, xlabel, title):
             ax.set_ylim(len(series) - 0.5, -0.5)
             ax.grid(False, axis="y")
             ax.set_title(f"{r}, {c}")
-            ax.set_xlim(left=0)
             if i == len(rows) - 1:
                 ax.set_xlabel(xlabel)
+        row_total = data[data["row"] == r][["kernels", "comm", "other"]].sum(axis=1).max()
+        axes[i][0].set_xlim(0, row_total * 1.05)
     _title(fig, title, fig.get_figheight())
     handles = [Patch(facecolor=c, label=lab) for lab, c in zip(SPLIT, SPLIT_COLOURS)]
     fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(fig.subplotpars.right + 0.01, fig.subplotpars.top),
