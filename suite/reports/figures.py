@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import matplotlib
+import matplotlib.text
 
 matplotlib.use("Agg")  # headless: no display on CI or worker nodes
 import matplotlib.pyplot as plt  # noqa: E402
@@ -694,6 +695,11 @@ def _write(i: int) -> list[str]:
     paths = []
     with plt.rc_context(S.RC):
         for ext in ("png", "pdf"):
+            if ext == "pdf":
+                # no ligatures ("fl" in "float32"): matplotlib embeds ligature glyphs as a second
+                # subset of the font, and subsetting DejaVu Sans is most of a PDF's writing time
+                for text in fig.findobj(matplotlib.text.Text):
+                    text.set_fontfeatures(["-liga"])
             path = out / f"{job.name}.{ext}"
             tmp = path.with_name(f".{path.name}.tmp")
             fig.savefig(tmp, format=ext, dpi=S.DPI if ext == "png" else None,
