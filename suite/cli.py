@@ -207,8 +207,14 @@ def _hf_perplexity(args) -> int:
 def _report(args) -> int:
     from suite.reports import ReportError, build_report
 
+    counting = [False]  # on a terminal the figure count updates one line in place
+
     def progress(line: str) -> None:  # on stderr, so that stdout stays the summary below
-        print(f"report: {line}", file=sys.stderr, flush=True)
+        live = sys.stderr.isatty() and line.startswith("figures ")
+        if counting[0] and not live:
+            print(file=sys.stderr)
+        print(("\r" if live else "") + f"report: {line}", end="" if live else "\n", file=sys.stderr, flush=True)
+        counting[0] = live
 
     try:
         rep = build_report(args.results, out=args.out, baseline=args.baseline, results_root=args.results_root,

@@ -2,8 +2,8 @@
 installed). A copy of the page gets a small script that measures the rendered page (the report
 itself has none: it must stay a plain, mailable file); Chromium's --dump-dom hands the numbers back.
 
-Run on a real report, with the screenshot kept:
-    python -m tests.test_report_browser reports/quickstart/report.html reports/recorded/report_screenshot.png
+Run on a real report, with the screenshot kept (optional: window height in pixels):
+    python -m tests.test_report_browser reports/quickstart/report.html reports/recorded/report_screenshot.png 3000
 """
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ def test_report_page_in_headless_chromium(tmp_path):
 
 
 if __name__ == "__main__":
-    page, shot = Path(sys.argv[1]), Path(sys.argv[2])
-    res = browser_check(page, shot)
+    page, shot = Path(sys.argv[1]).resolve(), Path(sys.argv[2]).resolve()
+    res = browser_check(page, shot, height=int(sys.argv[3]) if len(sys.argv) > 3 else 2200)
     assert_readable(res, len(res["images"]))
     print(json.dumps({k: v for k, v in res.items() if k not in ("numbers",)}, indent=1))

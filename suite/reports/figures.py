@@ -206,8 +206,7 @@ def _plan_throughput(df, _baseline) -> list[FigureJob]:
             dict(rows=rows, cols=cols, xlabel=_x_label(part, x), ylabel=f"TFLOP/s per {word}",
                  title=f"Attention throughput per {word}, {shape}" + _fixed_s(part, x), auto_log=True),
             section="throughput", shape=shape,
-            caption=f"Attention throughput per {word} (flash-attention FLOP count / time / P). "
-                    + _interval_note(part)))
+            caption="FLOP count of the flash-attention convention / time / P. " + _interval_note(part)))
     return jobs
 
 
