@@ -190,3 +190,13 @@ def test_log_axes_carry_at_least_two_labels(tmp_path):
     assert len(ax.get_yticks()) >= 2 and ax.get_ylim()[0] <= 2 and ax.get_ylim()[1] >= 5
     assert F.tick_labels([8064, 32256, 129024]) == ["8.06K", "32.3K", "129K"]
     assert F.tick_labels([4096, 524288]) == ["4K", "512K"] and F.tick_labels([96, 2400]) == ["96", "2400"]
+
+
+def test_panels_equal_for_both_masks_are_drawn_once(tmp_path):
+    rows = [row(m, P, 512, causal=c) for m in ("ring", "ulysses") for P in (2, 4) for c in (True, False)]
+    rows[0] = dict(rows[0], **{M.PEAK_MEM: 10 * 2**20})  # ring, P=2, causal: memory differs from full
+    figs, _ = _figures(frame_of(tmp_path, rows))
+    titles = [ax.get_title() for ax in figs["bytes_B-1-H-8-8-D-64-float32"].axes]
+    assert titles == ["fwd, causal = full"]  # bytes sent do not depend on the mask here
+    assert len(figs["memory_B-1-H-8-8-D-64-float32"].axes) == 2
+    assert len(figs["throughput_B-1-H-8-8-D-64-float32"].axes) == 2

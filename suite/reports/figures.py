@@ -300,7 +300,7 @@ def _plan_plain(m, name, section, ylabel, title, caption) -> list[FigureJob]:
     jobs = []
     for slug, shape, part in _per_shape(m):
         x = _x_axis(part)
-        d, rows, cols, _ = _facet(part, x)
+        d, rows, cols, _ = _facet(_merge_equal_masks(part), x)
         word = S.rank_word(part)
         jobs.append(FigureJob(
             f"{name}{slug}", "points", _tidy(d, x, ("y",)),
@@ -308,6 +308,19 @@ def _plan_plain(m, name, section, ylabel, title, caption) -> list[FigureJob]:
                  title=title.format(word=word) + f", {shape}" + _fixed_s(part, x), auto_log=True),
             section=section, shape=shape, caption=caption.format(word=word)))
     return jobs
+
+
+def _merge_equal_masks(part: pd.DataFrame) -> pd.DataFrame:
+    """One panel for both masks where every point has the same value under each (bytes sent do
+    not depend on the mask for most methods): two identical panels only repeat each other."""
+    masks = sorted(part["mask"].unique())
+    if len(masks) < 2:
+        return part
+    wide = part.pivot_table(index=["series", "world_size", "seq_len", "pass"], columns="mask", values="y",
+                            aggfunc="median")
+    if not wide.notna().all(axis=None) or not (wide.nunique(axis=1) == 1).all():
+        return part
+    return part[part["mask"] == masks[0]].assign(mask=" = ".join(masks))
 
 
 def _plan_sim(df, _baseline) -> list[FigureJob]:
@@ -391,11 +404,14 @@ def draw(job: FigureJob, palette: S.Palette):
         return _DRAWERS[job.kind](job.data, palette, **job.params)
 
 
-def _grid(rows: list, cols: list, legend_w: float, *, sharey="row", sharex=False, panel_w=PANEL_W,
+def _grid(rows: list, cols: list, legend_w: float, title: str, *, sharey="row", sharex=False, panel_w=PANEL_W,
           panel_h=PANEL_H, left=0.8, bottom=0.66, top=0.7, hspace_in=0.42):
-    """A figure of len(rows) x len(cols) panels with margins in inches (see PANEL_W)."""
+    """A figure of len(rows) x len(cols) panels with margins in inches (see PANEL_W), at least as
+    wide as its title."""
     nr, nc = len(rows), len(cols)
     wspace_in = 0.22 if sharey else 1.0
+    width = left + nc * panel_w + (nc - 1) * wspace_in + 0.25 + legend_w
+    legend_w += max(0.0, 0.3 + 0.085 * len(title) - width)  # DejaVu Sans at 11 pt: ~0.085 in per character
     width = left + nc * panel_w + (nc - 1) * wspace_in + 0.25 + legend_w
     height = bottom + nr * panel_h + (nr - 1) * hspace_in + top
     fig, axes = plt.subplots(nr, nc, figsize=(width, height), sharey=sharey, sharex=sharex, squeeze=False)
@@ -464,7 +480,7 @@ def _points(data, palette, *, rows, cols, xlabel, ylabel, title, auto_log=False,
     pos = {x: i for i, x in enumerate(xs)}
     off = _offsets(series, 0.6)
     legend_w = _legend_width(series)
-    fig, axes = _grid(rows, cols, legend_w)
+    fig, axes = _grid(rows, cols, legend_w, title)
     positive = data["y"][data["y"] > 0]
     logy = auto_log and len(positive) and positive.max() / positive.min() > 30
     for i, r in enumerate(rows):
@@ -552,7 +568,7 @@ def _bars(data, palette, *, rows, cols, xlabel, ylabel, title, ref=1.0):
     pos = {x: i for i, x in enumerate(xs)}
     width = min(0.8 / max(len(series), 1), 0.35)
     off = {s: (k - (len(series) - 1) / 2) * width for k, s in enumerate(series)}
-    fig, axes = _grid(rows, cols, _legend_width(series))
+    fig, axes = _grid(rows, cols, _legend_width(series), title)
     for i, r in enumerate(rows):
         for j, c in enumerate(cols):
             ax = axes[i][j]
@@ -581,7 +597,7 @@ def _split(data, palette, *, rows, cols, xlabel, title):
     series = palette.sort(data["series"])
     longest = max(len(s) for s in series)
     left = 0.3 + 0.074 * longest
-    fig, axes = _grid(rows, cols, _legend_width(list(SPLIT), "time in"), sharey=True, sharex="row",
+    fig, axes = _grid(rows, cols, _legend_width(list(SPLIT), "time in"), title, sharey=True, sharex="row",
                       panel_h=max(1.2, 0.26 * len(series) + 0.5), left=left, hspace_in=0.7)
     ypos = {s: k for k, s in enumerate(series)}
     for i, r in enumerate(rows):
@@ -615,7 +631,7 @@ def _scatter(data, palette, *, xlabel, ylabel, title):
     method_of = dict(zip(data["label"], data["method"]))
     order = {m: i for i, m in enumerate(palette.methods)}
     labels.sort(key=lambda lab: (order.get(method_of[lab], len(order)), lab))
-    fig, axes = _grid(["all"], ["all"], _legend_width(labels), sharey=False, panel_w=3.2, panel_h=3.2)
+    fig, axes = _grid(["all"], ["all"], _legend_width(labels), title, sharey=False, panel_w=3.2, panel_h=3.2)
     ax = axes[0][0]
     handles = []
     for lab in labels:
@@ -645,7 +661,8 @@ def _loss(data, palette, *, title, eps=None, dtype=""):
     series = palette.sort(data["series"])
     labels = {s: f"{s} P={int(data.loc[data['series'] == s, 'P'].iloc[0])}" for s in series}
     legend_w = _legend_width(list(labels.values()))
-    fig, axes = _grid(["loss"], ["loss", "diff"], legend_w, sharey=False, panel_w=3.0, panel_h=2.3, left=0.75)
+    fig, axes = _grid(["loss"], ["loss", "diff"], legend_w, title, sharey=False, panel_w=3.0, panel_h=2.3,
+                      left=0.75)
     ax_l, ax_d = axes[0]
     handles = []
     every = max(1, int(data["step"].max()) // 8)

@@ -34,6 +34,9 @@ RC = {
     "grid.alpha": 0.35, "grid.linewidth": 0.6, "axes.axisbelow": True, "lines.linewidth": 1.3,
     "lines.markersize": 5.0, "errorbar.capsize": 2.0, "legend.frameon": False, "savefig.dpi": 150,
     "pdf.compression": 6, "path.simplify": True,
+    # titles at a fixed height: the default (None) measures every axis' tick labels on each draw to
+    # lift titles over top ticks these figures do not have, a tenth of the drawing time
+    "axes.titley": 1.0, "axes.titlepad": 5.0,
 }
 DPI = 150  # PNG resolution; the HTML page shows figures at their size in inches x 96 CSS pixels
 
