@@ -580,8 +580,9 @@ def _bars(data, palette, *, rows, cols, xlabel, ylabel, title, ref=1.0):
                 st = palette.style(s)
                 x = [pos[v] + off[s] for v in pts["x"]]
                 ax.bar(x, pts["y"], width=width * 0.92, color=st.colour, zorder=2)
-                ax.errorbar(x, pts["y"], yerr=[pts["y"] - pts["lo"], pts["hi"] - pts["y"]], fmt="none",
-                            ecolor="#333333", elinewidth=0.8, capsize=1.5, zorder=3)
+                if (pts["hi"] - pts["lo"]).abs().max() > 0:  # a single sample (simulated) has no spread
+                    ax.errorbar(x, pts["y"], yerr=[pts["y"] - pts["lo"], pts["hi"] - pts["y"]], fmt="none",
+                                ecolor="#333333", elinewidth=0.8, capsize=1.5, zorder=3)
             ax.axhline(ref, ls="--", c="grey", lw=1, zorder=1)
             _categorical_x(ax, xs, last_row=i == len(rows) - 1, xlabel=xlabel)
             ax.set_title(f"{r}, {c}")
