@@ -36,8 +36,10 @@ from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
 
 from suite import metrics as M  # noqa: E402
+from suite.metrics import method_label  # noqa: E402
 from suite.reports import style as S  # noqa: E402
-from suite.reports.tables import attention_rows, measured, perplexity_rows, sim_pairs, speedup_rows  # noqa: E402
+from suite.reports.tables import (_options, attention_rows, measured, perplexity_rows, sim_pairs,  # noqa: E402
+                                  speedup_rows)
 
 INTERVAL = (0, 100)  # percentiles of the timed samples that a bar spans
 _EPS = {"float32": 2.0**-23, "float64": 2.0**-52, "bfloat16": 2.0**-7, "float16": 2.0**-10}
@@ -334,8 +336,6 @@ def _plan_sim(df, _baseline) -> list[FigureJob]:
         a, b = np.percentile(t, INTERVAL)
         lo.append(a)
         hi.append(b)
-    from suite.metrics import method_label
-    from suite.reports.tables import _options
     labels = [method_label(m, _options(o)) for m, o in zip(pair["method"], pair["options"])]
     data = pd.DataFrame({"series": pair["series_dist"], "method": pair["method"], "label": labels,
                          "x": pair[f"{M.TIME_MS_MEDIAN}_dist"], "lo": lo, "hi": hi,

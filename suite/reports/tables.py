@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 
 import pandas as pd
@@ -213,7 +214,6 @@ def correctness_matrix(df: pd.DataFrame) -> Table:
 
 def _natural(text: str) -> list:
     """Sort key that orders S=512 before S=1024."""
-    import re
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
 
 
