@@ -53,8 +53,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="run folders (results/<sweep>/<time>) or sweep folders (their latest run); default: the "
                           "latest run of every sweep under --results-root")
     rep.add_argument("--out", default=None, help="output folder (default: reports/<sweep names>)")
-    rep.add_argument("--baseline", default="ring",
-                     help="method the speedup tables and figures divide by (default: ring)")
+    rep.add_argument("--baseline", default=None,
+                     help="method the speedup tables and figures divide by (default: ring, where the runs have it)")
     rep.add_argument("--results-root", default="results")
     rep.add_argument("--mlflow-experiment", default=None, help="also read the child runs of this MLflow experiment")
     rep.add_argument("--mlflow-uri", default=None)
@@ -209,13 +209,22 @@ def _hf_perplexity(args) -> int:
 
 
 def _report(args) -> int:
-    from suite.reports import build_report
+    from suite.reports import ReportError, build_report
+
+    counting = [False]  # on a terminal the figure count updates one line in place
+
+    def progress(line: str) -> None:  # on stderr, so that stdout stays the summary below
+        live = sys.stderr.isatty() and line.startswith("figures ")
+        if counting[0] and not live:
+            print(file=sys.stderr)
+        print(("\r" if live else "") + f"report: {line}", end="" if live else "\n", file=sys.stderr, flush=True)
+        counting[0] = live
 
     try:
         rep = build_report(args.results, out=args.out, baseline=args.baseline, results_root=args.results_root,
                            mlflow_experiment=args.mlflow_experiment, mlflow_uri=args.mlflow_uri,
-                           log_to_mlflow=not args.no_mlflow)
-    except FileNotFoundError as exc:
+                           log_to_mlflow=not args.no_mlflow, progress=progress)
+    except (FileNotFoundError, ReportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(f"report of {rep.rows} trial rows in {rep.seconds:.1f}s -> {rep.out_dir}")

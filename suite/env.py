@@ -13,7 +13,7 @@ from typing import Optional
 
 import torch
 
-PACKAGES = ("torch", "numpy", "pandas", "pyarrow", "seaborn", "matplotlib", "hydra-core", "omegaconf",
+PACKAGES = ("torch", "numpy", "pandas", "pyarrow", "matplotlib", "hydra-core", "omegaconf",
             "mlflow", "flash-attn", "flash_attn_3", "yunchang", "ring-flash-attn", "transformers")
 
 

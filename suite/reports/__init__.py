@@ -2,16 +2,26 @@
 one self-contained HTML page (docs/DESIGN.md section 9). Nothing is rerun.
 
     python -m suite report [RESULTS_DIR ...] [--out reports/NAME] [--baseline ring]
+
+Layering: this package reads stored rows only (suite.results, suite.metrics); it never imports
+torch, Hydra, `methods` or the planner, so a report is quick to start and runs anywhere.
 """
 from __future__ import annotations
 
+import difflib
 import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from suite.reports.load import ResultSet, combine, load_mlflow, load_runs, resolve_runs
+
+DEFAULT_BASELINE = "ring"
+
+
+class ReportError(ValueError):
+    """A report that cannot be made as asked (e.g. a baseline method the runs do not have)."""
 
 
 @dataclass
@@ -24,16 +34,26 @@ class Report:
     rows: int = 0
     seconds: float = 0.0
     logged_to: list = field(default_factory=list)   # MLflow parent runs the HTML was attached to
+    redrawn: int = 0                                # figures drawn (the others were unchanged)
 
 
-def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = None, baseline: str = "ring",
+def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = None, baseline: Optional[str] = None,
                  results_root: str | Path = "results", mlflow_experiment: Optional[str] = None,
-                 mlflow_uri: Optional[str] = None, log_to_mlflow: bool = True) -> Report:
-    """Read the runs (and optionally an MLflow experiment), write tables, figures and the HTML."""
-    from suite.reports.figures import build_figures
-    from suite.reports.html import write_html
-    from suite.reports.tables import build_tables, with_series, write_tables
+                 mlflow_uri: Optional[str] = None, log_to_mlflow: bool = True,
+                 progress: Optional[Callable[[str], None]] = None, workers: Optional[int] = None) -> Report:
+    """Read the runs (and optionally an MLflow experiment), write tables, figures and the HTML.
 
+    baseline: the method speedups divide by; None means `ring` where the runs have it (no speedup
+    otherwise). A named baseline the runs do not have is an error that lists the methods they have.
+    progress: called with one line per step (reading, tables, each figure drawn, page).
+    """
+    from suite.reports.figures import plan_figures, render_figures
+    from suite.reports.html import write_html
+    from suite.reports.render import write_tables
+    from suite.reports.style import palette_for
+    from suite.reports.tables import build_tables, with_series
+
+    say = progress or (lambda _line: None)
     t0 = time.perf_counter()
     sets: list[ResultSet] = []
     if paths or not mlflow_experiment:
@@ -42,21 +62,63 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
         sets.append(load_mlflow(mlflow_experiment, mlflow_uri))
     data = combine(sets)
     df = with_series(data.frame)
+    say(f"read {len(df)} rows from {len(data.sources)} run(s) in {time.perf_counter() - t0:.1f}s")
+    base = _baseline(df, baseline)
     name = "+".join(dict.fromkeys(s.sweep for s in data.sources)) or "report"
     out_dir = Path(out) if out else Path("reports") / name
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    tables = build_tables(df, baseline)
+    tables = build_tables(df, base or DEFAULT_BASELINE)
     written = write_tables(tables, out_dir / "tables")
-    figures, notes = build_figures(df, out_dir / "figures", baseline) if not df.empty else ([], ["no rows"])
+    say(f"wrote {len(written)} tables (md, tex, csv) in {time.perf_counter() - t0:.1f}s")
+    palette = palette_for(df)
+    jobs, notes = plan_figures(df, base) if not df.empty else ([], ["no rows"])
+    if baseline is None and base is None and not df.empty:
+        notes.append(f"speedup: no {DEFAULT_BASELINE} rows; name a baseline with --baseline")
+
+    def figure_progress(done: int, total: int) -> None:
+        if total:
+            say(f"figures {done}/{total} ({time.perf_counter() - t0:.1f}s)")
+
+    files, drawn = render_figures(jobs, palette, out_dir / "figures", workers=workers, progress=figure_progress)
+    if len(jobs) > drawn:
+        say(f"{len(jobs) - drawn} of {len(jobs)} figures unchanged since the last report in {out_dir} (not redrawn)")
+    figures = [p for job in jobs for p in files[job.name]]
     html = write_html(out_dir / "report.html", title=f"Sequence-parallel attention: {name}", tables=tables,
-                      figure_pngs=[f for f in figures if f.endswith(".png")], sources=data.sources, notes=notes,
-                      rows=len(df), executors=sorted(df["executor"].dropna().unique()) if not df.empty else [])
-    report = Report(out_dir, html, written, figures, notes, len(df))
+                      jobs=jobs, files=files, sources=data.sources, notes=notes, df=df)
+    _remove_stale(out_dir / "tables", {Path(p).name for paths in written.values() for p in paths.values()},
+                  (".md", ".tex", ".csv"))
+    _remove_stale(out_dir / "figures", {Path(p).name for p in figures} | {f".{j.name}.key" for j in jobs},
+                  (".png", ".pdf", ".key"))
+    say(f"wrote {html} ({time.perf_counter() - t0:.1f}s)")
+    report = Report(out_dir, html, written, figures, notes, len(df), redrawn=drawn)
     if log_to_mlflow:
         report.logged_to = _log_html(html, data.sources)
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _remove_stale(folder: Path, keep: set[str], suffixes: tuple[str, ...]) -> None:
+    """Delete what an earlier report left in `folder` that this one did not write (a table or
+    figure of data no longer there), so the folder holds exactly this report."""
+    if not folder.is_dir():
+        return
+    for path in folder.iterdir():
+        if path.is_file() and path.suffix in suffixes and path.name not in keep:
+            path.unlink()
+
+
+def _baseline(df, baseline: Optional[str]) -> Optional[str]:
+    """The baseline to use, or a ReportError naming the methods the rows have."""
+    methods = sorted(df["method"].dropna().unique()) if not df.empty else []
+    if baseline is None:
+        return DEFAULT_BASELINE if DEFAULT_BASELINE in methods else None
+    if baseline not in methods:
+        close = difflib.get_close_matches(baseline, methods, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ReportError(f"--baseline {baseline!r} is not a method of these runs (they have: "
+                          f"{', '.join(methods) or 'no rows'}).{hint}")
+    return baseline
 
 
 def _log_html(html: Path, sources) -> list[str]:

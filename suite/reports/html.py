@@ -1,94 +1,183 @@
-"""One self-contained HTML page per report: figures embedded (base64 PNG), tables, and the resolved
-configs and environment fingerprints of the runs it draws on. No external scripts, styles or
+"""One self-contained HTML page per report: contents with an anchor per section and per problem
+shape, tables with captions, figures embedded (base64 PNG) at their drawn size, and the resolved
+configs and environment fingerprints of the runs it draws on. No scripts, external styles or
 images, so the file can be mailed, archived or attached to an MLflow run as it is."""
 from __future__ import annotations
 
 import base64
 import html
 import json
+import struct
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pandas as pd
-from jinja2 import Environment
 
-_TEMPLATE = """<!DOCTYPE html>
+from suite.reports.render import html_table
+from suite.reports.style import DPI
+
+CSS_PX_PER_INCH = 96
+_LONG = 30  # tables with more rows than this start folded (their caption stays visible)
+
+_CSS = """
+body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 1.5em auto; max-width: 1560px;
+       color: #222; line-height: 1.45; padding: 0 1.2em; }
+h1 { font-size: 1.6em; margin-bottom: .2em; }
+h2 { border-bottom: 1px solid #ddd; padding-bottom: .2em; margin-top: 2em; }
+h3 { margin: 1.4em 0 .4em; font-size: 1.05em; }
+a { color: #0b5cad; text-decoration: none; } a:hover { text-decoration: underline; }
+nav.toc { background: #f7f8fa; border: 1px solid #e3e6ea; padding: .6em 1.2em; display: inline-block; }
+nav.toc ol { margin: .2em 0; padding-left: 1.4em; } nav.toc li { margin: .1em 0; }
+nav.toc h2 { border: 0; margin: .2em 0; font-size: 1.1em; }
+.scroll { overflow-x: auto; max-width: 100%; }
+table.data { border-collapse: collapse; font-size: .85em; margin: .4em 0 1.4em; }
+.tcaption { color: #444; font-size: .9em; margin: .8em 0 .3em; max-width: 110ch; }
+table.data th, table.data td { border: 1px solid #ddd; padding: .22em .55em; white-space: nowrap; }
+table.data th { background: #f4f4f4; } .num { text-align: right; font-variant-numeric: tabular-nums; }
+.txt { text-align: left; }
+.figs { display: flex; flex-wrap: wrap; gap: 0 2.4em; align-items: flex-start; }
+.card { max-width: 100%; }
+figure { margin: .4em 0 1.2em; max-width: 100%; overflow-x: auto; }
+figure img { max-width: none; display: block; }
+figcaption, .note { color: #555; font-size: .9em; }
+details > summary { cursor: pointer; color: #444; margin: .3em 0; }
+pre { background: #f7f7f7; padding: .8em; overflow-x: auto; font-size: .8em; }
+"""
+
+# (anchor, heading): the page's sections in order; {baseline} is filled in.
+SECTIONS = [
+    ("runs", "Runs and trial counts"), ("correctness", "Correctness"), ("throughput", "Throughput"),
+    ("speedup", "Speedup"), ("scaling", "Scaling"), ("communication", "Communication and time split"),
+    ("memory", "Memory"), ("perplexity", "Model-level check (perplexity)"), ("sim", "Simulated vs measured"),
+    ("problems", "Skips and failures"), ("not-drawn", "Figures not drawn"), ("configs", "Configs and environments"),
+]
+
+
+def _slug(text: str) -> str:
+    return "".join(ch.lower() if ch.isalnum() else "-" for ch in text).strip("-")
+
+
+def png_size(path: str | Path) -> tuple[int, int]:
+    """(width, height) in pixels from a PNG's header."""
+    with open(path, "rb") as f:
+        head = f.read(24)
+    return struct.unpack(">II", head[16:24])
+
+
+def write_html(path: Path, *, title: str, tables: dict, jobs: list, files: dict, sources, notes: list[str],
+               df: pd.DataFrame) -> Path:
+    esc = html.escape
+    body, toc = [], []
+    n_table = n_figure = 0
+    for anchor, heading in SECTIONS:
+        parts, sub = [], []
+        if anchor == "runs":
+            parts.append(_runs(sources, df))
+        for t in tables.values():
+            if t.section != anchor or t.empty or not t.html:
+                continue
+            n_table += 1
+            caption = f'<p class="tcaption"><b>Table {n_table}.</b> {esc(t.caption())}</p>'
+            table = caption + _scroll(html_table(t, f"table-{t.name}"))
+            if len(t.data) > _LONG:
+                table = (f"<details><summary>Table {n_table}: {esc(t.title)} ({len(t.data)} rows; click to "
+                         f"unfold)</summary>{table}</details>")
+            parts.append(table)
+        mine = [j for j in jobs if j.section == anchor]
+        cards = []
+        for shape in dict.fromkeys(j.shape for j in mine):
+            card = []
+            if shape:  # an anchor per problem shape; shapes sit side by side where the window is wide
+                sid = f"{anchor}-{_slug(shape)}"
+                sub.append((sid, shape))
+                card.append(f'<h3 id="{sid}">{esc(shape)}</h3>')
+            for job in (j for j in mine if j.shape == shape):
+                n_figure += 1
+                card.append(_figure(job, files[job.name], n_figure))
+            cards.append('<div class="card">' + "\n".join(card) + "</div>")
+        if cards:
+            parts.append('<div class="figs">' + "\n".join(cards) + "</div>")
+        if anchor == "not-drawn" and notes:
+            parts.append("<ul>" + "".join(f'<li class="note">{esc(n)}</li>' for n in notes) + "</ul>")
+        if anchor == "configs":
+            parts.append(_configs(sources))
+        if not parts:
+            continue
+        heading = next((t.title for t in tables.values() if t.section == anchor == "speedup" and not t.empty),
+                       heading)
+        body.append(f'<section><h2 id="{anchor}">{esc(heading)}</h2>\n' + "\n".join(parts) + "</section>")
+        toc.append(f'<li><a href="#{anchor}">{esc(heading)}</a>'
+                   + ("<ol>" + "".join(f'<li><a href="#{sid}">{esc(name)}</a></li>' for sid, name in sub) + "</ol>"
+                      if sub else "") + "</li>")
+    executors = ", ".join(sorted(df["executor"].dropna().unique())) if not df.empty else "none"
+    hardware = ", ".join(sorted(df["hardware"].dropna().astype(str).unique())) if not df.empty else "none"
+    generated = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    page = f"""<!DOCTYPE html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
-<title>{{ title|e }}</title>
-<style>
- body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 2em auto; max-width: 1200px;
-        color: #222; line-height: 1.4; padding: 0 1em; }
- h1 { font-size: 1.6em; } h2 { border-bottom: 1px solid #ddd; padding-bottom: .2em; margin-top: 2em; }
- table { border-collapse: collapse; font-size: .85em; margin: .5em 0 1.5em; }
- th, td { border: 1px solid #ddd; padding: .25em .5em; text-align: right; white-space: nowrap; }
- th { background: #f4f4f4; } td:first-child, th:first-child { text-align: left; }
- .scroll { overflow-x: auto; } img { max-width: 100%; margin: .5em 0 1.5em; }
- pre { background: #f7f7f7; padding: .8em; overflow-x: auto; font-size: .8em; }
- .note { color: #666; font-size: .9em; } .warn { color: #a33; }
-</style>
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>{esc(title)}</title>
+<style>{_CSS}</style>
 </head>
 <body>
-<h1>{{ title|e }}</h1>
-<p class="note">Generated {{ generated|e }} from {{ sources|length }} run(s), {{ rows }} trial rows.
-Executors: {{ executors|e }}. Rows from different executors are labelled in every table and figure;
-numbers from <code>threads</code> (virtual ranks) or <code>sim</code> (simulator) are not measured hardware performance.</p>
-<h2>Runs</h2>
-<div class="scroll"><table><tr><th>sweep</th><th>run folder</th><th>rows</th></tr>
-{% for s in sources %}<tr><td>{{ s.sweep|e }}</td><td>{{ s.run_dir|e }}</td><td>{{ s.rows }}</td></tr>
-{% endfor %}</table></div>
-{% for t in tables %}
-<h2>{{ t.title|e }}</h2>
-{% if t.note %}<p class="note">{{ t.note|e }}</p>{% endif %}
-<div class="scroll">{{ t.html }}</div>
-{% endfor %}
-<h2>Figures</h2>
-{% for f in figures %}<figure><img alt="{{ f.name|e }}" src="data:image/png;base64,{{ f.data }}"><figcaption class="note">{{ f.name|e }}</figcaption></figure>
-{% endfor %}
-{% if notes %}<h2>Not drawn</h2><ul>{% for n in notes %}<li class="note">{{ n|e }}</li>{% endfor %}</ul>{% endif %}
-<h2>Resolved configs and environments</h2>
-{% for s in sources %}<h3>{{ s.sweep|e }}: {{ s.run_dir|e }}</h3>
-<pre>{{ s.config_yaml|e }}</pre>
-<pre>{{ s.environment|e }}</pre>
-{% endfor %}
+<h1>{esc(title)}</h1>
+<p class="note">Generated {esc(generated)} from {len(sources)} run(s), {len(df)} trial rows. Hardware: {esc(hardware)}.
+Executors: {esc(executors)}. Rows from different executors or machines are labelled in every table and figure and never
+averaged together; numbers from <code>threads</code> (virtual ranks) or <code>sim</code> (simulator) are not measured
+hardware performance.</p>
+<nav class="toc" id="contents"><h2>Contents</h2><ol>
+{chr(10).join(toc)}
+</ol></nav>
+{chr(10).join(body)}
 </body>
 </html>
 """
-
-_NOTES = {
-    "correctness": "status and the largest max-abs error (out, lse, dq, dk, dv) vs float64 on the unsharded inputs",
-    "throughput_by_seq_len": "TFLOP/s per GPU (percent of ideal: single-device reference time / P)",
-    "communication": "bytes one iteration moves per rank; time split from the run's breakdown (ms)",
-}
-
-
-# Tables kept out of the page (in the tables/ files only): the flat per-row throughput table, which
-# the by-sequence-length table shows in the paper layout.
-_FILES_ONLY = {"throughput"}
-
-
-def _table_html(table: pd.DataFrame) -> str:
-    def fmt(v):
-        if isinstance(v, float):
-            return "" if pd.isna(v) else (f"{v:.3g}" if abs(v) < 1e4 else f"{v:.4g}")
-        return html.escape(str(v))
-    shown = table.apply(lambda c: c.map(fmt)) if not table.empty else table
-    return shown.to_html(escape=False, border=0)
-
-
-def write_html(path: Path, *, title: str, tables: dict[str, pd.DataFrame], figure_pngs: list[str],
-               sources, notes: list[str], rows: int, executors: list[str]) -> Path:
-    env = Environment(autoescape=False)
-    page = env.from_string(_TEMPLATE).render(
-        title=title, generated=datetime.now(timezone.utc).isoformat(timespec="seconds"), rows=rows,
-        executors=", ".join(executors) or "none",
-        sources=[{"sweep": s.sweep, "run_dir": s.run_dir, "rows": s.rows, "config_yaml": s.config_yaml or "(none)",
-                  "environment": json.dumps(s.environment, indent=2, sort_keys=True) if s.environment else "(none)"}
-                 for s in sources],
-        tables=[{"title": name.replace("_", " "), "note": _NOTES.get(name, ""), "html": _table_html(t)}
-                for name, t in tables.items() if t is not None and not t.empty and name not in _FILES_ONLY],
-        figures=[{"name": Path(p).stem, "data": base64.b64encode(Path(p).read_bytes()).decode()} for p in figure_pngs],
-        notes=notes)
     path.write_text(page, encoding="utf-8")
     return path
+
+
+def _scroll(inner: str) -> str:
+    return f'<div class="scroll">{inner}</div>'
+
+
+def _figure(job, paths: list[str], number: int) -> str:
+    esc = html.escape
+    png = next(p for p in paths if p.endswith(".png"))
+    w, h = png_size(png)
+    css_w, css_h = round(w * CSS_PX_PER_INCH / DPI), round(h * CSS_PX_PER_INCH / DPI)
+    data = base64.b64encode(Path(png).read_bytes()).decode()
+    title = job.params.get("title", job.name)
+    return (f'<figure id="fig-{esc(job.name)}" style="width:{css_w}px">'
+            f'<img alt="{esc(title)}" width="{css_w}" height="{css_h}" src="data:image/png;base64,{data}">'
+            f"<figcaption><b>Figure {number}.</b> {esc(title)}. {esc(job.caption)} "
+            f"<span class=\"note\">(figures/{esc(job.name)}.pdf)</span></figcaption></figure>")
+
+
+def _runs(sources, df: pd.DataFrame) -> str:
+    esc = html.escape
+    rows = []
+    for s in sources:
+        part = df[df["run_dir"] == s.run_dir] if not df.empty else df
+        hw = ", ".join(sorted(part["hardware"].dropna().astype(str).unique())) if not part.empty else ""
+        ex = ", ".join(sorted(part["executor"].dropna().unique())) if not part.empty else ""
+        counts = part["status"].value_counts().to_dict() if not part.empty else {}
+        status = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
+        rows.append(f'<tr><td class="txt">{esc(s.sweep)}</td><td class="txt">{esc(s.run_dir)}</td>'
+                    f'<td class="num">{s.rows}</td><td class="txt">{esc(status)}</td><td class="txt">{esc(hw)}</td>'
+                    f'<td class="txt">{esc(ex)}</td></tr>')
+    return ('<p class="tcaption">The runs this report reads, with their trials per status.</p>'
+            + _scroll('<table class="data"><thead><tr><th class="txt">Sweep</th><th class="txt">Run folder</th>'
+                      '<th class="num">Rows</th><th class="txt">Status</th><th class="txt">Hardware</th>'
+                      '<th class="txt">Executors</th></tr></thead>'
+                      f"<tbody>{''.join(rows)}</tbody></table>"))
+
+
+def _configs(sources) -> str:
+    esc = html.escape
+    out = []
+    for s in sources:
+        env = json.dumps(s.environment, indent=2, sort_keys=True) if s.environment else "(none)"
+        out.append(f"<details><summary>{esc(s.sweep)}: {esc(s.run_dir)}</summary>"
+                   f"<pre>{esc(s.config_yaml or '(none)')}</pre><pre>{esc(env)}</pre></details>")
+    return "\n".join(out)

@@ -1,4 +1,6 @@
-"""Paper-style tables from result rows (pandas in, pandas out; rendering in `render`).
+"""Paper-style tables from result rows: flat pandas frames with a column spec (header, unit, number
+kind) and a caption drawn from the sweep; `render` writes them as Markdown, LaTeX and HTML, CSV
+keeps every column at full precision.
 
 Every table keys its rows by *series*: the method, its non-default options, and, when the rows
 come from more than one executor (dist, threads, sim) or machine, the executor and hardware too,
@@ -9,11 +11,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from dataclasses import dataclass, field
 
 import pandas as pd
 
 from suite import metrics as M
 from suite.metrics import method_label
+from suite.reports.style import rank_word
 
 # Columns that, with the series, identify a comparable point (everything but the method).
 POINT = ["hardware", "executor", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
@@ -53,7 +58,8 @@ def with_series(df: pd.DataFrame) -> pd.DataFrame:
     if df.empty:
         df["series"] = []
         return df
-    many_exec = df["executor"].nunique(dropna=True) > 1
+    # the perplexity check's single-device baseline (executor local) is no second kind of timing
+    many_exec = df.loc[df["executor"] != "local", "executor"].nunique(dropna=True) > 1
     many_hw = df["hardware"].nunique(dropna=True) > 1
     df["series"] = df.apply(lambda r: series_label(r, many_exec, many_hw), axis=1)
     return df
@@ -62,130 +68,6 @@ def with_series(df: pd.DataFrame) -> pd.DataFrame:
 def measured(df: pd.DataFrame) -> pd.DataFrame:
     """Rows with a time: status ok (checked or not) or incorrect (still a measured time)."""
     return df[df[M.STATUS].isin([M.OK, M.INCORRECT]) & df[M.TIME_MS_MEDIAN].notna()]
-
-
-def _fmt_err(v) -> str:
-    return "" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{v:.1e}"
-
-
-# ---------------------------------------------------------------------------------------------------
-def correctness_matrix(df: pd.DataFrame) -> pd.DataFrame:
-    """Series x world size (rows) by problem (columns): status and the largest error of the row."""
-    if df.empty:
-        return pd.DataFrame()
-    err_cols = list(M.ERR.values())
-
-    def cell(r) -> str:
-        status = r[M.STATUS]
-        errs = [r[c] for c in err_cols if r.get(c) is not None and not pd.isna(r[c])]
-        worst = max(errs) if errs else None
-        if status == M.OK:
-            return f"ok {_fmt_err(worst)}".strip() if r.get(M.CHECKED) else "ok (unchecked)"
-        if status == M.INCORRECT:
-            return f"INCORRECT {_fmt_err(worst)}"
-        return status.upper() if status in (M.FAILED, M.TIMEOUT) else status
-    t = df.assign(cell=df.apply(cell, axis=1))
-    t["P"] = t["world_size"]
-    out = t.pivot_table(index=["series", "P"], columns="config", values="cell", aggfunc="first")
-    out.columns.name = None
-    return out.fillna("")
-
-
-def throughput(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per measured point: time, TFLOP/s per GPU, tokens/s and percent of ideal.
-
-    Ideal (ring-flash-attn's README convention: "theoretic flash_attn / P"): the single-device
-    `reference` time of the same problem on the same hardware and executor, divided by the world
-    size. Empty when no reference row exists for the problem.
-    """
-    m = measured(df)
-    if m.empty:
-        return pd.DataFrame()
-    ref = m[(m["method"] == "reference") & (m["world_size"] == 1)]
-    ref = ref.groupby(["hardware", "executor"] + PROBLEM, dropna=False)[M.TIME_MS_MEDIAN].median()
-    key = list(zip(*(m[c] for c in ["hardware", "executor"] + PROBLEM)))
-    ref_ms = pd.Series([ref.get(k) for k in key], index=m.index, dtype="float64")
-    out = pd.DataFrame({
-        "series": m["series"], "shape": m["shape"], "P": m["world_size"], "mask": m["mask"], "pass": m["pass"],
-        "seq_len": m["seq_len"], "time_ms": m[M.TIME_MS_MEDIAN],
-        "tflops_per_gpu": m[M.TFLOPS_PER_GPU], "tokens_per_s": m[M.TOKENS_PER_S],
-        "pct_of_ideal": 100 * (ref_ms / m["world_size"]) / m[M.TIME_MS_MEDIAN],
-    })
-    return out.sort_values(["shape", "mask", "pass", "P", "seq_len", "series"]).reset_index(drop=True)
-
-
-def throughput_pivot(df: pd.DataFrame) -> pd.DataFrame:
-    """The ring-flash-attn README layout: series (rows) by sequence length (columns),
-    "TFLOP/s per GPU (percent of ideal)" per cell, one block per world size, mask and pass."""
-    t = throughput(df)
-    if t.empty:
-        return t
-    t["cell"] = [f"{tf:.3g}" + ("" if pd.isna(p) else f" ({p:.0f}%)") for tf, p in zip(t["tflops_per_gpu"],
-                                                                                          t["pct_of_ideal"])]
-    out = t.pivot_table(index=["shape", "P", "mask", "pass", "series"], columns="seq_len", values="cell",
-                        aggfunc="first")
-    out.columns = [f"S={c}" for c in out.columns]
-    return out.fillna("")
-
-
-def speedup(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
-    """TASP's evaluation layout: speedup over `baseline` (baseline time / series time) for every
-    series, per world size, mask, pass and sequence length (rows). Same hardware, executor and
-    problem only; empty cells where the baseline has no row."""
-    m = measured(df)
-    m = m[m[M.STATUS] == M.OK]  # a wrong answer has no speed worth comparing
-    if m.empty or baseline not in set(m["method"]):
-        return pd.DataFrame()
-    base = m[m["method"] == baseline].groupby(POINT, dropna=False)[M.TIME_MS_MEDIAN].median()
-    key = list(zip(*(m[c] for c in POINT)))
-    base_ms = pd.Series([base.get(k) for k in key], index=m.index, dtype="float64")
-    t = m.assign(speedup=base_ms / m[M.TIME_MS_MEDIAN], P=m["world_size"])
-    out = t.pivot_table(index=["shape", "P", "mask", "pass", "seq_len"], columns="series", values="speedup",
-                        aggfunc="median")
-    out.columns.name = None
-    return out
-
-
-def communication(df: pd.DataFrame) -> pd.DataFrame:
-    """Bytes per rank, operations, and the time split (CCR, overlap, overhead) per measured point."""
-    m = measured(df)
-    if m.empty:
-        return pd.DataFrame()
-    cols = {"series": m["series"], "shape": m["shape"], "P": m["world_size"], "mask": m["mask"], "pass": m["pass"],
-            "seq_len": m["seq_len"], "MiB_sent_per_rank": m[M.BYTES_SENT] / 2**20,
-            "MiB_recv_per_rank": m[M.BYTES_RECV] / 2**20, "ops": m[M.COMM_OPS]}
-    for col in (M.KERNEL_MS, M.COMM_WAIT_MS, M.OVERHEAD_RATIO, M.COMPUTE_ONLY_MS, M.COMM_ONLY_MS, M.CCR,
-                M.OVERLAP_EFF):
-        cols[col] = m[col]
-    return pd.DataFrame(cols).sort_values(["shape", "mask", "pass", "P", "seq_len", "series"]).reset_index(drop=True)
-
-
-def memory(df: pd.DataFrame) -> pd.DataFrame:
-    m = measured(df)
-    if m.empty:
-        return pd.DataFrame()
-    t = m.assign(P=m["world_size"], peak_MiB=m[M.PEAK_MEM] / 2**20)
-    out = t.pivot_table(index=["shape", "P", "mask", "pass", "seq_len"], columns="series", values="peak_MiB",
-                        aggfunc="max")
-    out.columns.name = None
-    return out
-
-
-def problems(df: pd.DataFrame) -> pd.DataFrame:
-    """Every row that is not a clean ok: skipped, failed, timeout, incorrect, with its reason."""
-    if df.empty:
-        return pd.DataFrame()
-    bad = df[df[M.STATUS] != M.OK]
-    return pd.DataFrame({"series": bad["series"], "P": bad["world_size"], "config": bad["config"],
-                         "status": bad[M.STATUS], "reason": bad[M.REASON].fillna("")}).reset_index(drop=True)
-
-
-def status_counts(df: pd.DataFrame) -> pd.DataFrame:
-    if df.empty:
-        return pd.DataFrame()
-    out = df.pivot_table(index="series", columns=M.STATUS, values="key", aggfunc="count", fill_value=0)
-    out.columns.name = None
-    return out
 
 
 TRAIN = "train"  # the pass of model-level (perplexity) rows
@@ -199,13 +81,312 @@ def perplexity_rows(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["pass"] == TRAIN] if not df.empty else df
 
 
-def perplexity(df: pd.DataFrame) -> pd.DataFrame:
+# -- the table model ---------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Col:
+    """How one column is shown. kind: text | int | num (3 significant digits) | sci (errors, 2
+    significant digits in e-notation) | pct | ratio (2 decimals) | precise (as many digits as the
+    smallest difference between the column's values needs; columns of one `group` share them)."""
+
+    header: str
+    kind: str = "num"
+    const: str = ""           # part of a point's identity: a column with one value in every row is
+    group: str = ""           # left out of the shown table and named in the caption with this format
+
+
+@dataclass
+class Table:
+    name: str                   # file stem
+    title: str
+    data: pd.DataFrame          # flat rows, machine column names, full precision (written as the CSV)
+    cols: dict[str, Col]        # shown columns, in order
+    what: str = ""              # what a cell holds, for the caption
+    section: str = ""           # where the HTML page puts it
+    html: bool = True           # shown on the HTML page (else in the files only)
+    source: str = ""            # the sweeps, machines and executors the rows come from
+    fixed: list[str] = field(default_factory=list)      # what every row shares, known when built
+    constants: list[str] = field(default_factory=list)  # ... and found by `shown`
+
+    @property
+    def empty(self) -> bool:
+        return self.data.empty
+
+    def shown(self) -> tuple[pd.DataFrame, dict[str, Col]]:
+        """The columns to print: identity columns with one value everywhere go to the caption."""
+        cols, self.constants = {}, []
+        for name, col in self.cols.items():
+            values = self.data[name].dropna().unique() if name in self.data else []
+            if col.const and len(values) == 1 and len(self.data) > 1:
+                self.constants.append(col.const.format(values[0]))
+                continue
+            cols[name] = col
+        return self.data[[c for c in cols if c in self.data]], cols
+
+    def caption(self) -> str:
+        self.shown()
+        parts = [f"{self.title}."]
+        if self.what:
+            parts.append(self.what.rstrip(".") + ".")
+        if self.fixed + self.constants:
+            parts.append("All rows: " + ", ".join(self.fixed + self.constants) + ".")
+        if self.source:
+            parts.append(self.source.rstrip(".") + ".")
+        return " ".join(parts)
+
+
+def _source(df: pd.DataFrame) -> str:
+    """"Sweep quickstart; cpu:Intel(R) Xeon(R) Processor; executor dist"."""
+    sweeps = ", ".join(dict.fromkeys(df["sweep"].dropna())) if "sweep" in df else ""
+    hw = ", ".join(dict.fromkeys(df["hardware"].dropna().astype(str)))
+    ex = ", ".join(dict.fromkeys(df["executor"].dropna().astype(str)))
+    parts = [f"Sweep{'s' if ',' in sweeps else ''} {sweeps}" if sweeps else "", hw,
+             f"executor{'s' if ',' in ex else ''} {ex}" if ex else ""]
+    return "; ".join(p for p in parts if p)
+
+
+def _shape_cols(kind_p: str) -> dict[str, Col]:
+    return {"shape": Col("Shape", "text", const="{}"), "P": Col(kind_p, "int", const="P = {}"),
+            "mask": Col("Mask", "text", const="{} mask"), "pass": Col("Pass", "text", const="pass {}")}
+
+
+def _p_header(df: pd.DataFrame) -> str:
+    return {"GPU": "GPUs", "CPU rank": "CPU ranks"}.get(rank_word(df), "Ranks")
+
+
+# ---------------------------------------------------------------------------------------------------
+def status_counts(df: pd.DataFrame) -> Table:
+    """Trials per status, per sweep and series (a combined report never mixes two sweeps' counts)."""
+    if df.empty:
+        return Table("status_counts", "Trials per status", pd.DataFrame(), {})
+    counts = df.pivot_table(index=["sweep", "series"], columns=M.STATUS, values="key", aggfunc="count",
+                            fill_value=0)
+    statuses = [s for s in M.STATUSES if s in counts.columns]
+    counts = counts[statuses]
+    counts["total"] = counts.sum(axis=1)
+    data = counts.reset_index()
+    data.columns.name = None
+    cols = {"sweep": Col("Sweep", "text", const="sweep {}"), "series": Col("Method", "text")}
+    cols.update({s: Col(s, "int") for s in statuses + ["total"]})
+    return Table("status_counts", "Trials per status", data, cols, what="Trials of each method per sweep, by status",
+                 section="runs", source=_source(df))
+
+
+def _problem_parts(df: pd.DataFrame) -> pd.DataFrame:
+    return pd.DataFrame({"B": "B=" + df["batch"].astype(str), "H": "H=" + df["heads"].astype(str) + "/"
+                         + df["kv_heads"].astype(str), "D": "D=" + df["head_dim"].astype(str),
+                         "dtype": df["dtype"].astype(str), "S": "S=" + df["seq_len"].astype(str),
+                         "mask": df["mask"], "pass": df["pass"].astype(str)}, index=df.index)
+
+
+def correctness_matrix(df: pd.DataFrame) -> Table:
+    """Series x world size (rows) by problem (columns): the largest max-abs error of the row's
+    checked tensors for a clean ok, the status otherwise."""
+    name, title = "correctness", "Correctness against float64 attention"
+    if df.empty:
+        return Table(name, title, pd.DataFrame(), {})
+    err_cols = list(M.ERR.values())
+
+    def cell(r):
+        errs = [r[c] for c in err_cols if r.get(c) is not None and not pd.isna(r[c])]
+        worst = max(errs) if errs else None
+        status = r[M.STATUS]
+        if status == M.OK:
+            return worst if r.get(M.CHECKED) and worst is not None else "unchecked"
+        if status == M.INCORRECT:
+            return "INCORRECT" + (f" {_sci(worst)}" if worst is not None else "")
+        return status.upper() if status in (M.FAILED, M.TIMEOUT) else status
+    parts = _problem_parts(df)
+    varying = [c for c in parts.columns if parts[c].nunique() > 1]
+    fixed = [parts[c].iloc[0] for c in parts.columns if c not in varying]
+    problem = parts[varying].agg(" ".join, axis=1) if varying else pd.Series("all", index=df.index)
+    t = df.assign(cell=df.apply(cell, axis=1), problem=problem, P=df["world_size"])
+    out = t.pivot_table(index=["series", "P"], columns="problem", values="cell", aggfunc="first")
+    problems = sorted(out.columns, key=lambda c: _natural(c))
+    out = out[problems].reset_index()
+    out.columns.name = None
+    cols = {"series": Col("Method", "text"), "P": Col(_p_header(df), "int")}
+    cols.update({p: Col(p, "sci") for p in problems})
+    what = ("Largest max-abs error of out, LSE, dQ, dK and dV against float64 attention on the unsharded inputs "
+            "(status in words where not a checked ok)")
+    return Table(name, title, out.astype(object).where(out.notna(), None), cols, what=what, section="correctness",
+                 source=_source(df), fixed=[" ".join(fixed)] if fixed else [])
+
+
+def _natural(text: str) -> list:
+    """Sort key that orders S=512 before S=1024."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
+
+
+def throughput_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per measured point: time (median, min, max), rate per rank, tokens/s and percent of
+    ideal. Ideal (ring-flash-attn's README convention: "theoretic flash_attn / P"): the
+    single-device `reference` time of the same problem on the same hardware and executor, divided
+    by the world size; empty when no reference row exists for the problem."""
+    m = measured(df)
+    if m.empty:
+        return pd.DataFrame()
+    ref = m[(m["method"] == "reference") & (m["world_size"] == 1)]
+    ref = ref.groupby(["hardware", "executor"] + PROBLEM, dropna=False)[M.TIME_MS_MEDIAN].median()
+    key = list(zip(*(m[c] for c in ["hardware", "executor"] + PROBLEM)))
+    ref_ms = pd.Series([ref.get(k) for k in key], index=m.index, dtype="float64")
+    out = pd.DataFrame({
+        "series": m["series"], "shape": m["shape"], "P": m["world_size"], "mask": m["mask"], "pass": m["pass"],
+        "seq_len": m["seq_len"], "time_ms": m[M.TIME_MS_MEDIAN], "time_ms_min": m[M.TIME_MS_MIN],
+        "time_ms_max": m[M.TIME_MS_MAX], "tflops_per_gpu": m[M.TFLOPS_PER_GPU], "tokens_per_s": m[M.TOKENS_PER_S],
+        "pct_of_ideal": 100 * (ref_ms / m["world_size"]) / m[M.TIME_MS_MEDIAN],
+    })
+    return out.sort_values(["shape", "mask", "pass", "P", "seq_len", "series"]).reset_index(drop=True)
+
+
+def throughput(df: pd.DataFrame) -> Table:
+    data = throughput_rows(df)
+    word = rank_word(df)
+    cols = {**_shape_cols(_p_header(df)), "seq_len": Col("S (tokens)", "int", const="S = {}"),
+            "series": Col("Method", "text"), "time_ms": Col("Time (ms)"), "time_ms_min": Col("Min (ms)"),
+            "time_ms_max": Col("Max (ms)"), "tflops_per_gpu": Col(f"TFLOP/s per {word}"),
+            "tokens_per_s": Col("Tokens/s"), "pct_of_ideal": Col("% of ideal", "pct")}
+    what = (f"Median, min and max time of one iteration over the timed repeats; TFLOP/s per {word} at the median "
+            "(flash-attention FLOP convention); ideal = single-device reference time / P")
+    return Table("throughput", "Throughput", data, cols, what=what, section="throughput", html=False,
+                 source=_source(df))
+
+
+def throughput_pivot(df: pd.DataFrame) -> Table:
+    """The ring-flash-attn README layout: series (rows) by sequence length (columns),
+    "TFLOP/s per rank (percent of ideal)" per cell, one block per world size, mask and pass."""
+    t = throughput_rows(df)
+    word = rank_word(df)
+    title = "Throughput by sequence length"
+    if t.empty:
+        return Table("throughput_by_seq_len", title, t, {})
+    t["cell"] = [_sig(tf) + ("" if pd.isna(p) else f" ({p:.0f}%)") for tf, p in zip(t["tflops_per_gpu"],
+                                                                                  t["pct_of_ideal"])]
+    out = t.pivot_table(index=["shape", "P", "mask", "pass", "series"], columns="seq_len", values="cell",
+                        aggfunc="first")
+    out.columns = [f"S={c}" for c in out.columns]
+    out = out.reset_index()
+    cols = {**_shape_cols(_p_header(df)), "series": Col("Method", "text")}
+    cols.update({c: Col(c, "textnum") for c in out.columns if c.startswith("S=")})
+    what = (f"TFLOP/s per {word} at the median time (percent of ideal: single-device reference time / P); "
+            "columns are sequence lengths in tokens")
+    return Table("throughput_by_seq_len", title, out.fillna(""), cols, what=what, section="throughput",
+                 source=_source(df))
+
+
+def speedup_rows(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
+    """Speedup over `baseline` per measured ok row (baseline median time / series median time, same
+    hardware, executor and problem), with the range the timed samples allow:
+    [baseline min / series max, baseline max / series min]."""
+    m = measured(df)
+    m = m[m[M.STATUS] == M.OK]  # a wrong answer has no speed worth comparing
+    if m.empty or baseline not in set(m["method"]):
+        return pd.DataFrame()
+    base = m[m["method"] == baseline].groupby(POINT, dropna=False)[[M.TIME_MS_MEDIAN, M.TIME_MS_MIN,
+                                                                    M.TIME_MS_MAX]].median()
+    key = pd.MultiIndex.from_frame(m[POINT])
+    b = base.reindex(key)
+    b.index = m.index
+    out = m.assign(speedup=b[M.TIME_MS_MEDIAN] / m[M.TIME_MS_MEDIAN],
+                   speedup_lo=b[M.TIME_MS_MIN] / m[M.TIME_MS_MAX], speedup_hi=b[M.TIME_MS_MAX] / m[M.TIME_MS_MIN],
+                   P=m["world_size"])
+    return out.dropna(subset=["speedup"])
+
+
+def speedup(df: pd.DataFrame, baseline: str) -> Table:
+    """TASP's evaluation layout: speedup over `baseline` for every other series, per world size,
+    mask, pass and sequence length (rows). Failed-check rows get none; empty cells where the
+    baseline has no row."""
+    name, title = f"speedup_over_{baseline}", f"Speedup over {baseline}"
+    sp = speedup_rows(df, baseline)
+    sp = sp[sp["method"] != baseline] if not sp.empty else sp  # the baseline is 1 by definition
+    if sp.empty:
+        return Table(name, title, pd.DataFrame(), {})
+    out = sp.pivot_table(index=["shape", "P", "mask", "pass", "seq_len"], columns="series", values="speedup",
+                         aggfunc="median")
+    series = list(out.columns)
+    out = out.reset_index()
+    out.columns.name = None
+    cols = {**_shape_cols(_p_header(df)), "seq_len": Col("S (tokens)", "int", const="S = {}")}
+    cols.update({s: Col(s, "ratio") for s in series})
+    what = (f"{baseline} median time / method median time, same hardware, executor and problem ({baseline} = 1); "
+            "rows that failed the float64 check have none")
+    return Table(name, title, out, cols, what=what, section="speedup", source=_source(df))
+
+
+def _ops(text) -> str:
+    """'{"all_to_all": 4, "p2p": 7}' -> 'all-to-all 4, p2p 7'."""
+    ops = _options(text)
+    return ", ".join(f"{k.replace('_', '-')} {v}" for k, v in sorted(ops.items())) if ops else ""
+
+
+def communication(df: pd.DataFrame) -> Table:
+    """Bytes per rank, operations, and the time split (CCR, overlap, overhead) per measured point."""
+    m = measured(df)
+    title = "Communication and time split"
+    if m.empty:
+        return Table("communication", title, pd.DataFrame(), {})
+    data = pd.DataFrame({
+        "series": m["series"], "shape": m["shape"], "P": m["world_size"], "mask": m["mask"], "pass": m["pass"],
+        "seq_len": m["seq_len"], "MiB_sent_per_rank": m[M.BYTES_SENT] / 2**20,
+        "MiB_recv_per_rank": m[M.BYTES_RECV] / 2**20, "ops": m[M.COMM_OPS].map(_ops)})
+    for col in (M.KERNEL_MS, M.COMM_WAIT_MS, M.COMPUTE_ONLY_MS, M.COMM_ONLY_MS, M.CCR, M.OVERLAP_EFF,
+                M.OVERHEAD_RATIO):
+        data[col] = m[col]
+    data = data.sort_values(["shape", "mask", "pass", "P", "seq_len", "series"]).reset_index(drop=True)
+    word = rank_word(df)
+    cols = {**_shape_cols(_p_header(df)), "seq_len": Col("S (tokens)", "int", const="S = {}"),
+            "series": Col("Method", "text"), "MiB_sent_per_rank": Col(f"Sent per {word} (MiB)"),
+            "MiB_recv_per_rank": Col(f"Received per {word} (MiB)"), "ops": Col("Operations", "text"),
+            M.KERNEL_MS: Col("Kernels (ms)"), M.COMM_WAIT_MS: Col("Comm. wait (ms)"),
+            M.COMPUTE_ONLY_MS: Col("Compute only (ms)"), M.COMM_ONLY_MS: Col("Comm. only (ms)"),
+            M.CCR: Col("CCR"), M.OVERLAP_EFF: Col("Overlap eff."), M.OVERHEAD_RATIO: Col("Overhead ratio")}
+    # columns a run did not record (no breakdown, peers' uncounted operations) are left out
+    cols = {k: v for k, v in cols.items() if v.const or data[k].replace("", None).notna().any()}
+    what = ("Bytes one iteration moves per rank and its communication calls; time in kernels and blocked in "
+            "communication; CCR = compute-only / comm-only time; overlap efficiency = (compute-only + comm-only - "
+            "total) / min(compute-only, comm-only)")
+    return Table("communication", title, data, cols, what=what, section="communication", source=_source(df))
+
+
+def memory(df: pd.DataFrame) -> Table:
+    m = measured(df).dropna(subset=[M.PEAK_MEM]) if not df.empty else df
+    title = "Peak memory per rank"
+    if m.empty:
+        return Table("memory_peak_MiB", title, pd.DataFrame(), {})
+    t = m.assign(P=m["world_size"], peak_MiB=m[M.PEAK_MEM] / 2**20)
+    out = t.pivot_table(index=["shape", "P", "mask", "pass", "seq_len"], columns="series", values="peak_MiB",
+                        aggfunc="max")
+    series = list(out.columns)
+    out = out.reset_index()
+    out.columns.name = None
+    cols = {**_shape_cols(_p_header(df)), "seq_len": Col("S (tokens)", "int", const="S = {}")}
+    cols.update({s: Col(s) for s in series})
+    what = f"Peak memory one iteration allocates per {rank_word(df)} beyond what was alive before it (MiB)"
+    return Table("memory_peak_MiB", title, out, cols, what=what, section="memory", source=_source(df))
+
+
+def problems(df: pd.DataFrame) -> Table:
+    """Every row that is not a clean ok: skipped, failed, timeout, incorrect, with its reason."""
+    title = "Skips and failures"
+    bad = df[df[M.STATUS] != M.OK] if not df.empty else df
+    if bad.empty:
+        return Table("skips_and_failures", title, pd.DataFrame(), {})
+    data = pd.DataFrame({"series": bad["series"], "P": bad["world_size"], "config": bad["config"],
+                         "status": bad[M.STATUS], "reason": bad[M.REASON].fillna("")}).reset_index(drop=True)
+    cols = {"series": Col("Method", "text"), "P": Col(_p_header(df), "int"), "config": Col("Problem", "text"),
+            "status": Col("Status", "text"), "reason": Col("Reason", "text")}
+    return Table("skips_and_failures", title, data, cols, what="Every trial that is not a clean ok, with its reason",
+                 section="problems", source=_source(df))
+
+
+def perplexity(df: pd.DataFrame) -> Table:
     """Model-level check: final validation perplexity per method against the single-device baseline,
     the largest per-step relative loss difference, and the time per training step."""
     t = perplexity_rows(df)
+    title = "Model-level check"
     if t.empty:
-        return pd.DataFrame()
-    out = pd.DataFrame({
+        return Table("perplexity", title, pd.DataFrame(), {})
+    data = pd.DataFrame({
         "shape": t["shape"], "S": t["seq_len"], "series": t["series"], "P": t["world_size"], "status": t[M.STATUS],
         "perplexity": t[M.PPL], "baseline perplexity": t[M.PPL_BASELINE],
         "perplexity rel. diff": t[M.PPL_REL_DIFF], "max loss rel. diff": t[M.LOSS_MAX_REL_DIFF],
@@ -213,8 +394,20 @@ def perplexity(df: pd.DataFrame) -> pd.DataFrame:
         "ms per step": t[M.TIME_MS_MEDIAN], "MiB sent per step": t[M.BYTES_SENT] / 2**20,
         "_order": t["method"] != "baseline",  # the baseline first
     })
-    out = out.sort_values(["shape", "S", "_order", "P", "series"]).drop(columns="_order")
-    return out.reset_index(drop=True)
+    data = data.sort_values(["shape", "S", "_order", "P", "series"]).drop(columns="_order").reset_index(drop=True)
+    word = rank_word(t[t["world_size"] > 1]) if (t["world_size"] > 1).any() else "rank"
+    cols = {"shape": Col("Shape", "text", const="{}"), "S": Col("S (tokens)", "int", const="S = {}"),
+            "series": Col("Method", "text"), "P": Col("P", "int"), "status": Col("Status", "text"),
+            "perplexity": Col("Perplexity", "precise", group="ppl"),
+            "baseline perplexity": Col("Baseline perplexity", "precise", group="ppl"),
+            "perplexity rel. diff": Col("Perplexity rel. diff.", "sci"),
+            "max loss rel. diff": Col("Max loss rel. diff.", "sci"),
+            "final train loss": Col("Final train loss", "precise"), "ms per step": Col("Time per step (ms)"),
+            "MiB sent per step": Col(f"Sent per {word} per step (MiB)")}
+    what = ("Validation perplexity after training with each method against the same model trained on one device; "
+            "rel. diff. = perplexity / baseline - 1; max loss rel. diff. = largest per-step |loss - baseline| / "
+            "baseline. Digits are shown down to the smallest difference between methods")
+    return Table("perplexity", title, data, cols, what=what, section="perplexity", source=_source(t))
 
 
 SIM_PAIR = ["method", "options", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal",
@@ -230,74 +423,110 @@ def sim_pairs(df: pd.DataFrame) -> pd.DataFrame:
     return m[m["executor"] == "dist"].merge(m[m["executor"] == "sim"], on=SIM_PAIR, suffixes=("_dist", "_sim"))
 
 
-def sim_vs_measured(df: pd.DataFrame) -> pd.DataFrame:
+def sim_vs_measured(df: pd.DataFrame) -> Table:
     """Each measured (executor dist) time beside the simulator's prediction of the same trial, with
     the relative error (predicted / measured - 1) and the topology it was predicted on."""
     pair = sim_pairs(df)
+    title = "Simulated vs measured"
     if pair.empty:
-        return pd.DataFrame()
-    out = pd.DataFrame({
+        return Table("sim_vs_measured", title, pd.DataFrame(), {})
+    data = pd.DataFrame({
         "method": [method_label(r["method"], _options(r["options"])) for _, r in pair.iterrows()],
         "P": pair["world_size"], "S": pair["seq_len"], "B": pair["batch"],
         "mask": pair["causal"].map({True: "causal", False: "full"}), "pass": pair["pass"],
         "measured on": pair["hardware_dist"], "predicted on": pair["topology_sim"],
         "measured ms": pair[f"{M.TIME_MS_MEDIAN}_dist"], "predicted ms": pair[f"{M.TIME_MS_MEDIAN}_sim"],
     })
-    out["error %"] = 100 * (out["predicted ms"] / out["measured ms"] - 1)
-    return out.sort_values(["P", "method", "mask", "pass"]).reset_index(drop=True)
+    data["error %"] = 100 * (data["predicted ms"] / data["measured ms"] - 1)
+    data = data.sort_values(["P", "method", "mask", "pass"]).reset_index(drop=True)
+    cols = {"method": Col("Method", "text"), "P": Col("P", "int", const="P = {}"),
+            "S": Col("S (tokens)", "int", const="S = {}"), "B": Col("B", "int", const="B = {}"),
+            "mask": Col("Mask", "text", const="{} mask"), "pass": Col("Pass", "text", const="pass {}"),
+            "measured on": Col("Measured on", "text", const="measured on {}"),
+            "predicted on": Col("Predicted on", "text", const="predicted on {}"), "measured ms": Col("Measured (ms)"),
+            "predicted ms": Col("Predicted (ms)"), "error %": Col("Error (%)", "pct")}
+    what = "Median measured time (executor dist) beside the simulator's prediction of the same trial"
+    return Table("sim_vs_measured", title, data, cols, what=what, section="sim", source=_source(df))
 
 
-def build_tables(df: pd.DataFrame, baseline: str) -> dict[str, pd.DataFrame]:
+def build_tables(df: pd.DataFrame, baseline: str) -> dict[str, Table]:
     """All tables of a report, by file stem (empty ones are left out by the writer). Attention
     tables use the attention rows; the perplexity table the model-level rows."""
     att = attention_rows(df)
-    return {
-        "status_counts": status_counts(df),
-        "correctness": correctness_matrix(att),
-        "throughput": throughput(att),
-        "throughput_by_seq_len": throughput_pivot(att),
-        f"speedup_over_{baseline}": speedup(att, baseline),
-        "communication": communication(att),
-        "memory_peak_MiB": memory(att),
-        "perplexity": perplexity(df),
-        "sim_vs_measured": sim_vs_measured(att),
-        "skips_and_failures": problems(df),
-    }
+    tables = [status_counts(df), correctness_matrix(att), throughput(att), throughput_pivot(att),
+              speedup(att, baseline), communication(att), memory(att), perplexity(df), sim_vs_measured(att),
+              problems(df)]
+    return {t.name: t for t in tables}
 
 
-def write_tables(tables: dict[str, pd.DataFrame], out_dir, caption_prefix: str = "") -> dict[str, dict[str, str]]:
-    """Write each table as Markdown, LaTeX (booktabs) and CSV; return {name: {fmt: path}}."""
-    from pathlib import Path
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    written: dict[str, dict[str, str]] = {}
-    for name, table in tables.items():
-        if table is None or table.empty:
-            continue
-        shown = _display(table)
-        paths = {"csv": out_dir / f"{name}.csv", "md": out_dir / f"{name}.md", "tex": out_dir / f"{name}.tex"}
-        table.to_csv(paths["csv"])
-        paths["md"].write_text(shown.to_markdown(disable_numparse=True) + "\n")
-        styler = shown.style.format(escape="latex").format_index(escape="latex", axis=0) \
-            .format_index(escape="latex", axis=1)
-        paths["tex"].write_text(styler.to_latex(hrules=True, caption=f"{caption_prefix}{name.replace('_', ' ')}",
-                                                label=f"tab:{name}", position_float="centering"))
-        written[name] = {k: str(v) for k, v in paths.items()}
-    return written
+# -- numbers -----------------------------------------------------------------------------------------
+def _clean_exp(text: str) -> str:
+    """'1.20e+05' -> '1.20e5', '9.5e-07' -> '9.5e-7' (siunitx and readers parse both)."""
+    mant, _, exp = text.partition("e")
+    return f"{mant}e{int(exp)}" if exp else mant
 
 
-def _display(table: pd.DataFrame) -> pd.DataFrame:
-    """Numbers rounded for reading (CSV keeps full precision)."""
-    def fmt(v, digits: int = 3):
-        if isinstance(v, float):
-            if math.isnan(v):
-                return ""
-            return f"{v:.{digits}g}" if abs(v) < 1e4 else f"{v:.{max(digits, 4)}g}"
-        return v
-    if table.empty:
-        return table
-    return table.apply(lambda col: col.map(lambda v: fmt(v, 7 if col.name in _PRECISE else 3)))
+def _sig(v: float, digits: int = 3) -> str:
+    """`digits` significant digits in plain notation between 1e-3 and 1e6, e-notation outside."""
+    if v == 0:
+        return "0"
+    if not math.isfinite(v):
+        return str(v)
+    mag = math.floor(math.log10(abs(v)))
+    if -3 <= mag < 6:
+        return f"{v:.{max(0, digits - 1 - mag)}f}"
+    return _clean_exp(f"{v:.{digits - 1}e}")
 
 
-# Columns whose values are compared to each other to many digits (perplexity against its baseline).
-_PRECISE = {"perplexity", "baseline perplexity", "final train loss"}
+def _sci(v: float) -> str:
+    if v == 0:
+        return "0"
+    return _clean_exp(f"{v:.1e}") if v is not None and math.isfinite(v) else str(v)
+
+
+def precise_digits(values) -> int:
+    """Significant digits that tell the closest two distinct values apart (one digit beyond the
+    first that differs), between 4 and 10."""
+    vals = sorted({float(v) for v in values if v is not None and isinstance(v, (int, float)) and math.isfinite(v)})
+    rel = [abs(b - a) / max(abs(a), abs(b)) for a, b in zip(vals, vals[1:]) if max(abs(a), abs(b)) > 0]
+    if not rel:
+        return 6
+    return int(min(10, max(4, math.ceil(-math.log10(min(rel))) + 1)))
+
+
+def format_column(values: pd.Series, col: Col, digits: int | None = None) -> list[str]:
+    """Cells of one column as text (numbers by the column's kind; strings as they are)."""
+    out = []
+    for v in values:
+        if v is None or (isinstance(v, float) and math.isnan(v)):
+            out.append("")
+        elif isinstance(v, str) or col.kind in ("text", "textnum"):
+            out.append(str(v))
+        elif isinstance(v, bool):
+            out.append(str(v))
+        elif col.kind == "int":
+            out.append(str(int(v)))
+        elif col.kind == "sci":
+            out.append(_sci(float(v)))
+        elif col.kind == "pct":
+            out.append(f"{v:.0f}")
+        elif col.kind == "ratio":
+            out.append(f"{v:.2f}")
+        elif col.kind == "precise":
+            out.append(_sig(float(v), digits or precise_digits(values)))
+        else:
+            out.append(_sig(float(v)))
+    return out
+
+
+def formatted(table: Table) -> tuple[pd.DataFrame, dict[str, Col]]:
+    """The shown columns of `table` as text, ready for any renderer."""
+    data, cols = table.shown()
+    groups: dict[str, int] = {}
+    for name, col in cols.items():
+        if col.kind == "precise" and col.group:
+            vals = [v for n, c in cols.items() if c.group == col.group for v in data[n]]
+            groups[col.group] = precise_digits(vals)
+    text = pd.DataFrame({name: format_column(data[name], col, groups.get(col.group)) for name, col in cols.items()},
+                        index=data.index)
+    return text, cols
