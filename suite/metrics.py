@@ -111,3 +111,16 @@ def tokens_per_s(batch: int, seq_len: int, seconds: float) -> float:
 def method_label(method: str, options: dict[str, Any]) -> str:
     """A method with its options, as tables print it: usp(ulysses_degree=2)."""
     return method + ("(" + ",".join(f"{k}={v}" for k, v in sorted(options.items())) + ")" if options else "")
+
+
+def workload_label(workload) -> str:
+    """"uniform" for one document per sequence, else "docs:<distribution name>" (from a row's
+    `workload` column; perplexity rows carry their model settings there too)."""
+    if not workload or not isinstance(workload, str):
+        return "uniform"
+    import json
+    try:
+        docs = json.loads(workload).get("documents")
+    except (ValueError, AttributeError):
+        return "uniform"
+    return f"docs:{docs['name']}" if docs else "uniform"
