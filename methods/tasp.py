@@ -78,8 +78,10 @@ class _Units:
     def __init__(self, local_len: int, k: int, device):
         self.k, self.c = k, local_len // (2 * k)
         c = self.c
-        self.rows = [torch.cat([torch.arange(j * c, (j + 1) * c), torch.arange(k * c + j * c, k * c + (j + 1) * c)])
-                     .to(device) for j in range(k)]
+        cpu_rows = [torch.cat([torch.arange(j * c, (j + 1) * c), torch.arange(k * c + j * c, k * c + (j + 1) * c)])
+                    for j in range(k)]
+        self.cpu_rows = cpu_rows          # for the packed documents' masks (host-side positions)
+        self.rows = [r.to(device) for r in cpu_rows]
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Local [B, L, ...] -> k units [B, 2c, ...] (contiguous copies, ready to send)."""
@@ -168,7 +170,7 @@ class TASP(Method):
         for rows, parts in step_calls(causal, r, pred, step, units.k, units.c):
             for j, sl in parts:
                 o = origin(pred[j], r, step)
-                calls.append((rows, j, sl, masks(r, rows, o, units.rows[j].cpu()[sl])))
+                calls.append((rows, j, sl, masks(r, rows, o, units.cpu_rows[j][sl])))
         return calls
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):

@@ -133,6 +133,16 @@ def _tensor_bytes(x) -> int:
     return 0
 
 
+def _on_meta(x) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.device.type == "meta"
+    if isinstance(x, (list, tuple)):
+        return any(_on_meta(y) for y in x)
+    if isinstance(x, dict):
+        return any(_on_meta(y) for y in x.values())
+    return False
+
+
 class _Bookkeeping(TorchDispatchMode):
     """Sees every aten op of the rank's thread (dispatch modes are thread-local) and charges the
     non-view ones to the ledger."""
@@ -143,7 +153,9 @@ class _Bookkeeping(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view and str(func) not in _FREE:
+        # the traced data lives on meta; real (CPU) tensors are the host's index arithmetic (packed
+        # documents' masks, positions), not device work
+        if not func.is_view and str(func) not in _FREE and _on_meta([args, kwargs, out]):
             self._ledger.tensor_op(_tensor_bytes(list(args)) + _tensor_bytes(list((kwargs or {}).values()))
                                    + _tensor_bytes(out))
         return out
@@ -405,5 +417,11 @@ class TraceCache:
                                                   traced_pass, options)
                                     for b in batches for s in (s0, 2 * s0)}
             self.traced += len(self._templates[key])
+        if any(e.doc_pairs is not None for t in self._templates[key].values() for r in t.ranks for e in r
+               if isinstance(e, Compute)):
+            # a method that masks by documents even without packed ones (sharding by documents):
+            # its block masks do not scale with the length; trace the case itself
+            self.traced += 1
+            return trace(method_name, case, pass_, options)
         full = extrapolate(self._templates[key], case.batch, case.seq_len)
         return full if pass_ == "fwd_bwd" else full.forward_part()
