@@ -169,7 +169,8 @@ class PerplexityConfig:
     ppl_rtol: float = 1e-3
     """...and its final perplexity within this one."""
     planted_bug: str = "none"
-    """Self-test of the check: none, local_positions, local_label_shift or no_grad_sync breaks the
+    """Self-test of the check: none, local_positions, local_label_shift, no_grad_sync or
+    cross_document_attention (packed documents only) breaks the
     sequence-parallel model on purpose; every method should then be recorded incorrect."""
     data: DataConfig = field(default_factory=DataConfig)
 

@@ -37,6 +37,8 @@ PLANTED_BUGS = {
     "local_label_shift": "labels shifted per rank after sharding (each shard's last token loses its label, "
                          "and non-contiguous layouts get wrong next tokens)",
     "no_grad_sync": "parameter gradients are not summed over the sequence-parallel group",
+    "cross_document_attention": "with packed documents, the sequence-parallel attention ignores their boundaries "
+                                "(attends across documents; no effect on one document per sequence)",
 }
 
 
@@ -143,7 +145,7 @@ def _shard(window: torch.Tensor, layout: layouts.Layout, rank: int, bug: str, do
         labels = torch.cat([labels, labels.new_full((labels.shape[0], docs.padding), -100)], dim=1)
     tokens = layout.shard(inputs, rank)
     positions = layout.positions(rank).to(window.device)
-    if docs is not None:
+    if docs is not None:  # RoPE is relative, so this matters only where attention crosses documents
         positions = positions - docs.starts[:, layout.positions(rank)].to(window.device)
     if bug == "local_label_shift":
         local = tokens[:, 1:]

@@ -111,8 +111,11 @@ class PerplexityWorkload(Workload):
         docs = case.documents
         ctx.prepared()
 
+        # the planted bug: the method is not told the documents (it attends across them)
+        told = docs if train_cfg.planted_bug != "cross_document_attention" or docs is None or docs.padding else None
+
         def attend(c: Comm):
-            extra = {"docs": docs} if docs is not None else {}
+            extra = {"docs": told} if told is not None else {}
             return functools.partial(method.attention, causal=True, comm=c, **extra)
 
         result = train_and_evaluate(model_cfg, train_cfg, corpus, layout=layout, comm=ctx.comm, make_attend=attend,
