@@ -27,7 +27,7 @@ GOLDEN = Path(__file__).parent / "data" / "golden"
 ROOT = Path(__file__).resolve().parents[1]
 VOLATILE = {"time_ms_median", "time_ms_min", "time_ms_max", "time_ms_samples", "tflops_per_gpu", "tokens_per_s",
             "trial_wall_s", "started_at", "run_id", "kernel_ms", "comm_wait_ms", "overhead_ratio", "compute_only_ms",
-            "comm_only_ms", "ccr", "overlap_efficiency", "error_trace"}
+            "comm_only_ms", "ccr", "overlap_efficiency", "error_trace", "kernel_ms_spread"}
 LOOSE = ("err_", "tol_", "val_loss", "perplexity", "loss_", "peak_mem_bytes")
 
 SWEEPS = {
