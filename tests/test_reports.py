@@ -366,9 +366,9 @@ def test_packed_workloads_get_their_own_panels_balance_table_and_figure(tmp_path
                         key=f"ref-{bool(workload)}", **{M.IMBALANCE: 1.0}))
         for method in ("ring", "zigzag_ring"):
             rows.append(row(method, 4, 512, workload=workload, time_ms=5.0 * slow * imb[method],
-                            key=f"{method}-{bool(workload)}", **{M.IMBALANCE: imb[method], M.PAIRS_MAX: 100 * imb[method],
-                                                                  M.PAIRS_MEAN: 100, M.PADDING_FRACTION: 0.0,
-                                                                  M.DOCS_PER_SEQ: 9.0 if workload else 1.0}))
+                            key=f"{method}-{bool(workload)}",
+                            **{M.IMBALANCE: imb[method], M.PAIRS_MAX: 100 * imb[method], M.PAIRS_MEAN: 100,
+                               M.PADDING_FRACTION: 0.0, M.DOCS_PER_SEQ: 9.0 if workload else 1.0}))
     df = frame_of(tmp_path, rows)
     assert set(df["mask"]) == {"causal", "causal, docs:short"}
     tables = build_tables(df, "ring")
