@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from methods import kernels, layouts
-from methods.base import Case, Method, element_bytes
+from methods.base import Case, DocumentSharding, Method, element_bytes
 from methods.comm.base import Comm
 from methods.registry import register
 
@@ -63,11 +63,30 @@ def _blocks(causal: bool, rank: int, p: int, local_len: int):
 
 
 @register
-class AllGatherKV(Method):
+class AllGatherKV(DocumentSharding, Method):
     name = "allgather_kv"
     description = "all-gather K/V, then local attention (Llama 3 / Megatron all_gather), zigzag layout"
     layout_kind = "zigzag"
     gathers_whole_sequence = True
+    test_variants = ({}, {"sharding": "documents"})
+
+    def __init__(self, kernel: str = "auto", sharding: str = "sequence"):
+        super().__init__(kernel)
+        self._init_sharding(sharding)
+
+    def options(self):
+        return {**super().options(), "sharding": self.sharding}
+
+    def layout(self, case: Case) -> layouts.Layout:
+        return self.document_layout(case) if self.by_documents else super().layout(case)
+
+
+    def _calls(self, causal: bool, comm: Comm, local_len: int, masks):
+        """(local query rows, number of global keys, causal offset) per kernel call: the zigzag's
+        two bottom-right-aligned calls, or by documents one call against every key (masked)."""
+        if masks is not None and self.by_documents:
+            return [(slice(None), comm.world_size * local_len, None)]
+        return _blocks(causal, comm.rank, comm.world_size, local_len)
 
     def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
         p, l = case.world_size, case.seq_len // case.world_size
@@ -78,34 +97,46 @@ class AllGatherKV(Method):
             n += (p - 1) * kv * e + (p - 1) * kv * a      # again; reduce-scatter the fp32 dK, dV
         return n, n
 
-    def _order(self, comm: Comm, local_len: int) -> torch.Tensor:
+    def _order(self, comm: Comm, local_len: int, masks) -> torch.Tensor:
+        """Global positions of the gathered tokens, rank by rank (to put them in global order)."""
+        if masks is not None:
+            return torch.cat([masks.positions(r) for r in range(comm.world_size)])
         lay = layouts.zigzag(comm.world_size * local_len, comm.world_size)
         return torch.cat([lay.positions(r) for r in range(comm.world_size)])
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
-        order = self._order(comm, q.shape[1]).to(q.device)
+    def _mask(self, masks, comm: Comm, rows, keys: int):
+        """The documents' mask of local rows against the gathered keys [0, keys) in global order."""
+        if masks is None:
+            return None
+        return masks.docs.block(masks.positions(comm.rank)[rows], torch.arange(keys), masks.causal)
+
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
+        masks = self.block_masks(q, k, comm, causal, self.documents_for(q, comm, docs))
+        order = self._order(comm, q.shape[1], masks).to(q.device)
         k_full, v_full = _gather_global(comm, k, order), _gather_global(comm, v, order)
         outs, lses = [], []
-        for rows, keys, offset in _blocks(causal, comm.rank, comm.world_size, q.shape[1]):
+        for rows, keys, offset in self._calls(causal, comm, q.shape[1], masks):
             o, l = kernels.block_forward(q[:, rows], k_full[:, :keys], v_full[:, :keys], scale=scale,
-                                         causal_offset=offset, kernel=self.kernel)
+                                         causal_offset=offset, kernel=self.kernel,
+                                         mask=self._mask(masks, comm, rows, keys))
             outs.append(o)
             lses.append(l)
         out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=2)
-        return out, lse, (q, k, v, out, lse)
+        return out, lse, (q, k, v, out, lse, masks)
 
-    def backward(self, dout, residuals, *, comm, causal, scale):
-        q, k, v, out, lse = residuals
-        order = self._order(comm, q.shape[1]).to(q.device)
+    def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
+        q, k, v, out, lse, masks = residuals
+        order = self._order(comm, q.shape[1], masks).to(q.device)
         k_full, v_full = _gather_global(comm, k, order), _gather_global(comm, v, order)
         acc = kernels.acc_dtype(q.dtype)
         dq = torch.empty_like(q)
         dk_full = torch.zeros(k_full.shape, dtype=acc, device=q.device)
         dv_full = torch.zeros(v_full.shape, dtype=acc, device=q.device)
-        for rows, keys, offset in _blocks(causal, comm.rank, comm.world_size, q.shape[1]):
+        for rows, keys, offset in self._calls(causal, comm, q.shape[1], masks):
             bdq, bdk, bdv = kernels.block_backward(dout[:, rows], q[:, rows], k_full[:, :keys], v_full[:, :keys],
                                                    out[:, rows], lse[:, :, rows], scale=scale,
-                                                   causal_offset=offset, kernel=self.kernel)
+                                                   causal_offset=offset, kernel=self.kernel,
+                                                   mask=self._mask(masks, comm, rows, keys))
             dq[:, rows] = bdq
             dk_full[:, :keys] += bdk
             dv_full[:, :keys] += bdv

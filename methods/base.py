@@ -14,6 +14,7 @@ import torch
 
 from methods import kernels, layouts
 from methods.comm.base import Comm
+from methods.documents import BlockMasks, Documents
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
           "float64": torch.float64}
@@ -43,6 +44,9 @@ class Case:
     causal: bool
     world_size: int
     device: str = "cpu"   # "cpu" or "cuda"
+    documents: Optional[Documents] = None
+    """Packed documents (their lengths and the padded length, which is then `seq_len`), or None:
+    one document per sequence, no padding (methods/documents.py)."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -66,6 +70,11 @@ class Method:
     """True when a rank materialises the whole sequence's K/V, so its memory grows with the world
     size at a fixed local length (all-gather K/V, by design); every other method keeps a fixed
     number of blocks in flight, which a test checks."""
+    supports_documents: ClassVar[bool] = True
+    """Computes the document-causal mask of packed documents and padding exactly (the `docs`
+    argument of `attention`); peer libraries without a varlen path say False, and why in
+    `documents_reason` (the library's own limitation)."""
+    documents_reason: ClassVar[str] = ""
     test_variants: ClassVar[tuple[dict[str, Any], ...]] = ({},)
     """Option sets that change the algorithm (not only a knob): the generic tests check each one
     against float64 and against `expected_bytes` (e.g. burst with and without its two-level ring)."""
@@ -94,6 +103,12 @@ class Method:
         are the multiples of this."""
         return layouts.granule(self.layout_kind, case.world_size)
 
+    def padded_len(self, case: Case) -> int:
+        """`case.seq_len` rounded up to the granule: the tail beyond it is padding, which attends
+        nothing and which nothing attends (so any length runs)."""
+        g = self.granule(case)
+        return -(-case.seq_len // g) * g
+
     def expected_bytes(self, case: Case, pass_: str) -> Optional[tuple[int, int]]:
         """(sent, received) bytes of one rank in one call: forward only (`pass_` "fwd") or forward
         and backward ("fwd_bwd"). This is the method's communication formula as code; a generic
@@ -105,6 +120,8 @@ class Method:
         """Whether this method can run `case`, and if not, why (recorded as the skip reason)."""
         if case.heads % case.kv_heads != 0:
             return False, f"heads ({case.heads}) must be a multiple of kv_heads ({case.kv_heads})"
+        if case.documents is not None and not self.supports_documents:
+            return False, self.documents_reason or f"{self.name} has no path for packed documents (varlen) or padding"
         try:
             self.layout(case)
         except ValueError as exc:
@@ -128,8 +145,10 @@ class Method:
 
     # -- the algorithm: plain functions, written by each method ----------------------------------
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Comm, causal: bool,
-                scale: float, return_lse: bool) -> tuple[torch.Tensor, Optional[torch.Tensor], tuple]:
-        """Local shards in, local output out.
+                scale: float, return_lse: bool, docs: Optional[Documents] = None
+                ) -> tuple[torch.Tensor, Optional[torch.Tensor], tuple]:
+        """Local shards in, local output out. `docs`: packed documents (or None), whose
+        document-causal mask and padding the method computes exactly.
 
         Returns (out [B, S_local, H, D] in q.dtype, lse [B, H, S_local] float32 or None when
         `return_lse` is False and producing it would cost extra communication, residuals: the
@@ -138,13 +157,23 @@ class Method:
         raise NotImplementedError
 
     def backward(self, dout: torch.Tensor, residuals: tuple, *, comm: Comm, causal: bool,
-                 scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                 scale: float, docs: Optional[Documents] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients (dq, dk, dv) of the local shards, in the inputs' dtypes."""
         raise NotImplementedError
 
+    def block_masks(self, q: torch.Tensor, k: torch.Tensor, comm: Comm, causal: bool,
+                    docs: Optional[Documents]) -> Optional[BlockMasks]:
+        """The document masks of this call's blocks on this method's layout (None without documents)."""
+        if docs is None:
+            return None
+        case = Case(batch=q.shape[0], seq_len=docs.padded_len, heads=q.shape[2], kv_heads=k.shape[2],
+                    head_dim=q.shape[3], dtype=dtype_name(q.dtype), causal=causal, world_size=comm.world_size,
+                    documents=docs)
+        return BlockMasks(docs, self.layout(case).positions, causal)
+
     # -- the public, differentiable entry point ------------------------------------------------
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, comm: Comm,
-                  softmax_scale: Optional[float] = None, return_lse: bool = False):
+                  softmax_scale: Optional[float] = None, return_lse: bool = False, docs: Optional[Documents] = None):
         """Sequence-parallel attention on local shards (differentiable).
 
         Args:
@@ -153,6 +182,9 @@ class Method:
             comm: the group of ranks sharing the sequence.
             softmax_scale: defaults to 1/sqrt(D).
             return_lse: also return lse [B, H, S_local] float32 (not differentiable).
+            docs: packed documents (methods/documents.py): a token sees only tokens of its own
+                document; padding (positions from docs.seq_len to docs.padded_len) sees nothing
+                and is seen by nothing. None: one document per sequence.
         Returns:
             out [B, S_local, H, D] in q.dtype, or (out, lse) with `return_lse`.
         """
@@ -161,11 +193,12 @@ class Method:
         # buffers, so every method sees contiguous inputs (a no-op when they already are).
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-        out, lse = SPAttention.apply(q, k, v, self, comm, bool(causal), scale, bool(return_lse))
+        out, lse = SPAttention.apply(q, k, v, self, comm, bool(causal), scale, bool(return_lse), docs)
         return (out, lse) if return_lse else out
 
     def attention_fwd_bwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
-                          causal: bool, comm: Comm, softmax_scale: Optional[float] = None):
+                          causal: bool, comm: Comm, softmax_scale: Optional[float] = None,
+                          docs: Optional[Documents] = None):
         """Forward and backward by direct calls, without the autograd engine.
 
         Same computation as `attention` followed by autograd; needed for virtual ranks as threads on
@@ -177,9 +210,12 @@ class Method:
         check_local_inputs(q, k, v)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        extra = {"docs": docs} if docs is not None else {}
         with torch.no_grad():
-            out, lse, residuals = self.forward(q, k, v, comm=comm, causal=bool(causal), scale=scale, return_lse=True)
-            dq, dk, dv = self.backward(dout.contiguous(), residuals, comm=comm, causal=bool(causal), scale=scale)
+            out, lse, residuals = self.forward(q, k, v, comm=comm, causal=bool(causal), scale=scale, return_lse=True,
+                                               **extra)
+            dq, dk, dv = self.backward(dout.contiguous(), residuals, comm=comm, causal=bool(causal), scale=scale,
+                                       **extra)
         return out, lse, dq, dk, dv
 
     def options(self) -> dict[str, Any]:
@@ -211,9 +247,12 @@ class SPAttention(torch.autograd.Function):
     """The shared autograd wrapper: forward and backward are the method's own distributed code."""
 
     @staticmethod
-    def forward(ctx, q, k, v, method: Method, comm: Comm, causal: bool, scale: float, return_lse: bool):
+    def forward(ctx, q, k, v, method: Method, comm: Comm, causal: bool, scale: float, return_lse: bool,
+                docs: Optional[Documents]):
+        # documents only when given: peer adapters take none (they refuse packed trials)
+        ctx.extra = {"docs": docs} if docs is not None else {}
         out, lse, residuals = method.forward(q, k, v, comm=comm, causal=causal, scale=scale,
-                                             return_lse=return_lse)
+                                             return_lse=return_lse, **ctx.extra)
         ctx.method, ctx.comm, ctx.causal, ctx.scale = method, comm, causal, scale
         # Tensors go through save_for_backward (version checks); other residuals (ints) ride on ctx.
         ctx.is_tensor = [isinstance(x, torch.Tensor) for x in residuals]
@@ -229,8 +268,53 @@ class SPAttention(torch.autograd.Function):
         tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
         residuals = tuple(next(tensors) if t else next(others) for t in ctx.is_tensor)
         dq, dk, dv = ctx.method.backward(dout.contiguous(), residuals, comm=ctx.comm,
-                                         causal=ctx.causal, scale=ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+                                         causal=ctx.causal, scale=ctx.scale, **ctx.extra)
+        return dq, dk, dv, None, None, None, None, None, None
+
+
+SHARDINGS = ("sequence", "documents")
+
+
+class DocumentSharding:
+    """The `sharding` option of a zigzag method: "sequence" zigzags the whole packed sequence (2P
+    chunks); "documents" cuts every document into 2P chunks (Megatron/TE's THD load balancing,
+    `layouts.documents`), which balances each document's causal work by itself. Positions then
+    follow the documents, so the method computes every block with the documents' masks (the
+    sequence layout's causal shortcuts do not hold)."""
+
+    sharding: str = "sequence"
+
+    def _init_sharding(self, sharding: str) -> None:
+        if sharding not in SHARDINGS:
+            raise ValueError(f"{self.name}: sharding must be one of {list(SHARDINGS)}, got {sharding!r}")
+        self.sharding = sharding
+
+    @property
+    def by_documents(self) -> bool:
+        return self.sharding == "documents"
+
+    def document_layout(self, case: Case) -> layouts.Layout:
+        if case.documents is None:
+            return layouts.documents([case.seq_len], case.world_size)
+        if len(set(case.documents.lengths)) > 1:
+            raise ValueError(f"{self.name}: sharding=documents needs every sequence of the batch packed alike "
+                             f"(THD format packs the batch into one sequence: use batch 1)")
+        return layouts.documents(case.documents.lengths[0], case.world_size)
+
+    def padded_len(self, case: Case) -> int:
+        if self.by_documents:
+            try:
+                return self.document_layout(case).seq_len
+            except ValueError:  # a batch packed unalike: `supports` gives the reason
+                return case.seq_len
+        return super().padded_len(case)
+
+    def documents_for(self, q: torch.Tensor, comm: Comm, docs: Optional[Documents]) -> Optional[Documents]:
+        """The documents to mask with: by-document sharding always masks (one document per
+        sequence when none are packed), since its positions are not the zigzag's."""
+        if docs is None and self.by_documents:
+            return Documents.single(q.shape[0], q.shape[1] * comm.world_size)
+        return docs
 
 
 def element_bytes(case: Case) -> tuple[int, int]:

@@ -80,14 +80,15 @@ class Burst(Method):
             return False, f"burst: ranks_per_node {self.ranks_per_node} does not divide world_size {case.world_size}"
         return super().supports(case)
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         route = make_route(comm, self.ranks_per_node)
+        masks = self.block_masks(q, k, comm, causal, docs)
         out, lse = kv_ring_forward(q, k, v, comm=comm, plan=zigzag_plan(causal, comm.rank, q.shape[1]),
-                                   scale=scale, kernel=self.kernel, route=route)
-        return out, lse, (q, k, v, out, lse)
+                                   scale=scale, kernel=self.kernel, route=route, masks=masks)
+        return out, lse, (q, k, v, out, lse, masks)
 
-    def backward(self, dout, residuals, *, comm, causal, scale):
-        q, k, v, out, lse = residuals
+    def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
+        q, k, v, out, lse, masks = residuals
         p = comm.world_size
         route = make_route(comm, self.ranks_per_node)
         plan = query_ring_plan(causal, comm.rank, q.shape[1])
@@ -102,11 +103,13 @@ class Burst(Method):
                 finish_packet = route.start_move(step, packet)
             q_vis, dout_vis, delta_vis, lse_vis = packet
             pending = []  # partial dQ of the visiting block, added once its accumulator has arrived
-            for blk in plan(route.src(step)):
+            src = route.src(step)
+            for blk in plan(src):  # the visiting queries are src's rows; the keys are this rank's
                 bdq, bdk, bdv = kernels.block_backward(
                     dout_vis[:, blk.q_rows], q_vis[:, blk.q_rows], k[:, blk.k_rows], v[:, blk.k_rows], None,
                     lse_vis[:, :, blk.q_rows], delta=delta_vis[:, :, blk.q_rows], scale=scale,
-                    causal_offset=blk.causal_offset, kernel=self.kernel)
+                    causal_offset=blk.causal_offset, kernel=self.kernel,
+                    mask=masks(src, blk.q_rows, comm.rank, blk.k_rows) if masks else None)
                 dk[:, blk.k_rows] += bdk
                 dv[:, blk.k_rows] += bdv
                 pending.append((blk.q_rows, bdq))

@@ -29,6 +29,7 @@ from typing import Optional, Union
 
 import torch
 
+from methods.documents import EMPTY, FULL, PARTIAL, BlockMask
 from methods.timing import Stopwatch
 
 KERNELS = ("math", "cpu_flash", "flash_attn")
@@ -70,6 +71,36 @@ class TimedKernel:
     @property
     def seconds(self) -> float:
         return self._watch.seconds if self._watch is not None else 0.0
+
+
+def visible_pairs(sq: int, sk: int, causal_offset: Optional[int]) -> int:
+    """(i, j) pairs with j <= i + causal_offset (all sq * sk pairs when None)."""
+    if causal_offset is None:
+        return sq * sk
+    c = causal_offset
+    i1 = min(max(-c, 0), sq)              # first query that sees a key
+    i2 = min(max(sk - c - 1, i1), sq)     # first query that sees every key
+    partial = (i2 - i1) * (c + 1) + (i1 + i2 - 1) * (i2 - i1) // 2
+    return partial + (sq - i2) * sk
+
+
+class PairCountingKernel(TimedKernel):
+    """A kernel choice that counts the (query, key) pairs its forward block calls compute, times
+    the query heads, summed over the batch: a rank's share of the attention work (packed
+    documents' masks counted exactly, by methods/documents.py)."""
+
+    def __init__(self, name: str = "auto"):
+        super().__init__(name)
+        self.pairs = 0
+
+    @contextlib.contextmanager
+    def measure(self, device: torch.device, *, op: str, q: torch.Tensor, k: torch.Tensor,
+                causal_offset: Optional[int], mask: Optional[BlockMask] = None):
+        if op == "fwd":
+            per_head = mask.pairs if mask is not None else q.shape[0] * visible_pairs(q.shape[1], k.shape[1],
+                                                                                      causal_offset)
+            self.pairs += per_head * q.shape[2]
+        yield
 
 
 def default_scale(head_dim: int) -> float:
@@ -183,12 +214,15 @@ def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _math_scores(q, k, scale, causal_offset, cd):
-    """Scaled scores [B, H, Sq, Sk] in dtype `cd`, masked with -inf."""
+def _math_scores(q, k, scale, causal_offset, cd, visible=None):
+    """Scaled scores [B, H, Sq, Sk] in dtype `cd`, masked with -inf (by `causal_offset`, or by a
+    [B, Sq, Sk] bool `visible` mask of packed documents)."""
     qh = q.to(cd).transpose(1, 2)                                   # [B, H, Sq, D]
     kh = _repeat_kv(k, q.shape[2]).to(cd).transpose(1, 2)           # [B, H, Sk, D]
     s = torch.matmul(qh, kh.transpose(-1, -2)) * scale              # [B, H, Sq, Sk]
-    if not is_full(q.shape[1], k.shape[1], causal_offset):
+    if visible is not None:
+        s = s.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    elif not is_full(q.shape[1], k.shape[1], causal_offset):
         s = s.masked_fill(~_visible(q.shape[1], k.shape[1], causal_offset, q.device), float("-inf"))
     return s
 
@@ -199,12 +233,12 @@ def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(s - safe.unsqueeze(-1))
 
 
-def math_forward(q, k, v, *, scale, causal_offset, upcast=True):
+def math_forward(q, k, v, *, scale, causal_offset, upcast=True, visible=None):
     """Attention by explicit products. With `upcast`, computes in float32 (float64 for float64
     inputs); without, in the input dtype (the "naive same-dtype" implementation of the pass rule).
     Returns out [B, Sq, H, D] in q.dtype and lse [B, H, Sq] float32 (float64 for float64)."""
     cd = _compute_dtype(q.dtype, upcast)
-    s = _math_scores(q, k, scale, causal_offset, cd)
+    s = _math_scores(q, k, scale, causal_offset, cd, visible)
     lse = torch.logsumexp(s, dim=-1)                                # [B, H, Sq]; -inf if no key
     p = _probs(s, lse)
     vh = _repeat_kv(v, q.shape[2]).to(cd).transpose(1, 2)           # [B, H, Sk, D]
@@ -212,12 +246,12 @@ def math_forward(q, k, v, *, scale, causal_offset, upcast=True):
     return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
 
-def math_backward(dout, q, k, v, out, lse, *, scale, causal_offset, upcast=True, delta=None):
+def math_backward(dout, q, k, v, out, lse, *, scale, causal_offset, upcast=True, delta=None, visible=None):
     """Gradients of attention for one block given the global out and lse (FlashAttention-2's
     backward: dS = P * (dP - rowsum(dO * O))); `delta` [B, H, Sq] may replace `out`."""
     cd = _compute_dtype(q.dtype, upcast)
     h, hkv = q.shape[2], k.shape[2]
-    s = _math_scores(q, k, scale, causal_offset, cd)
+    s = _math_scores(q, k, scale, causal_offset, cd, visible)
     p = _probs(s, lse.to(cd))                                       # [B, H, Sq, Sk]
     do = dout.to(cd).transpose(1, 2)                                # [B, H, Sq, D]
     vh = _repeat_kv(v, h).to(cd).transpose(1, 2)                    # [B, H, Sk, D]
@@ -306,7 +340,8 @@ KernelChoice = Union[str, TimedKernel]
 
 
 def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                  causal_offset: Optional[int], kernel: KernelChoice = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+                  causal_offset: Optional[int], kernel: KernelChoice = "auto",
+                  mask: Optional[BlockMask] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block of queries against one block of keys.
 
     Args:
@@ -314,17 +349,25 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
         scale: softmax scale (usually 1/sqrt(D)).
         causal_offset: None (full) or c (query i sees key j iff j <= i + c).
         kernel: backend name, "auto", or a TimedKernel wrapping one.
+        mask: the block's mask of packed documents (methods/documents.py), which then replaces
+            `causal_offset`: a block it leaves empty is skipped, a fully visible one runs unmasked, one
+            document with a plain causal offset takes that path, and a partly visible one runs with a
+            dense mask (math, cpu_flash) or piece by piece (flash_attn).
     Returns:
         out [B, Sq, H, D] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs; -inf
         where a row sees no key); both contiguous.
     """
     _check_shapes(q, k, v)
     if isinstance(kernel, TimedKernel):
-        with kernel.measure(q.device, op="fwd", q=q, k=k, causal_offset=causal_offset):
-            return block_forward(q, k, v, scale=scale, causal_offset=causal_offset, kernel=kernel.name)
+        with kernel.measure(q.device, op="fwd", q=q, k=k, causal_offset=causal_offset, mask=mask):
+            return block_forward(q, k, v, scale=scale, causal_offset=causal_offset, kernel=kernel.name, mask=mask)
     sq, sk = q.shape[1], k.shape[1]
     if kernel == NOOP:
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], sq, dtype=acc_dtype(q.dtype), device=q.device)
+    if mask is not None:
+        if mask.kind == PARTIAL:
+            return _partial_forward(q, k, v, scale=scale, mask=mask, kernel=kernel)
+        causal_offset = _plain_offset(mask, sq)
     if is_empty(sq, sk, causal_offset):
         return (torch.zeros_like(q),
                 torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device))
@@ -358,8 +401,8 @@ def out_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    out: Optional[torch.Tensor], lse: torch.Tensor, *, scale: float, causal_offset: Optional[int],
-                   kernel: KernelChoice = "auto", delta: Optional[torch.Tensor] = None
-                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                   kernel: KernelChoice = "auto", delta: Optional[torch.Tensor] = None,
+                   mask: Optional[BlockMask] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block (see `block_forward`).
 
     Args:
@@ -367,6 +410,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         lse: [B, H, Sq] float32, the *global* log-sum-exp of these queries.
         delta: [B, H, Sq] float32, rowsum(dout * out) of the global output, instead of `out`
             (pass exactly one of the two).
+        mask: the block's mask of packed documents, as in `block_forward`.
     Returns:
         dq [B, Sq, H, D], dk and dv [B, Sk, Hkv, D], in the input dtype: this block's contribution.
     """
@@ -374,10 +418,14 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     if (out is None) == (delta is None):
         raise ValueError("block_backward needs exactly one of out and delta")
     if isinstance(kernel, TimedKernel):
-        with kernel.measure(q.device, op="bwd", q=q, k=k, causal_offset=causal_offset):
+        with kernel.measure(q.device, op="bwd", q=q, k=k, causal_offset=causal_offset, mask=mask):
             return block_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset,
-                                  kernel=kernel.name, delta=delta)
+                                  kernel=kernel.name, delta=delta, mask=mask)
     sq, sk = q.shape[1], k.shape[1]
+    if mask is not None and kernel != NOOP:
+        if mask.kind == PARTIAL:
+            return _partial_backward(dout, q, k, v, out, lse, scale=scale, mask=mask, kernel=kernel, delta=delta)
+        causal_offset = _plain_offset(mask, sq)
     if is_empty(sq, sk, causal_offset) or kernel == NOOP:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
@@ -419,3 +467,86 @@ def empty_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     dt = acc_dtype(q.dtype)
     return (torch.zeros(b, s, h, d, dtype=dt, device=q.device),
             torch.full((b, h, s), float("-inf"), dtype=dt, device=q.device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Packed documents: blocks that a document boundary or padding cuts (methods/documents.py)
+# ---------------------------------------------------------------------------------------------
+def _plain_offset(mask: BlockMask, sq: int) -> Optional[int]:
+    """The causal offset that expresses an empty, full or single-offset block mask."""
+    if mask.kind == EMPTY:
+        return -sq          # no query row reaches a key: is_empty holds
+    if mask.kind == FULL:
+        return None
+    return mask.causal_offset
+
+
+def _partial_forward(q, k, v, *, scale: float, mask: BlockMask, kernel: str):
+    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
+    if backend == "flash_attn":  # it takes no dense mask: one call per document piece
+        return forward_by_pieces(q, k, v, scale=scale, mask=mask, kernel=backend)
+    visible = mask.dense(q.device)                                   # [B, Sq, Sk]
+    if backend == "cpu_flash":
+        out, lse = _CPU_FWD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
+                            attn_mask=_additive(visible, q.dtype), scale=scale)
+        out, lse = out.transpose(1, 2), lse.to(acc_dtype(q.dtype))
+        # rows that see no key: the op reports out 0 and lse 0; the truth is lse -inf
+        seen = visible.any(-1)                                       # [B, Sq]
+        lse = torch.where(seen.unsqueeze(1), lse, torch.full_like(lse, float("-inf")))
+        out = torch.where(seen[:, :, None, None], out, torch.zeros_like(out))
+    else:
+        out, lse = math_forward(q, k, v, scale=scale, causal_offset=None, visible=visible)
+    return out.contiguous(), lse.contiguous()
+
+
+def _partial_backward(dout, q, k, v, out, lse, *, scale: float, mask: BlockMask, kernel: str, delta):
+    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
+    if backend == "flash_attn":
+        return backward_by_pieces(dout, q, k, v, out, lse, scale=scale, mask=mask, kernel=backend, delta=delta)
+    visible = mask.dense(q.device)
+    if backend == "math":
+        return math_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=None, delta=delta, visible=visible)
+    if out is None:
+        out = out_with_delta(dout, delta)
+    lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)  # rows that see nothing
+    dq, dk, dv = _CPU_BWD(dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                          out.transpose(1, 2), lse.to(acc_dtype(q.dtype)), 0.0, False,
+                          attn_mask=_additive(visible, q.dtype), scale=scale)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[B, 1, Sq, Sk] additive mask (0 or -inf) from a [B, Sq, Sk] bool mask."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
+        ~visible, float("-inf")).unsqueeze(1)
+
+
+def forward_by_pieces(q, k, v, *, scale: float, mask: BlockMask, kernel: str):
+    """A partly visible block as one kernel call per document piece (`BlockMask.pieces`: each a
+    plain causal offset or full), the pieces of a query row merged by online softmax. The path of
+    kernels without dense masks (flash_attn); exact on any kernel."""
+    out, lse = empty_accumulators(q)
+    for b in range(q.shape[0]):
+        one = slice(b, b + 1)
+        for rows, cols, offset in mask.pieces(b):
+            piece_out, piece_lse = block_forward(q[one, rows], k[one, cols], v[one, cols], scale=scale,
+                                                 causal_offset=offset, kernel=kernel)
+            merge_(out[one, rows], lse[one, :, rows], piece_out, piece_lse)
+    return out.to(q.dtype), lse
+
+
+def backward_by_pieces(dout, q, k, v, out, lse, *, scale: float, mask: BlockMask, kernel: str, delta=None):
+    """Gradients of `forward_by_pieces`: each piece's backward with the block's global out and lse."""
+    acc = acc_dtype(q.dtype)
+    dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
+    for b in range(q.shape[0]):
+        one = slice(b, b + 1)
+        for rows, cols, offset in mask.pieces(b):
+            gq, gk, gv = block_backward(
+                dout[one, rows], q[one, rows], k[one, cols], v[one, cols],
+                None if out is None else out[one, rows], lse[one, :, rows], scale=scale, causal_offset=offset,
+                kernel=kernel, delta=None if delta is None else delta[one, :, rows])
+            dq[one, rows] += gq
+            dk[one, cols] += gk
+            dv[one, cols] += gv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -34,6 +34,7 @@ import torch
 from methods import kernels
 from methods.base import Case, Method, element_bytes
 from methods.comm.base import P2P, Comm
+from methods.documents import BlockMasks
 
 ALL = slice(None)
 
@@ -183,11 +184,13 @@ def full_plan(src: int) -> list[Block]:
 
 
 def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Comm, plan: Plan,
-                    scale: float, kernel: str, route: Optional[Route] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    scale: float, kernel: str, route: Optional[Route] = None,
+                    masks: Optional[BlockMasks] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of local q [B, L, H, D] against the K/V [B, L, Hkv, D] of every ring rank.
 
     Returns out [B, L, H, D] in q.dtype and lse [B, H, L] (fp32; float64 for float64 inputs).
-    `route` defaults to the plain ring over `comm`.
+    `route` defaults to the plain ring over `comm`. `masks`: packed documents' masks by ranks of
+    `comm` (they refine the plan's causal blocks, which stay a superset of what is visible).
     """
     route = route or RingRoute(comm)
     p = comm.world_size
@@ -196,10 +199,12 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: 
     for step in range(p):
         if step + 1 < p:
             finish = route.start_move(step, [cur_k, cur_v])
-        for blk in plan(route.src(step)):
+        src = route.src(step)
+        for blk in plan(src):
             block_out, block_lse = kernels.block_forward(
                 q[:, blk.q_rows], cur_k[:, blk.k_rows], cur_v[:, blk.k_rows], scale=scale,
-                causal_offset=blk.causal_offset, kernel=kernel)
+                causal_offset=blk.causal_offset, kernel=kernel,
+                mask=masks(comm.rank, blk.q_rows, src, blk.k_rows) if masks else None)
             if out is None and blk.q_rows == ALL:
                 # The first block covering every row initialises the accumulators directly.
                 out, lse = block_out.to(kernels.acc_dtype(q.dtype)), block_lse.clone()
@@ -216,7 +221,8 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: 
 
 def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor, *, comm: Comm, plan: Plan, scale: float, kernel: str,
-                     route: Optional[Route] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     route: Optional[Route] = None, masks: Optional[BlockMasks] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `kv_ring_forward` (same plan and route), given the forward's global out and lse."""
     route = route or RingRoute(comm)
     p = comm.world_size
@@ -228,11 +234,12 @@ def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         if step + 1 < p:
             finish_kv = route.start_move(step, [cur_k, cur_v])
         pending = []  # this rank's dK/dV contributions, added once the accumulator has arrived
-        for blk in plan(route.src(step)):
+        src = route.src(step)
+        for blk in plan(src):
             bdq, bdk, bdv = kernels.block_backward(
                 dout[:, blk.q_rows], q[:, blk.q_rows], cur_k[:, blk.k_rows], cur_v[:, blk.k_rows],
                 out[:, blk.q_rows], lse[:, :, blk.q_rows], scale=scale, causal_offset=blk.causal_offset,
-                kernel=kernel)
+                kernel=kernel, mask=masks(comm.rank, blk.q_rows, src, blk.k_rows) if masks else None)
             dq[:, blk.q_rows] += bdq
             pending.append((blk.k_rows, bdk, bdv))
         if step == 0:
@@ -280,12 +287,13 @@ class KVRingMethod(Method):
     def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
         return kv_ring_bytes(case, pass_)
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         plan = self.plan(causal, comm.rank, q.shape[1])
-        out, lse = kv_ring_forward(q, k, v, comm=comm, plan=plan, scale=scale, kernel=self.kernel)
-        return out, lse, (q, k, v, out, lse)
+        masks = self.block_masks(q, k, comm, causal, docs)
+        out, lse = kv_ring_forward(q, k, v, comm=comm, plan=plan, scale=scale, kernel=self.kernel, masks=masks)
+        return out, lse, (q, k, v, out, lse, masks)
 
-    def backward(self, dout, residuals, *, comm, causal, scale):
-        q, k, v, out, lse = residuals
+    def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
+        q, k, v, out, lse, masks = residuals
         return kv_ring_backward(dout, q, k, v, out, lse, comm=comm, plan=self.plan(causal, comm.rank, q.shape[1]),
-                                scale=scale, kernel=self.kernel)
+                                scale=scale, kernel=self.kernel, masks=masks)

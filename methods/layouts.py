@@ -11,6 +11,10 @@ positions (what RoPE and the loss labels need). Layouts:
 - usp: USP's load-balanced layout for ulysses_degree U x ring_degree R = P (global rank
   g = ring_rank * U + ulysses_rank): ring rank r's zigzag pair (chunks r and 2R-1-r of 2R) is cut
   into U equal pieces, and Ulysses rank u holds piece u. U = P gives contiguous, U = 1 zigzag.
+- documents: document-aware zigzag for packed sequences (Megatron/TE's THD sharding): every
+  document is cut into 2P chunks (sizes differ by at most one) and rank r holds chunks r and
+  2P-1-r of every document, so each document's causal work is balanced by itself; the tail is
+  padded so that every rank holds as many tokens.
 """
 from __future__ import annotations
 
@@ -20,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-LAYOUTS = ("contiguous", "zigzag", "stripe", "usp")
+LAYOUTS = ("contiguous", "zigzag", "stripe", "usp", "documents")
 
 
 @dataclass(frozen=True, eq=False)
@@ -100,6 +104,25 @@ def usp(seq_len: int, world_size: int, ulysses_degree: int) -> Layout:
     pairs = zigzag(seq_len, ring_degree)
     return Layout("usp", seq_len, world_size,
                   tuple(piece for r in range(ring_degree) for piece in pairs.positions(r).chunk(ulysses_degree)))
+
+
+def documents(doc_lengths: Sequence[int], world_size: int) -> Layout:
+    """Document-aware zigzag of one packed sequence (see the module docstring). Its `seq_len` is
+    the padded length: P times the most tokens any rank's chunks hold."""
+    p = world_size
+    mine: list[list[int]] = [[] for _ in range(p)]
+    start = 0
+    for n in doc_lengths:
+        bounds = [start + (n * i) // (2 * p) for i in range(2 * p + 1)]
+        for r in range(p):
+            for c in sorted({r, 2 * p - 1 - r}):
+                mine[r].extend(range(bounds[c], bounds[c + 1]))
+        start += n
+    local = max(len(m) for m in mine)
+    pad = iter(range(start, start + p * local))   # the tail padding, dealt to the ranks that hold fewer
+    for m in mine:
+        m.extend(next(pad) for _ in range(local - len(m)))
+    return Layout("documents", p * local, p, tuple(torch.tensor(m, dtype=torch.long) for m in mine))
 
 
 def granule(kind: str, world_size: int, **params) -> int:

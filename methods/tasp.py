@@ -47,7 +47,7 @@ from methods import kernels, layouts
 from methods.base import Case, Method
 from methods.comm.base import P2P, Comm
 from methods.hamilton import hamiltonian_cycles, predecessors, successors
-from methods.kv_ring import kv_ring_bytes
+from methods.kv_ring import ALL, kv_ring_bytes
 from methods.registry import register
 
 
@@ -78,8 +78,10 @@ class _Units:
     def __init__(self, local_len: int, k: int, device):
         self.k, self.c = k, local_len // (2 * k)
         c = self.c
-        self.rows = [torch.cat([torch.arange(j * c, (j + 1) * c), torch.arange(k * c + j * c, k * c + (j + 1) * c)])
-                     .to(device) for j in range(k)]
+        cpu_rows = [torch.cat([torch.arange(j * c, (j + 1) * c), torch.arange(k * c + j * c, k * c + (j + 1) * c)])
+                    for j in range(k)]
+        self.cpu_rows = cpu_rows          # for the packed documents' masks (host-side positions)
+        self.rows = [r.to(device) for r in cpu_rows]
 
     def split(self, x: torch.Tensor) -> list[torch.Tensor]:
         """Local [B, L, ...] -> k units [B, 2c, ...] (contiguous copies, ready to send)."""
@@ -161,29 +163,46 @@ class TASP(Method):
                              f"got seq_len={case.seq_len}")
         return layouts.zigzag(case.seq_len, case.world_size)
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
+    def _unit_calls(self, masks, causal, r, pred, step, units: _Units):
+        """With packed documents, one call per unit (units come from different ranks, so their
+        keys are not in one increasing order): [(query rows, unit j, unit rows, mask)]."""
+        calls = []
+        for rows, parts in step_calls(causal, r, pred, step, units.k, units.c):
+            for j, sl in parts:
+                o = origin(pred[j], r, step)
+                calls.append((rows, j, sl, masks(r, rows, o, units.cpu_rows[j][sl])))
+        return calls
+
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         p, r = comm.world_size, comm.rank
         succ, pred = cycle_tables(p)
         units = _Units(q.shape[1], len(succ), q.device)
         held_k, held_v = units.split(k), units.split(v)
+        masks = self.block_masks(q, k, comm, causal, docs)
         out = lse = None
         for step in range(p):
             if step + 1 < p:  # units move on while this step computes (double buffering)
                 finish = _exchange(comm, succ, pred, held_k, held_v)
             if step == 0:  # our own tokens: one aligned causal block
                 out, lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=0 if causal else None,
-                                                 kernel=self.kernel)
+                                                 kernel=self.kernel, mask=masks(r, ALL, r, ALL) if masks else None)
                 out, lse = out.to(kernels.acc_dtype(q.dtype)), lse.clone()
-            for rows, kk, vv, _ in _gather_calls(causal, r, pred, step, units, held_k, held_v):
+            elif masks is not None:
+                for rows, j, sl, mask in self._unit_calls(masks, causal, r, pred, step, units):
+                    bo, bl = kernels.block_forward(q[:, rows], held_k[j][:, sl], held_v[j][:, sl], scale=scale,
+                                                   causal_offset=None, kernel=self.kernel, mask=mask)
+                    kernels.merge_(out[:, rows], lse[:, :, rows], bo, bl)
+            for rows, kk, vv, _ in ([] if masks is not None else
+                                    _gather_calls(causal, r, pred, step, units, held_k, held_v)):
                 bo, bl = kernels.block_forward(q[:, rows], kk, vv, scale=scale, causal_offset=None, kernel=self.kernel)
                 kernels.merge_(out[:, rows], lse[:, :, rows], bo, bl)
             if step + 1 < p:
                 held_k, held_v = finish()
         out = out.to(q.dtype)
-        return out, lse, (q, k, v, out, lse)
+        return out, lse, (q, k, v, out, lse, masks)
 
-    def backward(self, dout, residuals, *, comm, causal, scale):
-        q, k, v, out, lse = residuals
+    def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
+        q, k, v, out, lse, masks = residuals
         p, r = comm.world_size, comm.rank
         succ, pred = cycle_tables(p)
         units = _Units(q.shape[1], len(succ), q.device)
@@ -196,12 +215,20 @@ class TASP(Method):
                 finish_kv = _exchange(comm, succ, pred, held_k, held_v)
             if step == 0:
                 gq, gk, gv = kernels.block_backward(dout, q, k, v, out, lse, scale=scale,
-                                                    causal_offset=0 if causal else None, kernel=self.kernel)
+                                                    causal_offset=0 if causal else None, kernel=self.kernel,
+                                                    mask=masks(r, ALL, r, ALL) if masks else None)
                 dq += gq
                 dk_acc, dv_acc = units.split(gk.to(acc)), units.split(gv.to(acc))  # own units' accumulators
             else:
                 pending = []  # contributions, added once the units' accumulators have arrived
-                for rows, kk, vv, parts in _gather_calls(causal, r, pred, step, units, held_k, held_v):
+                for rows, j, sl, mask in (self._unit_calls(masks, causal, r, pred, step, units) if masks else []):
+                    gq, gk, gv = kernels.block_backward(dout[:, rows], q[:, rows], held_k[j][:, sl], held_v[j][:, sl],
+                                                        out[:, rows], lse[:, :, rows], scale=scale, causal_offset=None,
+                                                        kernel=self.kernel, mask=mask)
+                    dq[:, rows] += gq
+                    pending.append(([(j, sl, gk.shape[1])], gk, gv))
+                for rows, kk, vv, parts in ([] if masks is not None else
+                                            _gather_calls(causal, r, pred, step, units, held_k, held_v)):
                     gq, gk, gv = kernels.block_backward(dout[:, rows], q[:, rows], kk, vv, out[:, rows],
                                                         lse[:, :, rows], scale=scale, causal_offset=None,
                                                         kernel=self.kernel)

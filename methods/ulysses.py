@@ -22,6 +22,8 @@ saved for the backward.
 """
 from __future__ import annotations
 
+import torch
+
 from methods import kernels
 from methods.base import Case, Method
 from methods.common import (
@@ -53,24 +55,27 @@ class Ulysses(Method):
         reason = check_ulysses_heads(case.heads, case.kv_heads, case.world_size)
         return (False, reason) if reason else super().supports(case)
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         offset = 0 if causal else None
+        # after the all-to-all every rank holds the whole sequence in order: one block, all positions
+        mask = docs.block(torch.arange(docs.padded_len), torch.arange(docs.padded_len), causal) if docs else None
         if comm.world_size == 1:
-            out, lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=offset, kernel=self.kernel)
-            return out, lse, (q, k, v, out, lse, 1)
+            out, lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=offset, kernel=self.kernel,
+                                             mask=mask)
+            return out, lse, (q, k, v, out, lse, 1, mask)
         q_h, k_h, v_h, rep = ulysses_scatter_heads(comm, q, k, v)              # [B, S, H/P, D]
         out_h, lse_h = kernels.block_forward(q_h, k_h, v_h, scale=scale, causal_offset=offset,
-                                             kernel=self.kernel)             # [B, S, H/P, D], [B, H/P, S]
+                                             kernel=self.kernel, mask=mask)  # [B, S, H/P, D], [B, H/P, S]
         out = heads_to_seq(comm, out_h)                                      # [B, L, H, D]
         lse = lse_heads_to_seq(comm, lse_h) if return_lse else None          # [B, H, L]
-        return out, lse, (q_h, k_h, v_h, out_h, lse_h, rep)
+        return out, lse, (q_h, k_h, v_h, out_h, lse_h, rep, mask)
 
-    def backward(self, dout, residuals, *, comm, causal, scale):
-        q_h, k_h, v_h, out_h, lse_h, rep = residuals
+    def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
+        q_h, k_h, v_h, out_h, lse_h, rep, mask = residuals
         offset = 0 if causal else None
         if comm.world_size == 1:
             return kernels.block_backward(dout, q_h, k_h, v_h, out_h, lse_h, scale=scale,
-                                          causal_offset=offset, kernel=self.kernel)
+                                          causal_offset=offset, kernel=self.kernel, mask=mask)
         dq_h, dk_h, dv_h = kernels.block_backward(seq_to_heads(comm, dout), q_h, k_h, v_h, out_h, lse_h,
-                                                  scale=scale, causal_offset=offset, kernel=self.kernel)
+                                                  scale=scale, causal_offset=offset, kernel=self.kernel, mask=mask)
         return ulysses_gather_grads(comm, dq_h, dk_h, dv_h, rep)

@@ -42,6 +42,7 @@ from methods.common import (
     ulysses_gather_grads,
     ulysses_scatter_heads,
 )
+from methods.documents import BlockMasks
 from methods.kv_ring import kv_ring_backward, kv_ring_bytes, kv_ring_forward
 from methods.registry import register
 from methods.zigzag_ring import zigzag_plan
@@ -119,25 +120,29 @@ class USP(Method):
         ulysses_groups, ring_groups = mesh_groups(comm.world_size, u)
         return comm.split(ulysses_groups), comm.split(ring_groups)
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse):
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         u = self._degree(comm.world_size, q.shape[2], k.shape[2])
         uly, ring = self._comms(comm, u)
         rep = 1
         if u > 1:
             q, k, v, rep = ulysses_scatter_heads(uly, q, k, v)              # [B, U*L, H/U, D]: the pair
         plan = zigzag_plan(causal, ring.rank, q.shape[1])
-        out_h, lse_h = kv_ring_forward(q, k, v, comm=ring, plan=plan, scale=scale, kernel=self.kernel)
+        # the inner ring holds, on ring rank r, the zigzag pair r of R ranks (Algorithm 2's layout)
+        masks = BlockMasks(docs, layouts.zigzag(docs.padded_len, ring.world_size).positions, causal) if docs \
+            else None
+        out_h, lse_h = kv_ring_forward(q, k, v, comm=ring, plan=plan, scale=scale, kernel=self.kernel, masks=masks)
         if u == 1:
-            return out_h, lse_h, (q, k, v, out_h, lse_h, u, rep)
+            return out_h, lse_h, (q, k, v, out_h, lse_h, u, rep, masks)
         out = heads_to_seq(uly, out_h)                                       # [B, L, H, D]
         lse = lse_heads_to_seq(uly, lse_h) if return_lse else None
-        return out, lse, (q, k, v, out_h, lse_h, u, rep)
+        return out, lse, (q, k, v, out_h, lse_h, u, rep, masks)
 
-    def backward(self, dout, residuals, *, comm, causal, scale):
-        q_h, k_h, v_h, out_h, lse_h, u, rep = residuals
+    def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
+        q_h, k_h, v_h, out_h, lse_h, u, rep, masks = residuals
         uly, ring = self._comms(comm, u)
         if u > 1:
             dout = seq_to_heads(uly, dout)
         grads = kv_ring_backward(dout, q_h, k_h, v_h, out_h, lse_h, comm=ring,
-                                 plan=zigzag_plan(causal, ring.rank, q_h.shape[1]), scale=scale, kernel=self.kernel)
+                                 plan=zigzag_plan(causal, ring.rank, q_h.shape[1]), scale=scale, kernel=self.kernel,
+                                 masks=masks)
         return ulysses_gather_grads(uly, *grads, rep) if u > 1 else grads

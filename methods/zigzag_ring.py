@@ -16,6 +16,8 @@ Communication: exactly the ring's (methods/ring.py), with L = S/P = 2c.
 """
 from __future__ import annotations
 
+from methods import layouts
+from methods.base import Case, DocumentSharding
 from methods.kv_ring import ALL, Block, KVRingMethod, Plan, full_plan
 from methods.registry import register
 
@@ -37,10 +39,30 @@ def zigzag_plan(causal: bool, rank: int, local_len: int) -> Plan:
 
 
 @register
-class ZigzagRing(KVRingMethod):
+class ZigzagRing(DocumentSharding, KVRingMethod):
     name = "zigzag_ring"
     description = "ring attention over the zigzag layout (chunks r and 2P-1-r): balanced causal work"
     layout_kind = "zigzag"
+    test_variants = ({}, {"sharding": "documents"})
+
+    def __init__(self, kernel: str = "auto", sharding: str = "sequence"):
+        super().__init__(kernel)
+        self._init_sharding(sharding)
+
+    def options(self):
+        return {**super().options(), "sharding": self.sharding}
+
+    def layout(self, case: Case) -> layouts.Layout:
+        return self.document_layout(case) if self.by_documents else super().layout(case)
+
 
     def plan(self, causal: bool, rank: int, local_len: int) -> Plan:
-        return zigzag_plan(causal, rank, local_len)
+        # by documents, every block runs with the documents' mask (which holds the causal part)
+        return full_plan if self.by_documents else zigzag_plan(causal, rank, local_len)
+
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
+        return super().forward(q, k, v, comm=comm, causal=causal, scale=scale, return_lse=return_lse,
+                               docs=self.documents_for(q, comm, docs))
+
+    def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
+        return super().backward(dout, residuals, comm=comm, causal=causal, scale=scale)

@@ -30,6 +30,7 @@ import torch
 
 from methods import kernels
 from methods.base import torch_dtype
+from methods.documents import Documents
 
 _CHUNK_BYTES = 256 * 2**20  # score matrix budget per reference chunk
 
@@ -72,11 +73,12 @@ def make_inputs(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: i
 
 
 def reference_attention(q, k, v, dout: Optional[torch.Tensor], *, causal: bool, scale: float,
-                        upcast: bool = True) -> dict[str, torch.Tensor]:
+                        upcast: bool = True, documents: Optional[Documents] = None) -> dict[str, torch.Tensor]:
     """Attention (and its gradients if `dout` is given) by explicit products, in query-row chunks.
 
     With `upcast` the inputs are converted to float64 first (the reference); without, the
-    computation runs in the inputs' dtype (the "naive same-dtype" implementation).
+    computation runs in the inputs' dtype (the "naive same-dtype" implementation). `documents`:
+    packed documents (a token sees its own document only), as a dense mask per chunk.
     Returns out [B,S,H,D], lse [B,H,S] and, with dout, dq, dk, dv.
     """
     if upcast:
@@ -87,10 +89,15 @@ def reference_attention(q, k, v, dout: Optional[torch.Tensor], *, causal: bool, 
     acc = kernels.acc_dtype(q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, s, dtype=acc, device=q.device)
+    def visible(c0: int):
+        if documents is None:
+            return None
+        return documents.block(torch.arange(c0, min(s, c0 + rows)), torch.arange(s), causal).dense(q.device)
+
     for c0 in range(0, s, rows):
         # Rows c0.. see keys j <= c0 + i: a block with causal_offset c0.
         o, l = kernels.math_forward(q[:, c0:c0 + rows], k, v, scale=scale,
-                                    causal_offset=c0 if causal else None, upcast=upcast)
+                                    causal_offset=c0 if causal else None, upcast=upcast, visible=visible(c0))
         out[:, c0:c0 + rows], lse[:, :, c0:c0 + rows] = o, l
     result = {"out": out, "lse": lse}
     if dout is None:
@@ -101,7 +108,8 @@ def reference_attention(q, k, v, dout: Optional[torch.Tensor], *, causal: bool, 
     for c0 in range(0, s, rows):
         sl = slice(c0, c0 + rows)
         gq, gk, gv = kernels.math_backward(dout[:, sl], q[:, sl], k, v, out[:, sl], lse[:, :, sl], scale=scale,
-                                           causal_offset=c0 if causal else None, upcast=upcast)
+                                           causal_offset=c0 if causal else None, upcast=upcast,
+                                           visible=visible(c0))
         dq[:, sl] = gq
         dk += gk
         dv += gv
@@ -116,18 +124,19 @@ def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
-def build_problem(batch, seq_len, heads, kv_heads, head_dim, dtype, causal, *, seed: int,
-                  device: torch.device, with_reference: bool) -> Problem:
+def build_problem(batch, seq_len, heads, kv_heads, head_dim, dtype, causal, *extra, seed: int,
+                  device: torch.device, with_reference: bool, documents: Optional[Documents] = None) -> Problem:
     """Inputs of one problem and, with `with_reference`, the float64 reference of out, lse and the
-    gradients (computed once; forward-only trials of the same problem use part of it)."""
-    key = (batch, seq_len, heads, kv_heads, head_dim, dtype, causal)
+    gradients (computed once; forward-only trials of the same problem use part of it). `documents`
+    (no padding: the true length) packs the sequences; `extra` is the rest of the problem key."""
+    key = (batch, seq_len, heads, kv_heads, head_dim, dtype, causal) + tuple(extra)
     q, k, v, dout = make_inputs(batch, seq_len, heads, kv_heads, head_dim, dtype,
                                 problem_seed(seed, key), device)
     prob = Problem(q, k, v, dout)
     if with_reference:
         scale = kernels.default_scale(head_dim)
-        prob.ref = reference_attention(q, k, v, dout, causal=causal, scale=scale, upcast=True)
-        naive = reference_attention(q, k, v, dout, causal=causal, scale=scale, upcast=False)
+        prob.ref = reference_attention(q, k, v, dout, causal=causal, scale=scale, upcast=True, documents=documents)
+        naive = reference_attention(q, k, v, dout, causal=causal, scale=scale, upcast=False, documents=documents)
         for name, ref in prob.ref.items():
             prob.naive_err[name] = max_abs_err(naive[name], ref)
             prob.ref_scale[name] = max(1.0, float(ref.abs().max()))

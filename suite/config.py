@@ -8,6 +8,7 @@ the key and what is allowed, before anything starts. `methods/` never sees any o
 """
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from dataclasses import dataclass, field, fields
@@ -24,7 +25,7 @@ DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 # Sweep axes as they appear in trial identities (and in exclude rules).
 AXES = ("method", "topology", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
-        "causal", "pass", "ulysses_degree", "ring_degree")
+        "causal", "pass", "ulysses_degree", "ring_degree", "workload")
 
 
 class ConfigError(ValueError):
@@ -50,6 +51,10 @@ class SweepConfig:
     causal: list[bool] = field(default_factory=lambda: [True, False])
     passes: list[str] = field(default_factory=lambda: ["fwd", "fwd_bwd"])
     """fwd (forward only, no autograd graph) and/or fwd_bwd (forward + backward)."""
+    workload: list[str] = field(default_factory=lambda: ["uniform"])
+    """Length mixes: `uniform` (one document per sequence) and/or names of `documents:` entries
+    (documents drawn from that distribution with run.seed, packed into each sequence, the last cut;
+    the mask is document-causal: a token sees its own document only)."""
     exclude: list[dict[str, Any]] = field(default_factory=list)
     """Rules removing trials: each maps axis names (see AXES) or method option names to a value or a
     list of values; a trial matching every entry of a rule is not planned.
@@ -164,9 +169,28 @@ class PerplexityConfig:
     ppl_rtol: float = 1e-3
     """...and its final perplexity within this one."""
     planted_bug: str = "none"
-    """Self-test of the check: none, local_positions, local_label_shift or no_grad_sync breaks the
+    """Self-test of the check: none, local_positions, local_label_shift, no_grad_sync or
+    cross_document_attention (packed documents only) breaks the
     sequence-parallel model on purpose; every method should then be recorded incorrect."""
     data: DataConfig = field(default_factory=DataConfig)
+
+
+@dataclass
+class DocumentsConfig:
+    """A document-length distribution for packed workloads (suite/lengths.py)."""
+
+    distribution: str = MISSING
+    """fixed (`lengths`, used once in order), lognormal (`median`, `sigma`), powerlaw (`alpha` > 1
+    between `min` and `max`) or histogram (`file`: YAML with bins: [[low, high, weight], ...])."""
+    lengths: list[int] = field(default_factory=list)
+    median: float = 0.0
+    sigma: float = 0.0
+    alpha: float = 0.0
+    min: int = 1
+    """Every drawn length is clipped to [min, max]."""
+    max: int = 0
+    """0: no cap."""
+    file: Optional[str] = None
 
 
 @dataclass
@@ -191,6 +215,8 @@ class SuiteConfig:
     run: RunConfig = field(default_factory=RunConfig)
     perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
     sim: SimConfig = field(default_factory=SimConfig)
+    documents: dict[str, DocumentsConfig] = field(default_factory=dict)
+    """Named document-length distributions, used by sweep.workload."""
     results: ResultsConfig = field(default_factory=ResultsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
 
@@ -319,7 +345,7 @@ def validate(cfg: SuiteConfig) -> None:
         raise ConfigError(f"run.plugins: {exc}") from None
     known = set(methods.available()) | set(methods.unavailable())
     for axis in ("methods", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
-                 "causal", "passes"):
+                 "causal", "passes", "workload"):
         values = getattr(s, axis)
         _require(len(values) > 0, f"sweep.{axis}", "needs at least one value")
         _require(len(set(map(str, values))) == len(values), f"sweep.{axis}", f"has duplicates: {values}")
@@ -370,11 +396,31 @@ def validate(cfg: SuiteConfig) -> None:
     if r.backend == "nccl":
         _require(r.device != "cpu", "run.backend", "nccl needs run.device cuda (or auto on a GPU machine)")
     _require(bool(cfg.results.root), "results.root", "must be a folder path")
+    _validate_documents(cfg)
     _choice(cfg.kind, "kind", KINDS)
     if cfg.kind == "perplexity":
         _validate_perplexity(cfg)
     if r.executor == "sim":
         _validate_sim(cfg)
+
+
+def _validate_documents(cfg: SuiteConfig) -> None:
+    from suite.lengths import UNIFORM, Distribution, LengthsError
+
+    dists = {}
+    for name, d in cfg.documents.items():
+        _require(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name)) and name != UNIFORM, f"documents.{name}",
+                 "names are letters, digits, '-', '_' or '.', and not 'uniform' (the unpacked workload)")
+        try:
+            dists[name] = Distribution.from_config(name, dataclasses.asdict(d))
+            for seq_len in cfg.sweep.seq_len:  # every distribution must fill every sequence
+                dists[name].draw(seq_len, 1, cfg.run.seed)
+        except LengthsError as exc:
+            raise ConfigError(str(exc)) from None
+    for w in cfg.sweep.workload:
+        _require(w == UNIFORM or w in dists, "sweep.workload",
+                 f"unknown workload {w!r}: use 'uniform' or a name defined under documents: "
+                 f"({', '.join(sorted(dists)) or 'none defined'})")
 
 
 def _validate_sim(cfg: SuiteConfig) -> None:

@@ -57,17 +57,28 @@ PPL_BASELINE = "perplexity_baseline"     # the single-device baseline's perplexi
 PPL_REL_DIFF = "perplexity_rel_diff"     # perplexity / baseline - 1
 LOSS_MAX_REL_DIFF = "loss_max_rel_diff"  # max over steps of |loss - baseline loss| / baseline loss
 
+# load balance and packed documents (sweep.workload)
+PADDED_TOKENS = "padded_tokens"          # tokens added at the tail so the layout divides the length (per sequence)
+PADDING_FRACTION = "padding_fraction"    # padded_tokens / the padded length
+DOC_LENGTHS = "doc_lengths"              # packed documents' lengths, per sequence (list of lists); None: one each
+DOCS_PER_SEQ = "docs_per_sequence"       # mean number of documents in a sequence
+PAIRS_MAX = "pairs_max_rank"             # visible (query, key) pairs x heads a rank's forward kernels compute, max
+PAIRS_MEAN = "pairs_mean_rank"           # ... and the mean over ranks
+IMBALANCE = "imbalance"                  # pairs_max_rank / pairs_mean_rank: the compute imbalance
+KERNEL_SPREAD = "kernel_ms_spread"       # max / mean over ranks of the measured time in block kernels
+
 BREAKDOWN = (KERNEL_MS, COMM_WAIT_MS, OVERHEAD_RATIO, COMPUTE_ONLY_MS, COMM_ONLY_MS, CCR, OVERLAP_EFF)
+BALANCE = (PADDED_TOKENS, PADDING_FRACTION, DOCS_PER_SEQ, PAIRS_MAX, PAIRS_MEAN, IMBALANCE, KERNEL_SPREAD)
 MODEL_CHECK = (VAL_LOSS, PPL, PPL_BASELINE, PPL_REL_DIFF, LOSS_MAX_REL_DIFF)
 NUMERIC_METRICS = (TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX, TFLOPS_PER_GPU, TOKENS_PER_S, BYTES_SENT,
-                   BYTES_RECV, PEAK_MEM, DURATION_S) + BREAKDOWN + tuple(ERR.values()) + tuple(TOL.values()) \
-    + MODEL_CHECK
+                   BYTES_RECV, PEAK_MEM, DURATION_S) + BREAKDOWN + BALANCE + tuple(ERR.values()) \
+    + tuple(TOL.values()) + MODEL_CHECK
 
 COLUMNS = ((KEY,) + IDENTITY + (STATUS, REASON, CHECKED) + tuple(ERR.values()) + tuple(TOL.values())
            + (TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX, TFLOPS_PER_GPU, TOKENS_PER_S, BYTES_SENT, BYTES_RECV,
-              PEAK_MEM) + BREAKDOWN + MODEL_CHECK
-           + (LOSS_CURVE, KERNEL_USED, COMM_OPS, TIME_MS_SAMPLES, SEED, WARMUP, REPEATS, DURATION_S, STARTED_AT, RUN_ID,
-              ERROR_TRACE))
+              PEAK_MEM) + BREAKDOWN + BALANCE + MODEL_CHECK
+           + (LOSS_CURVE, DOC_LENGTHS, KERNEL_USED, COMM_OPS, TIME_MS_SAMPLES, SEED, WARMUP, REPEATS, DURATION_S,
+              STARTED_AT, RUN_ID, ERROR_TRACE))
 
 
 def attention_flops(batch: int, seq_len: int, heads: int, head_dim: int, causal: bool, pass_: str) -> float:
@@ -83,6 +94,12 @@ def attention_flops(batch: int, seq_len: int, heads: int, head_dim: int, causal:
     return fwd * (3.5 if pass_ == "fwd_bwd" else 1.0)
 
 
+def pairs_flops(pairs: int, heads: int, head_dim: int, pass_: str) -> float:
+    """FLOPs of `pairs` visible (query, key) pairs per head (summed over the batch): packed
+    documents count their exact document-causal pairs; backward = 2.5 x forward as above."""
+    return 4.0 * pairs * heads * head_dim * (3.5 if pass_ == "fwd_bwd" else 1.0)
+
+
 def tflops_per_gpu(flops: float, seconds: float, world_size: int) -> float:
     return flops / (seconds * world_size) / 1e12
 
@@ -94,3 +111,16 @@ def tokens_per_s(batch: int, seq_len: int, seconds: float) -> float:
 def method_label(method: str, options: dict[str, Any]) -> str:
     """A method with its options, as tables print it: usp(ulysses_degree=2)."""
     return method + ("(" + ",".join(f"{k}={v}" for k, v in sorted(options.items())) + ")" if options else "")
+
+
+def workload_label(workload) -> str:
+    """"uniform" for one document per sequence, else "docs:<distribution name>" (from a row's
+    `workload` column; perplexity rows carry their model settings there too)."""
+    if not workload or not isinstance(workload, str):
+        return "uniform"
+    import json
+    try:
+        docs = json.loads(workload).get("documents")
+    except (ValueError, AttributeError):
+        return "uniform"
+    return f"docs:{docs['name']}" if docs else "uniform"

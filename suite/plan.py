@@ -5,15 +5,18 @@ passes and identity), so that planning needs neither the executors nor the workl
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import methods
 from methods.base import Case
+from methods.documents import Documents
 from suite.config import SuiteConfig, option_points
+from suite.lengths import lengths_of
 from suite.metrics import IDENTITY, method_label
 
 
@@ -89,9 +92,27 @@ class TrialSpec:
     def build_method(self) -> methods.Method:
         return methods.get_method(self.method, kernel=self.kernel, **self.method_options)
 
+    def document_lengths(self) -> Optional[tuple[tuple[int, ...], ...]]:
+        """The packed documents' lengths per sequence (None: one document per sequence)."""
+        return lengths_of(self.workload, self.seq_len, self.batch)
+
+    def run_case(self, method: methods.Method) -> Case:
+        """The case `method` runs: the sequence padded to its granule, with the packed documents
+        (and the padding) as `documents` when there are any."""
+        case = self.case()
+        lengths = self.document_lengths()
+        if lengths is not None:  # a layout may follow the documents (sharding by documents)
+            case = dataclasses.replace(case, documents=Documents(lengths, self.seq_len))
+        padded = method.padded_len(case)
+        if lengths is None and padded == self.seq_len:
+            return case
+        docs = Documents(lengths or tuple((self.seq_len,) for _ in range(self.batch)), padded)
+        return dataclasses.replace(case, seq_len=padded, documents=docs)
+
     def problem_key(self) -> tuple:
         """Trials with equal problem keys share global inputs and the float64 reference."""
-        return (self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim, self.dtype, self.causal)
+        key = (self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim, self.dtype, self.causal)
+        return key + ((self.workload,) if self.document_lengths() is not None else ())
 
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
@@ -126,7 +147,7 @@ class PlannedWorkload(Protocol):
 
     def passes(self, cfg: SuiteConfig) -> list[str]: ...
 
-    def identity(self, cfg: SuiteConfig) -> str: ...
+    def identity(self, cfg: SuiteConfig, *, workload: str, batch: int, seq_len: int) -> str: ...
 
 
 def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], device: str) -> list[TrialSpec]:
@@ -135,17 +156,21 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
     problem (so inputs and the float64 reference are reused), then method and pass."""
     s = cfg.sweep
     specs = []
-    passes, identity = workload.passes(cfg), workload.identity(cfg)
-    axes = itertools.product(places, s.world_size, s.batch, s.seq_len, s.heads, s.kv_heads, s.head_dim, s.dtype,
-                             s.causal, s.methods, passes)
-    for place, ws, b, sl, h, kvh, hd, dt, causal, m, ps in axes:
+    passes = workload.passes(cfg)
+    identities: dict[tuple, str] = {}  # a packed workload draws its documents once per (mix, batch, length)
+    axes = itertools.product(places, s.world_size, s.workload, s.batch, s.seq_len, s.heads, s.kv_heads, s.head_dim,
+                             s.dtype, s.causal, s.methods, passes)
+    for place, ws, mix, b, sl, h, kvh, hd, dt, causal, m, ps in axes:
+        if (mix, b, sl) not in identities:
+            identities[mix, b, sl] = workload.identity(cfg, workload=mix, batch=b, seq_len=sl)
+        identity = identities[mix, b, sl]
         case = Case(batch=b, seq_len=sl, heads=h, kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal),
                     world_size=ws, device=device)
         for options in option_points(dict(s.method_options.get(m, {}))):
             ud, rd, impl = _method_facts(m, options, cfg.run.kernel, case)
             point = dict(options, method=m, topology=place.topology, world_size=ws, batch=b, seq_len=sl, heads=h,
                          kv_heads=kvh, head_dim=hd, dtype=dt, causal=causal, ulysses_degree=ud, ring_degree=rd,
-                         **{"pass": ps})
+                         workload=mix, **{"pass": ps})
             if any(_matches(rule, point) for rule in s.exclude):
                 continue
             specs.append(TrialSpec(

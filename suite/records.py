@@ -49,6 +49,7 @@ class RankReport:
     samples_ms: list[float] = field(default_factory=list)    # per timed iteration (or training step)
     peak_mem: Optional[int] = None
     breakdown: Optional[Breakdown] = None
+    pairs: Optional[int] = None    # visible (query, key) pairs x query heads of this rank's forward kernels
     losses: list[float] = field(default_factory=list)        # model-level check: loss of every step
     val_loss: Optional[float] = None
 
@@ -165,6 +166,24 @@ def breakdown_columns(reports: list[RankReport], total_ms: float) -> dict[str, A
             M.COMPUTE_ONLY_MS: compute, M.COMM_ONLY_MS: comm if has_comm else None,
             M.CCR: compute / comm if has_comm else None,
             M.OVERLAP_EFF: (compute + comm - total_ms) / min(compute, comm) if has_comm else None}
+
+
+def balance_columns(spec: TrialSpec, reports: list[RankReport], padded_len: int) -> dict[str, Any]:
+    """Padding, the packed documents, and how evenly the ranks' kernels share the work: visible
+    pairs per rank (max, mean, max/mean) and the spread of the measured kernel time."""
+    lengths = spec.document_lengths()
+    cols: dict[str, Any] = {M.PADDED_TOKENS: padded_len - spec.seq_len,
+                            M.PADDING_FRACTION: (padded_len - spec.seq_len) / padded_len,
+                            M.DOC_LENGTHS: [list(ls) for ls in lengths] if lengths is not None else None,
+                            M.DOCS_PER_SEQ: (sum(map(len, lengths)) / len(lengths)) if lengths is not None else 1.0}
+    pairs = [r.pairs for r in reports]
+    if pairs and None not in pairs:
+        mean = sum(pairs) / len(pairs)
+        cols.update({M.PAIRS_MAX: max(pairs), M.PAIRS_MEAN: mean, M.IMBALANCE: max(pairs) / mean if mean else None})
+    kernel = [r.breakdown.kernel_ms for r in reports if r.breakdown is not None]
+    if len(kernel) == len(reports) and kernel and sum(kernel) > 0:
+        cols[M.KERNEL_SPREAD] = max(kernel) / (sum(kernel) / len(kernel))
+    return cols
 
 
 def worst(errors: Iterable[float]) -> float:

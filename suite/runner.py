@@ -36,11 +36,12 @@ def check_supported(spec: TrialSpec, executor: Executor, workload: Workload) -> 
         method = spec.build_method()
     except (TypeError, ValueError) as exc:
         return False, str(exc)
-    ok, reason = method.supports(spec.case())
+    case = spec.run_case(method)  # padded to the method's granule, with any packed documents
+    ok, reason = method.supports(case)
     if not ok:
         return False, reason
     if spec.pass_ != "fwd":
-        why = method.forward_only_reason(spec.case())
+        why = method.forward_only_reason(case)
         if why:
             return False, why
     ok, reason = workload.supports(spec, method)

@@ -17,7 +17,7 @@ PACKAGES = ("suite", "methods")
 # Lowest first. A module may import modules of its own layer or of a lower one.
 LAYERS = [
     ["suite.metrics", "suite.results"],
-    ["suite.env", "suite.check", "suite.memtrack", "suite.timing", "suite.summary", "suite.tracking",
+    ["suite.env", "suite.check", "suite.memtrack", "suite.timing", "suite.summary", "suite.tracking", "suite.lengths",
      "suite.perplexity.*", "suite.sim.topology", "suite.sim.trace", "suite.sim.engine", "suite.sim.compute",
      "suite.sim"],
     ["suite.config"],

@@ -317,7 +317,7 @@ def test_the_check_catches_a_dropped_block_in_low_precision(dtype):
             def plan(src):
                 return [] if drop and src == 0 else base(src)
             out, lse = kv_ring_forward(q, k, v, comm=comm, plan=plan, scale=scale, kernel=self.kernel)
-            return out, lse, (q, k, v, out, lse)
+            return out, lse, (q, k, v, out, lse, None)
     case = Case(2, 8 * 48, 8, 8, 32, dtype, False, 8)
     prob = problem_for(case)
     m = DropsABlock()

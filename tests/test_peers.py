@@ -185,6 +185,9 @@ sweep:
   dtype: [{dtype}]
   causal: [true]
   passes: [fwd_bwd]
+  workload: [{workload}]
+documents:
+  short: {{distribution: lognormal, median: 12, sigma: 0.7}}
 run: {{warmup: 1, repeats: 2, timeout_s: 60, plugins: [{plugin}]}}
 tracking: {{mlflow: false}}
 """
@@ -213,10 +216,10 @@ def restore_modules():
     ring_flash_attn_peer._RFA.supports = supports
 
 
-def _rfa_sweep(write_config, dtype, plugin):
+def _rfa_sweep(write_config, dtype, plugin, workload="uniform"):
     from suite.config import load_config
     from suite.runner import run_sweep
-    cfg, text = load_config(write_config(RFA_SWEEP.format(dtype=dtype, plugin=plugin)))
+    cfg, text = load_config(write_config(RFA_SWEEP.format(dtype=dtype, plugin=plugin, workload=workload)))
     return {r["method"]: r for r in run_sweep(cfg, text, progress=False, out=open(os.devnull, "w")).records}
 
 
@@ -231,6 +234,19 @@ def test_ring_flash_attn_adapters_run_its_ring_logic_on_cpu_through_a_test_doubl
     for name, r in rows.items():
         assert r[M.STATUS] == M.OK, (name, r[M.REASON])
         assert r["impl"].endswith("+cpu-kernel") and r[M.ERR["lse"]] is not None and r[M.ERR["dk"]] is not None
+
+
+@needs_rfa
+@pytest.mark.slow
+def test_ring_flash_attn_llama3_varlen_takes_packed_documents(write_config, restore_modules):
+    """Packed documents: rfa_llama3 passes their boundaries to the library's varlen path and
+    matches float64; the other functions' varlen versions need every document divisible by the
+    world size, so they are skipped with that reason."""
+    rows = _rfa_sweep(write_config, "bfloat16", "tests.plugins.rfa_cpu_shim", workload="short")
+    assert rows["rfa_llama3"][M.STATUS] == M.OK, rows["rfa_llama3"][M.REASON]
+    assert rows["rfa_llama3"]["docs_per_sequence"] > 2
+    for name in ("rfa_ring", "rfa_zigzag", "rfa_stripe"):
+        assert rows[name][M.STATUS] == M.SKIPPED and "divisible by the world size" in rows[name][M.REASON]
 
 
 @needs_rfa

@@ -140,11 +140,12 @@ def test_other_world_sizes(corpus, baseline, name, world_size):
     assert max_rel(results[0].losses, baseline.losses) < 1e-5
 
 
-@pytest.mark.parametrize("bug", [b for b in PLANTED_BUGS if b != "none"])
+@pytest.mark.parametrize("bug", [b for b in PLANTED_BUGS if b not in ("none", "cross_document_attention")])
 @pytest.mark.parametrize("name", ["ring", "zigzag_ring"])
 def test_planted_bugs_are_caught(corpus, baseline, name, bug):
     """Each way sequence parallelism breaks a model silently moves the loss far beyond the 1e-4
-    tolerance (while the correct run stays below 1e-5: see above)."""
+    tolerance (while the correct run stays below 1e-5: see above). (cross_document_attention acts
+    on packed documents only: test_cross_document_attention_is_caught_on_packed_documents.)"""
     results = train_sp(corpus, name, 4, tc=dataclasses.replace(TRAIN, planted_bug=bug))
     assert max_rel(results[0].losses, baseline.losses) > 1e-3 or \
         abs(results[0].perplexity / baseline.perplexity - 1) > 1e-2
@@ -253,6 +254,41 @@ def test_planted_bug_is_recorded_incorrect_through_the_sweep(write_config, tmp_p
     assert row[M.LOSS_MAX_REL_DIFF] > 1e-4
     # the baseline has no planted bug to suffer from: it is the plain single-device model
     assert next(r for r in res.records if r["method"] == "baseline")[M.STATUS] == M.OK
+
+
+PACKED_SWEEP = """
+name: ppl_packed
+kind: perplexity
+sweep: {{methods: {methods}, world_size: [3], batch: [2], seq_len: [90], heads: [6],
+        kv_heads: [3], head_dim: [8], causal: [true], workload: [docs]}}
+documents: {{docs: {{distribution: lognormal, median: 16, sigma: 0.8}}}}
+perplexity: {{steps: 6, warmup_steps: 2, eval_batches: 2, data: {{max_bytes: 200000}}}}
+run: {{executor: threads, warmup: 1}}
+tracking: {{mlflow: false}}
+results: {{root: {root}}}
+"""
+
+
+def test_packed_documents_train_like_the_baseline_with_every_causal_method(write_config, tmp_path):
+    """Packed documents (positions restarting at each, document-causal mask), an odd length that
+    some layouts pad (90 tokens at P = 3): every method's losses and perplexity equal the
+    single-device baseline's, which masks the same documents in SDPA."""
+    path = write_config(PACKED_SWEEP.format(methods=f"[{', '.join(CAUSAL_METHODS)}]", root=tmp_path))
+    res = _sweep(path)
+    rows = [r for r in res.records if r["method"] != "baseline"]
+    assert {r["method"] for r in rows} == set(CAUSAL_METHODS)
+    for r in rows:
+        assert r[M.STATUS] == M.OK, (r["method"], r[M.REASON])
+        assert r[M.LOSS_MAX_REL_DIFF] < 1e-5 and '"documents"' in r["workload"]
+    assert any(r[M.PADDED_TOKENS] for r in rows) is False  # perplexity rows record no attention balance columns
+
+
+def test_cross_document_attention_is_caught_on_packed_documents(write_config, tmp_path):
+    """A method that attends across packed documents trains another model than the baseline's."""
+    path = write_config(PACKED_SWEEP.format(methods="[zigzag_ring]", root=tmp_path))
+    res = _sweep(path, "perplexity.planted_bug=cross_document_attention")
+    row = next(r for r in res.records if r["method"] == "zigzag_ring")
+    assert row[M.STATUS] == M.INCORRECT and row[M.LOSS_MAX_REL_DIFF] > 1e-4
 
 
 # -- Hugging Face ---------------------------------------------------------------------------------------

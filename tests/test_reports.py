@@ -352,3 +352,33 @@ def assert_well_formed_and_self_contained(page: str) -> tuple[set, list]:
     assert not checker.external, f"external references: {checker.external[:3]}"
     assert "<script" not in page
     return checker.ids, checker.hrefs
+
+
+def test_packed_workloads_get_their_own_panels_balance_table_and_figure(tmp_path):
+    """Rows of a packed length mix are another problem (their mask says so), never averaged with
+    the uniform ones; the balance table, the packed-vs-uniform percent-of-ideal table and the
+    balance figure show them side by side."""
+    packed = '{"documents":{"digest":"abc","distribution":"lognormal","name":"short","seed":0}}'
+    rows = []
+    for workload, imb in (("", {"ring": 1.4, "zigzag_ring": 1.0}), (packed, {"ring": 1.3, "zigzag_ring": 1.2})):
+        slow = 2.0 if workload else 1.0
+        rows.append(row("reference", 1, 512, workload=workload, time_ms=10.0 * slow,
+                        key=f"ref-{bool(workload)}", **{M.IMBALANCE: 1.0}))
+        for method in ("ring", "zigzag_ring"):
+            rows.append(row(method, 4, 512, workload=workload, time_ms=5.0 * slow * imb[method],
+                            key=f"{method}-{bool(workload)}",
+                            **{M.IMBALANCE: imb[method], M.PAIRS_MAX: 100 * imb[method], M.PAIRS_MEAN: 100,
+                               M.PADDING_FRACTION: 0.0, M.DOCS_PER_SEQ: 9.0 if workload else 1.0}))
+    df = frame_of(tmp_path, rows)
+    assert set(df["mask"]) == {"causal", "causal, docs:short"}
+    tables = build_tables(df, "ring")
+    bal = tables["balance"].data
+    assert len(bal) == 6 and set(bal.loc[bal["series"] == "ring", "imbalance"]) == {1.4, 1.3}
+    pvu = tables["packed_vs_uniform"].data.set_index("series")
+    # ideal = the same mix's reference / P: 10/4 ms vs 5 x 1.4 ms for ring, uniform; 20/4 vs 10 x 1.3, packed
+    assert pvu.loc["ring", "uniform"] == pytest.approx(100 * 2.5 / 7.0)
+    assert pvu.loc["ring", "docs:short"] == pytest.approx(100 * 5.0 / 13.0)
+    speed = tables["speedup_over_ring"].data
+    assert set(speed["mask"]) == {"causal", "causal, docs:short"}  # pairs within one mix only
+    rep = build_report([str(write_run(tmp_path / "r", "syn", rows))], out=tmp_path / "out", log_to_mlflow=False)
+    assert any("balance_" in f and f.endswith(".png") for f in rep.figures)

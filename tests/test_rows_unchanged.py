@@ -11,7 +11,8 @@ identity, status, bytes, operation counts, losses' length, skip reasons) must be
     (the overrides of each test below, plus tracking.mlflow=false results.root=<tmp>)
 
 When a change is meant to change rows (a new column, a method's bytes), regenerate the files with
-those commands and say why in the commit.
+`python -m tests.test_rows_unchanged quickstart methods_cpu_threads perplexity_threads simulate`
+and say why in the commit.
 """
 import json
 import math
@@ -26,7 +27,7 @@ GOLDEN = Path(__file__).parent / "data" / "golden"
 ROOT = Path(__file__).resolve().parents[1]
 VOLATILE = {"time_ms_median", "time_ms_min", "time_ms_max", "time_ms_samples", "tflops_per_gpu", "tokens_per_s",
             "trial_wall_s", "started_at", "run_id", "kernel_ms", "comm_wait_ms", "overhead_ratio", "compute_only_ms",
-            "comm_only_ms", "ccr", "overlap_efficiency", "error_trace"}
+            "comm_only_ms", "ccr", "overlap_efficiency", "error_trace", "kernel_ms_spread"}
 LOOSE = ("err_", "tol_", "val_loss", "perplexity", "loss_", "peak_mem_bytes")
 
 SWEEPS = {
@@ -67,3 +68,21 @@ def test_rows_equal_the_recorded_rows(name, tmp_path):
         diff = {k: (old[k], new[k]) for k in old
                 if not (_close(old[k], new[k]) if k.startswith(LOOSE) else old[k] == new[k])}
         assert not diff, (key, old["method"], diff)
+
+
+def regenerate(names: list[str], root: str = "/tmp/golden-rows") -> None:
+    """Write the golden files anew from today's code (see the module docstring)."""
+    import io
+    for name in names:
+        config, overrides = SWEEPS[name]
+        cfg, text = load_config(ROOT / config, overrides + ["tracking.mlflow=false", f"results.root={root}"])
+        res = run_sweep(cfg, text, progress=False, out=io.StringIO())
+        with open(GOLDEN / f"{name}.jsonl", "w") as f:
+            for r in res.records:
+                f.write(json.dumps({k: v for k, v in r.items() if k not in VOLATILE}, sort_keys=True) + "\n")
+        print(f"{name}: {len(res.records)} rows, {sum(r['status'] == 'ok' for r in res.records)} ok")
+
+
+if __name__ == "__main__":
+    import sys
+    regenerate(sys.argv[1:] or sorted(SWEEPS))

@@ -220,7 +220,8 @@ def test_a_simulated_sweep_records_labelled_rows(tmp_path):
     assert "cannot be traced" in rows[("rfa_ring", "h100_sxm", 8, "bfloat16")]["reason"] or \
         "not importable" in rows[("rfa_ring", "h100_sxm", 8, "bfloat16")]["reason"]
     assert "no float64 rate" in rows[("ring", "h100_sxm", 8, "float64")]["reason"]
-    assert "divisible" in rows[("tasp", "h100_sxm", 16, "bfloat16")]["reason"]   # 2P(P-1) = 480
+    padded = rows[("tasp", "h100_sxm", 16, "bfloat16")]  # 2P(P-1) = 480 does not divide 32256: padded
+    assert padded["status"] == "ok" and padded["padded_tokens"] == 32640 - 8064 * 4
     with pytest.raises(ConfigError, match="sim.topology: unknown topology 'nope'"):
         load_config(cfg_path, ["sim.topology=[nope]"])
     same_name = load_topology("h100_sxm").source

@@ -30,16 +30,20 @@ class PeerMethod(Method):
 
     needs_processes: ClassVar[bool] = True
     library: ClassVar[str] = ""
+    supports_documents: ClassVar[bool] = False   # a library with a varlen path says True and takes `docs`
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, comm: Comm,
-                  softmax_scale: Optional[float] = None, return_lse: bool = False):
+                  softmax_scale: Optional[float] = None, return_lse: bool = False, docs=None):
         check_local_inputs(q, k, v)
         world = dist_world_size()
         if comm.world_size != world:
             raise RuntimeError(f"{self.name} runs over the whole torch.distributed group "
                                f"({world} ranks); this comm has {comm.world_size}")
+        if docs is not None and not self.supports_documents:
+            raise ValueError(self.documents_reason or f"{self.name} takes no packed documents")
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-        out, lse = self._call(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale)
+        extra = {"docs": docs} if docs is not None else {}
+        out, lse = self._call(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale, **extra)
         return (out, lse) if return_lse else out
 
     def attention_fwd_bwd(self, *args, **kwargs):

@@ -6,13 +6,16 @@ The library needs flash-attn's CUDA kernels: importing it imports `flash_attn` (
 as unavailable with the import error. Inputs must be bf16/fp16: with fp32 its dq/dk buffers alias
 (`.to(float32)` returns the same tensor) and the gradients are wrong; those points are skipped
 with the reason. zigzag and stripe assert causal=True. `rfa_llama3` runs one packed sequence per
-call (batch 1; cu_seqlens [0, S]) on the contiguous layout.
+call (batch 1) on the contiguous layout: cu_seqlens [0, S], or the packed documents' boundaries
+(the library's varlen path; the other functions' varlen versions need every document divisible by
+the world size, so packed workloads of any length are skipped for them with that reason).
 
 Layouts (the library's tests): ring contiguous chunks in rank order; zigzag chunks r and 2W-1-r;
 stripe tokens r, r+W, ... The LSE comes back with `return_attn_probs=True` and is checked too.
 """
 from __future__ import annotations
 
+import itertools
 from typing import ClassVar
 
 import torch
@@ -35,6 +38,10 @@ def _import_error() -> str | None:
 
 class _RFA(PeerMethod):
     library: ClassVar[str] = "ring-flash-attn"
+    documents_reason: ClassVar[str] = (
+        "ring-flash-attn's ring/zigzag varlen functions need every document's length divisible by the world size "
+        "(2 x world size for zigzag), each rank holding a slice of every document, and stripe has no varlen "
+        "function: packed documents of any length run through rfa_llama3")
     impl: ClassVar[str] = f"ring-flash-attn {VERSION}"
     function: ClassVar[str]
     causal_only: ClassVar[bool] = False
@@ -61,18 +68,22 @@ class _RFA(PeerMethod):
 
 
 class _Llama3(_RFA):
+    supports_documents = True  # its varlen entry takes the packed documents' cu_seqlens
+
     def supports(self, case: Case) -> tuple[bool, str]:
         if case.batch != 1:
             return False, "rfa_llama3 packs one sequence per call here: batch must be 1"
         return super().supports(case)
 
-    def _call(self, q, k, v, causal: bool, scale: float):
+    def _call(self, q, k, v, causal: bool, scale: float, docs=None):
         import torch.distributed as dist
         from ring_flash_attn import llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func
 
         world, rank = dist.get_world_size(), dist.get_rank()
         total = q.shape[1] * world
-        cu = torch.tensor([0, total], dtype=torch.int32, device=q.device)
+        # the packed documents' boundaries; tail padding is one more document (never compared)
+        lengths = list(docs.lengths[0]) + ([docs.padding] if docs.padding else []) if docs is not None else [total]
+        cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=q.device)
         cu_q, cu_k, max_q, max_k, local_k_slice = llama3_flash_attn_prepare_cu_seqlens(
             cu, causal=causal, rank=rank, world_size=world)
         out, lse, _ = llama3_flash_attn_varlen_func(

@@ -31,6 +31,8 @@ def _import_error() -> str | None:
 
 
 class _TorchCP(PeerMethod):
+    documents_reason = ("PyTorch's context_parallel shards SDPA with its causal flag only: it takes no document "
+                        "mask (packed documents or padding)")
     library: ClassVar[str] = "torch"
     impl: ClassVar[str] = f"torch {torch.__version__.split('+')[0]} context_parallel"
     rotate: ClassVar[str]

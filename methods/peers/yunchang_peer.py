@@ -80,6 +80,8 @@ def _kernel_shim():
 
 
 class _YunchangBase(PeerMethod):
+    documents_reason = ("yunchang's LongContextAttention has no varlen path: its ring varlen functions are not "
+                        "reachable from the USP layer, so packed documents (and padding) cannot be expressed")
     library: ClassVar[str] = "yunchang"
     impl: ClassVar[str] = f"yunchang {VERSION}"
 

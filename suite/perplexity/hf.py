@@ -26,6 +26,7 @@ import torch
 
 from methods.base import Case, Method, dtype_name
 from methods.comm.base import Comm
+from methods.documents import Documents
 
 NAME = "suite_sp"
 _active = threading.local()
@@ -41,9 +42,10 @@ def _suite_attention(module, query, key, value, attention_mask, scaling: Optiona
         raise ValueError("suite methods have no attention dropout; evaluate with model.eval()")
     if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
         raise ValueError("sliding-window attention is not supported by the suite's methods")
-    method, comm = state
+    method, comm, docs = state
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out = method.attention(q, k, v, causal=True, comm=comm, softmax_scale=scaling)
+    extra = {"docs": docs} if docs is not None else {}
+    out = method.attention(q, k, v, causal=True, comm=comm, softmax_scale=scaling, **extra)
     return out, None
 
 
@@ -62,10 +64,11 @@ def register() -> str:
 
 
 @contextlib.contextmanager
-def sequence_parallel(method: Method, comm: Comm) -> Iterator[None]:
-    """Make `method` over `comm` the attention of `suite_sp` models in this thread."""
+def sequence_parallel(method: Method, comm: Comm, docs: Optional[Documents] = None) -> Iterator[None]:
+    """Make `method` over `comm` the attention of `suite_sp` models in this thread (with packed
+    documents `docs`, if any)."""
     previous = getattr(_active, "state", None)
-    _active.state = (method, comm)
+    _active.state = (method, comm, docs)
     try:
         yield
     finally:
@@ -85,40 +88,57 @@ def model_case(model, batch: int, seq_len: int, world_size: int, dtype: str = "f
                 world_size=world_size, device=device)
 
 
-def _layout(model, input_ids: torch.Tensor, method: Method, world_size: int):
+def _layout(model, input_ids: torch.Tensor, method: Method, world_size: int, docs: Optional[Documents] = None):
     b, s = input_ids.shape
     dtype = dtype_name(next(model.parameters()).dtype)
-    return method.layout(model_case(model, b, s, world_size, dtype, input_ids.device.type))
+    case = model_case(model, b, s, world_size, dtype, input_ids.device.type)
+    if docs is not None:
+        case = Case(**{**case.__dict__, "documents": docs})
+    return method.layout(case)
 
 
-def sharded_logits(model, input_ids: torch.Tensor, method: Method, comm: Comm) -> torch.Tensor:
-    """This rank's logits [B, S_local, vocab] for the global `input_ids` [B, S] (model in suite_sp mode)."""
+def sharded_logits(model, input_ids: torch.Tensor, method: Method, comm: Comm,
+                   docs: Optional[Documents] = None) -> torch.Tensor:
+    """This rank's logits [B, S_local, vocab] for the global `input_ids` [B, S] (model in suite_sp
+    mode). With packed documents `docs`, `position_ids` restart at every document and the method
+    masks across documents (as packed training feeds a Hugging Face model)."""
     b = input_ids.shape[0]
-    layout = _layout(model, input_ids, method, comm.world_size)
+    layout = _layout(model, input_ids, method, comm.world_size, docs)
     tokens = layout.shard(input_ids, comm.rank)
     positions = layout.positions(comm.rank).to(input_ids.device)[None].expand(b, -1)
-    with sequence_parallel(method, comm):
+    if docs is not None:
+        positions = positions - docs.starts[:, layout.positions(comm.rank)].to(input_ids.device)
+    with sequence_parallel(method, comm, docs):
         return model(input_ids=tokens, position_ids=positions, use_cache=False).logits
 
 
-def gathered_logits(model, input_ids: torch.Tensor, method: Method, world_size: int) -> torch.Tensor:
+def gathered_logits(model, input_ids: torch.Tensor, method: Method, world_size: int,
+                    docs: Optional[Documents] = None) -> torch.Tensor:
     """Global logits [B, S, vocab] computed by `world_size` virtual ranks with `method`."""
     from methods.comm import run_threads
 
-    layout = _layout(model, input_ids, method, world_size)
+    layout = _layout(model, input_ids, method, world_size, docs)
     use_suite_attention(model)
     def rank(comm: Comm) -> torch.Tensor:
         with torch.no_grad():  # grad mode is per thread
-            return sharded_logits(model, input_ids, method, comm)
+            return sharded_logits(model, input_ids, method, comm, docs)
     parts = run_threads(world_size, rank)
     return layout.unshard(parts)
 
 
-def eager_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """The model's own eager attention on one device (the reference)."""
+def eager_logits(model, input_ids: torch.Tensor, docs: Optional[Documents] = None) -> torch.Tensor:
+    """The model's own eager attention on one device (the reference). With packed documents, each
+    document by itself: a packed sequence's logits are exactly its documents' own."""
     model.set_attn_implementation("eager")
     with torch.no_grad():
-        return model(input_ids=input_ids, use_cache=False).logits
+        if docs is None:
+            return model(input_ids=input_ids, use_cache=False).logits
+        rows = []
+        for b, lengths in enumerate(docs.lengths):
+            starts = [0] + [sum(lengths[:i + 1]) for i in range(len(lengths) - 1)]
+            rows.append(torch.cat([model(input_ids=input_ids[b:b + 1, a:a + n], use_cache=False).logits
+                                   for a, n in zip(starts, lengths)], dim=1))
+        return torch.cat(rows)
 
 
 @dataclass

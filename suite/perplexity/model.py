@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -53,12 +53,15 @@ class RMSNorm(nn.Module):
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
-    """Rotate [B, S, H, D] by the angles of `positions` [S] (LLaMA's rotate-half convention)."""
+    """Rotate [B, S, H, D] by the angles of `positions` [S], or [B, S] when they differ per sequence
+    (packed documents: positions restart at each document) (LLaMA's rotate-half convention)."""
     d = x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d)
-    angles = positions.to(x.device, torch.float64)[:, None] * inv_freq[None, :]   # [S, D/2]
+    angles = positions.to(x.device, torch.float64)[..., None] * inv_freq              # [(B,) S, D/2]
     angles = torch.cat((angles, angles), dim=-1)
-    cos, sin = angles.cos().to(x.dtype)[None, :, None, :], angles.sin().to(x.dtype)[None, :, None, :]
+    if angles.dim() == 2:
+        angles = angles.unsqueeze(0)                                                   # [1, S, D]
+    cos, sin = angles.cos().to(x.dtype)[:, :, None, :], angles.sin().to(x.dtype)[:, :, None, :]
     x1, x2 = x[..., : d // 2], x[..., d // 2:]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
@@ -135,8 +138,12 @@ class TinyLlama(nn.Module):
         return self.head(self.norm(x))
 
 
-def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Single-device causal attention with torch's SDPA (the baseline; none of the suite's code)."""
+def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Single-device causal attention with torch's SDPA (the baseline; none of the suite's code).
+    `mask`: [B, S, S] bool of visible pairs (packed documents), instead of the plain causal mask."""
     rep = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)))
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1)).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)

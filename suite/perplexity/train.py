@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from methods import layouts
 from methods.comm import CommLedger, CountingComm
 from methods.comm.base import Comm
+from methods.documents import Documents
 from methods.timing import Stopwatch
 from suite.perplexity.data import Corpus, train_windows, val_windows
 from suite.perplexity.model import Attend, ModelConfig, TinyLlama
@@ -36,6 +37,8 @@ PLANTED_BUGS = {
     "local_label_shift": "labels shifted per rank after sharding (each shard's last token loses its label, "
                          "and non-contiguous layouts get wrong next tokens)",
     "no_grad_sync": "parameter gradients are not summed over the sequence-parallel group",
+    "cross_document_attention": "with packed documents, the sequence-parallel attention ignores their boundaries "
+                                "(attends across documents; no effect on one document per sequence)",
 }
 
 
@@ -76,11 +79,14 @@ def build_model(cfg: ModelConfig, seed: int, dtype: torch.dtype, device: torch.d
 
 def train_and_evaluate(model_cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, *, layout: layouts.Layout,
                        comm: Optional[Comm], make_attend: Callable[[Optional[Comm]], Attend],
-                       dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu")) -> TrainResult:
+                       dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
+                       docs: Optional[Documents] = None) -> TrainResult:
     """Train for `tc.steps` steps, then evaluate on the validation windows.
 
     `comm` is the sequence-parallel group (None on a single device); `make_attend(comm)` returns the
-    attention to use with that comm (the first step runs through a byte-counting comm).
+    attention to use with that comm (the first step runs through a byte-counting comm). `docs`:
+    packed documents of every window (RoPE positions restart at each document; the attention
+    masks them), and the padding up to the layout's length (no loss on padding).
     """
     if tc.planted_bug not in PLANTED_BUGS:
         raise ValueError(f"unknown planted_bug {tc.planted_bug!r}; choose one of {list(PLANTED_BUGS)}")
@@ -102,7 +108,7 @@ def train_and_evaluate(model_cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, 
         with watch.region():
             ledger = CommLedger() if step == 0 and comm is not None else None
             attend = make_attend(CountingComm(comm, ledger) if ledger is not None else comm)
-            tokens, labels, positions = _shard(windows[step].to(device), layout, rank, tc.planted_bug)
+            tokens, labels, positions = _shard(windows[step].to(device), layout, rank, tc.planted_bug, docs)
             logits = model(tokens, positions, attend)
             nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
             (nll / n_tokens).backward()
@@ -126,15 +132,21 @@ def train_and_evaluate(model_cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, 
         if ledger is not None:
             result.attn_bytes_sent, result.attn_bytes_recv = ledger.bytes_sent, ledger.bytes_recv
 
-    result.val_loss = _evaluate(model, tc, corpus, layout, rank, comm, make_attend(comm), device)
+    result.val_loss = _evaluate(model, tc, corpus, layout, rank, comm, make_attend(comm), device, docs)
     return result
 
 
-def _shard(window: torch.Tensor, layout: layouts.Layout, rank: int, bug: str):
-    """This rank's (tokens, labels, positions) of a [B, S + 1] window."""
+def _shard(window: torch.Tensor, layout: layouts.Layout, rank: int, bug: str, docs: Optional[Documents] = None):
+    """This rank's (tokens, labels, positions) of a [B, S + 1] window: positions [S_local], or
+    [B, S_local] with packed documents (each document's tokens numbered from 0)."""
     inputs, labels = window[:, :-1], window[:, 1:]           # shifted on the global sequence
+    if docs is not None and docs.padding:                      # padding: token 0, no loss
+        inputs = torch.cat([inputs, inputs.new_zeros(inputs.shape[0], docs.padding)], dim=1)
+        labels = torch.cat([labels, labels.new_full((labels.shape[0], docs.padding), -100)], dim=1)
     tokens = layout.shard(inputs, rank)
     positions = layout.positions(rank).to(window.device)
+    if docs is not None:  # RoPE is relative, so this matters only where attention crosses documents
+        positions = positions - docs.starts[:, layout.positions(rank)].to(window.device)
     if bug == "local_label_shift":
         local = tokens[:, 1:]
         labels = torch.cat([local, torch.full_like(tokens[:, :1], -100)], dim=1)
@@ -155,12 +167,12 @@ def _unflatten_grads(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
 
 @torch.no_grad()
 def _evaluate(model: TinyLlama, tc: TrainConfig, corpus: Corpus, layout: layouts.Layout, rank: int,
-              comm: Optional[Comm], attend: Attend, device: torch.device) -> float:
+              comm: Optional[Comm], attend: Attend, device: torch.device, docs: Optional[Documents]) -> float:
     model.eval()
     windows = val_windows(corpus, batches=tc.eval_batches, batch=tc.batch, seq_len=tc.seq_len)
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for w in windows:
-        tokens, labels, positions = _shard(w.to(device), layout, rank, tc.planted_bug)
+        tokens, labels, positions = _shard(w.to(device), layout, rank, tc.planted_bug, docs)
         logits = model(tokens, positions, attend)
         total += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
                                  reduction="sum").double()

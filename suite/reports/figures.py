@@ -191,6 +191,9 @@ def plan_figures(df: pd.DataFrame, baseline: Optional[str]) -> tuple[list[Figure
         elif kind == "scaling":
             if measured(att)["world_size"].nunique() < 2:
                 notes.append(_WHY_NOT[kind])
+        elif kind == "balance":  # drawn where several length mixes ran; nothing to say otherwise
+            if att["mix"].nunique() > 1:
+                notes.append(_WHY_NOT[kind])
         else:
             notes.append(_WHY_NOT[kind])
     return jobs, notes
@@ -380,10 +383,47 @@ def _plan_loss(df, _baseline) -> list[FigureJob]:
     return jobs
 
 
+def _plan_balance(df, _baseline) -> list[FigureJob]:
+    """Compute imbalance (pairs max/mean) and throughput per method across length mixes, per
+    world size: what packing documents of long-tailed lengths does to each layout's balance."""
+    m = measured(df).dropna(subset=[M.IMBALANCE])
+    m = m[m["world_size"] > 1]   # one rank is balanced by definition
+    if m.empty or m["mix"].nunique() < 2:
+        return []
+    jobs = []
+    for slug, shape, part in _per_shape(m):
+        s = part["seq_len"].max()
+        causal = bool(part["causal"].any())  # the document-causal mask is where balance is at stake
+        part = part[(part["seq_len"] == s) & (part["pass"] == sorted(part["pass"].unique())[0])
+                    & (part["causal"] == causal)]
+        word = S.rank_word(part)
+        col = "P = " + part["world_size"].astype(str)
+        base = part.assign(col=col)
+        imb = base.assign(row="imbalance (pairs max/mean)", y=base[M.IMBALANCE], lo=base[M.IMBALANCE],
+                          hi=base[M.IMBALANCE])
+        rate = _rate_points(base, M.TFLOPS_PER_GPU).assign(row=f"TFLOP/s per {word}")
+        d = pd.concat([imb, rate])
+        d["x"] = d["mix"]
+        cols = ["P = " + str(p) for p in sorted(part["world_size"].unique())]
+        p_pass = part["pass"].iloc[0]
+        jobs.append(FigureJob(
+            f"balance{slug}", "points", _tidy(d, "x"),
+            dict(rows=["imbalance (pairs max/mean)", f"TFLOP/s per {word}"], cols=cols, xlabel="length mix",
+                 ylabel="", title=f"Load balance and throughput by length mix, {shape}, S = {_short(s)}, "
+                                  f"{'causal' if causal else 'full'}, {p_pass}",
+                 x_order=["uniform"] + sorted(x for x in d["mix"].unique() if x != "uniform"), lines=False),
+            section="balance", shape=shape,
+            caption="Top: visible (query, key) pairs of the busiest rank's kernels over the mean rank's (1 = "
+                    "balanced). Bottom: throughput (FLOPs of the exact document-causal pairs / time / P). "
+                    "uniform: one document per sequence; docs:<name>: documents drawn from that distribution, packed. "
+                    + _interval_note(part)))
+    return jobs
+
+
 _PLANNERS: dict[str, Callable] = {
     "throughput": _plan_throughput, "speedup": _plan_speedup, "scaling": _plan_scaling, "bytes": _plan_bytes,
     "time_split": _plan_time_split, "memory": _plan_memory, "sim_vs_measured": _plan_sim,
-    "loss_curves": _plan_loss,
+    "loss_curves": _plan_loss, "balance": _plan_balance,
 }
 _WHY_NOT = {
     "throughput": "throughput: no measured rows",
@@ -394,6 +434,7 @@ _WHY_NOT = {
     "memory": "memory: no peak memory recorded",
     "sim_vs_measured": "simulated vs measured: needs rows of both executors dist and sim for the same trials",
     "loss_curves": "loss curves: the model-level rows have no loss curves",
+    "balance": "load balance by length mix: no measured rows with the balance columns",
 }
 
 
@@ -445,7 +486,10 @@ def _title(fig, text: str, height_in: float):
 
 def tick_labels(values) -> list[str]:
     """Labels of swept sizes, in one unit per axis: 512K when every value is a multiple of 1024,
-    8.06K / 129K (thousands) when every value is at least 1000, the plain numbers otherwise."""
+    8.06K / 129K (thousands) when every value is at least 1000, the plain numbers otherwise; names
+    (length mixes) as they are."""
+    if any(isinstance(v, str) for v in values):
+        return [str(v) for v in values]
     values = [int(v) for v in values]
     if values and all(v % 1024 == 0 for v in values) and min(values) >= 1024:
         return [_short(v) for v in values]
@@ -474,9 +518,12 @@ def _offsets(series: list[str], width: float) -> dict[str, float]:
     return {s: (i - (n - 1) / 2) * step for i, s in enumerate(series)}
 
 
-def _points(data, palette, *, rows, cols, xlabel, ylabel, title, auto_log=False, ref=None):
+def _points(data, palette, *, rows, cols, xlabel, ylabel, title, auto_log=False, ref=None, x_order=None,
+            lines=True):
+    """Medians with intervals against a swept axis; `x_order` for named (categorical) x values, whose
+    points are not joined by lines when `lines` is False."""
     series = palette.sort(data["series"])
-    xs = sorted(data["x"].unique())
+    xs = [x for x in x_order if x in set(data["x"])] if x_order else sorted(data["x"].unique())
     pos = {x: i for i, x in enumerate(xs)}
     off = _offsets(series, 0.6)
     legend_w = _legend_width(series)
@@ -497,7 +544,7 @@ def _points(data, palette, *, rows, cols, xlabel, ylabel, title, auto_log=False,
                     ax.errorbar(x, pts["y"], yerr=[pts["y"] - pts["lo"], pts["hi"] - pts["y"]], fmt="none",
                                 ecolor=st.colour, elinewidth=1.0, capsize=2.0, zorder=2)
                 ax.plot(x, pts["y"], color=st.colour, marker=st.marker, markersize=5,
-                        linestyle=st.linestyle if len(pts) > 1 else "none", markeredgecolor="white",
+                        linestyle=st.linestyle if len(pts) > 1 and lines else "none", markeredgecolor="white",
                         markeredgewidth=0.5, zorder=3)
             _categorical_x(ax, xs, last_row=i == len(rows) - 1, xlabel=xlabel)
             ax.set_title(f"{r}, {c}" if r != c else r)

@@ -48,7 +48,7 @@ pre { background: #f7f7f7; padding: .8em; overflow-x: auto; font-size: .8em; }
 SECTIONS = [
     ("runs", "Runs and trial counts"), ("correctness", "Correctness"), ("throughput", "Throughput"),
     ("speedup", "Speedup"), ("scaling", "Scaling"), ("communication", "Communication and time split"),
-    ("memory", "Memory"), ("perplexity", "Model-level check (perplexity)"), ("sim", "Simulated vs measured"),
+    ("balance", "Load balance and packed documents"), ("memory", "Memory"), ("perplexity", "Model-level check (perplexity)"), ("sim", "Simulated vs measured"),
     ("problems", "Skips and failures"), ("not-drawn", "Figures not drawn"), ("configs", "Configs and environments"),
 ]
 

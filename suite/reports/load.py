@@ -119,7 +119,12 @@ def normalise(df: pd.DataFrame) -> pd.DataFrame:
             df[col] = None
     if df.empty:
         return df
-    df["mask"] = df["causal"].map(lambda c: "causal" if bool(c) else "full")
+    # the length mix (uniform, or packed documents of a named distribution) is part of the mask:
+    # a document-causal mask is another problem than the causal one
+    df["workload"] = df["workload"].fillna("")  # rows from before the column existed: one document each
+    df["mix"] = df["workload"].map(M.workload_label)
+    df["mask"] = [("causal" if bool(c) else "full") + ("" if mix == "uniform" else f", {mix}")
+                  for c, mix in zip(df["causal"], df["mix"])]
     # shape: everything of the problem but its length, mask and pass (figures draw one shape at a
     # time: rows of different shapes are never averaged into one point)
     df["shape"] = df.apply(lambda r: f"B={r['batch']} H={r['heads']}/{r['kv_heads']} D={r['head_dim']} {r['dtype']}",

@@ -22,8 +22,8 @@ from suite.reports.style import rank_word
 
 # Columns that, with the series, identify a comparable point (everything but the method).
 POINT = ["hardware", "executor", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
-         "causal", "pass"]
-PROBLEM = ["batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal", "pass"]
+         "causal", "pass", "workload"]
+PROBLEM = ["batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal", "pass", "workload"]
 
 _OPTION_LABELS = {"ulysses_degree": "U", "ranks_per_node": "per-node"}
 
@@ -411,7 +411,7 @@ def perplexity(df: pd.DataFrame) -> Table:
 
 
 SIM_PAIR = ["method", "options", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal",
-            "pass"]
+            "pass", "workload"]
 
 
 def sim_pairs(df: pd.DataFrame) -> pd.DataFrame:
@@ -449,13 +449,60 @@ def sim_vs_measured(df: pd.DataFrame) -> Table:
     return Table("sim_vs_measured", title, data, cols, what=what, section="sim", source=_source(df))
 
 
+def balance(df: pd.DataFrame) -> Table:
+    """Load balance per point: the visible (query, key) pairs the busiest rank's kernels compute
+    over the mean rank's, the measured kernel-time spread, padding and documents per sequence."""
+    m = measured(df).dropna(subset=[M.IMBALANCE]) if not df.empty else df
+    title = "Load balance"
+    if m.empty or (m[M.IMBALANCE] == 1).all():
+        return Table("balance", title, pd.DataFrame(), {})
+    data = pd.DataFrame({
+        "series": m["series"], "shape": m["shape"], "P": m["world_size"], "mask": m["mask"], "pass": m["pass"],
+        "seq_len": m["seq_len"], "imbalance": m[M.IMBALANCE], "kernel_spread": m[M.KERNEL_SPREAD],
+        "padding_pct": 100 * m[M.PADDING_FRACTION], "docs": m[M.DOCS_PER_SEQ]})
+    data = data.sort_values(["shape", "mask", "pass", "P", "seq_len", "series"]).reset_index(drop=True)
+    word = rank_word(df)
+    cols = {**_shape_cols(_p_header(df)), "seq_len": Col("S (tokens)", "int", const="S = {}"),
+            "series": Col("Method", "text"), "imbalance": Col("Pairs max/mean", "ratio"),
+            "kernel_spread": Col("Kernel time max/mean", "ratio"), "padding_pct": Col("Padding (%)", "pct"),
+            "docs": Col("Documents per sequence")}
+    cols = {k: v for k, v in cols.items() if v.const or data[k].notna().any()}
+    what = (f"Visible (query, key) pairs x heads the busiest {word}'s attention kernels compute over the mean "
+            f"{word}'s (1 = balanced; document-causal masks counted exactly), the measured time in kernels of the "
+            f"slowest {word} over the mean, tail padding added for the layout, and packed documents per sequence")
+    return Table("balance", title, data, cols, what=what, section="balance", source=_source(df))
+
+
+def packed_vs_uniform(df: pd.DataFrame) -> Table:
+    """Percent of ideal per method and length mix at equal tokens (rows: method, P, S; columns:
+    uniform and each packed distribution): what packing long-tailed documents costs each method."""
+    t = throughput_rows(df)
+    title = "Percent of ideal: packed documents vs uniform sequences"
+    if t.empty or "mask" not in t or not t["mask"].str.contains(", docs:").any():
+        return Table("packed_vs_uniform", title, pd.DataFrame(), {})
+    parts = t["mask"].str.split(", ", n=1, expand=True)
+    t = t.assign(mask=parts[0], mix=parts[1].fillna("uniform") if 1 in parts else "uniform")
+    out = t.pivot_table(index=["shape", "P", "mask", "pass", "seq_len", "series"], columns="mix",
+                        values="pct_of_ideal", aggfunc="median")
+    mixes = ["uniform"] + sorted(c for c in out.columns if c != "uniform")
+    out = out.reindex(columns=[c for c in mixes if c in out.columns]).reset_index()
+    out.columns.name = None
+    cols = {**_shape_cols(_p_header(df)), "seq_len": Col("S (tokens)", "int", const="S = {}"),
+            "series": Col("Method", "text")}
+    cols.update({c: Col(c, "pct") for c in mixes if c in out.columns})
+    what = ("Single-device reference time of the same problem and length mix / P over the method's median time; "
+            "columns are length mixes (uniform: one document per sequence; docs: packed documents of that "
+            "distribution, document-causal mask)")
+    return Table("packed_vs_uniform", title, out, cols, what=what, section="balance", source=_source(df))
+
+
 def build_tables(df: pd.DataFrame, baseline: str) -> dict[str, Table]:
     """All tables of a report, by file stem (empty ones are left out by the writer). Attention
     tables use the attention rows; the perplexity table the model-level rows."""
     att = attention_rows(df)
     tables = [status_counts(df), correctness_matrix(att), throughput(att), throughput_pivot(att),
-              speedup(att, baseline), communication(att), memory(att), perplexity(df), sim_vs_measured(att),
-              problems(df)]
+              speedup(att, baseline), communication(att), balance(att), packed_vs_uniform(att), memory(att),
+              perplexity(df), sim_vs_measured(att), problems(df)]
     return {t.name: t for t in tables}
 
 

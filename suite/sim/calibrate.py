@@ -43,10 +43,10 @@ def sweep_blocks(cfg) -> list[Compute]:
         if spec.method not in methods.available() or spec.world_size < 2:
             continue
         m = spec.build_method()
-        if m.needs_processes or not m.supports(spec.case())[0] or \
-                (spec.pass_ != "fwd" and m.forward_only_reason(spec.case())):
+        case = spec.run_case(m)
+        if m.needs_processes or not m.supports(case)[0] or (spec.pass_ != "fwd" and m.forward_only_reason(case)):
             continue
-        for rank in cache.get(spec.method, spec.case(), spec.pass_, spec.method_options).ranks:
+        for rank in cache.get(spec.method, case, spec.pass_, spec.method_options).ranks:
             for e in rank:
                 if isinstance(e, Compute) and e.pairs:
                     seen.add(e)

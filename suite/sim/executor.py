@@ -52,17 +52,20 @@ class SimExecutor(Executor):
 
 def predict(spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache) -> list[RankReport]:
     """Per-rank reports of one simulated trial, as a measured trial's ranks would report it."""
-    tr = traces.get(spec.method, spec.case(), spec.pass_, spec.method_options)
+    tr = traces.get(spec.method, spec.run_case(spec.build_method()), spec.pass_, spec.method_options)
     full = replay(tr, topology, compute.time)
     comp = replay(tr, topology, compute.time, comm=False)
     comm = replay(tr, topology, compute.time, compute=False)
+    forward = tr.forward_part()
     reports = []
     for r in range(spec.world_size):
         ledger = tr.ledger(r)  # what the counting comm of a measured trial reports
+        # what a measured trial's pair-counting kernel reports: visible pairs x heads of the forward
+        pairs = round(sum(c.pairs * c.batch * c.heads for c in forward.compute(r) if c.op == "fwd"))
         reports.append(RankReport(
             rank=r, checked=False, kernel_used=f"sim: {compute.source}",
             bytes_sent=ledger.bytes_sent, bytes_recv=ledger.bytes_recv, comm_ops=dict(sorted(ledger.counts().items())),
-            samples_ms=[full.time_s * 1e3], peak_mem=None,
+            samples_ms=[full.time_s * 1e3], peak_mem=None, pairs=pairs,
             breakdown=Breakdown(iter_ms=full.end_s[r] * 1e3, kernel_ms=full.kernel_s[r] * 1e3,
                                 comm_wait_ms=full.blocked_s[r] * 1e3, compute_only_ms=[comp.end_s[r] * 1e3],
                                 comm_only_ms=[comm.end_s[r] * 1e3])))

@@ -26,6 +26,7 @@ from methods.base import Case, dtype_name
 from methods.comm import CommLedger, CountingComm, run_threads
 from methods.comm.base import Work
 from methods.comm.counting import CommRecord
+from methods.kernels import visible_pairs
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,13 @@ class Compute:
     head_dim: int
     causal_offset: Optional[int]
     dtype: str
+    doc_pairs: Optional[int] = None  # packed documents: the block's visible pairs, summed over the batch
 
     @property
-    def pairs(self) -> int:
-        """Visible (query, key) pairs of one head of one batch element."""
+    def pairs(self) -> float:
+        """Visible (query, key) pairs of one head of one batch element (the batch's mean with documents)."""
+        if self.doc_pairs is not None:
+            return self.doc_pairs / self.batch
         return visible_pairs(self.sq, self.sk, self.causal_offset)
 
     @property
@@ -70,17 +74,6 @@ class Memory:
 
 
 Event = Union[Compute, CommRecord, Wait, Memory]
-
-
-def visible_pairs(sq: int, sk: int, causal_offset: Optional[int]) -> int:
-    """(i, j) pairs with j <= i + causal_offset (all sq * sk pairs when None)."""
-    if causal_offset is None:
-        return sq * sk
-    c = causal_offset
-    i1 = min(max(-c, 0), sq)              # first query that sees a key
-    i2 = min(max(sk - c - 1, i1), sq)     # first query that sees every key
-    partial = (i2 - i1) * (c + 1) + (i1 + i2 - 1) * (i2 - i1) // 2
-    return partial + (sq - i2) * sk
 
 
 class _Tap(list):
@@ -140,6 +133,16 @@ def _tensor_bytes(x) -> int:
     return 0
 
 
+def _on_meta(x) -> bool:
+    if isinstance(x, torch.Tensor):
+        return x.device.type == "meta"
+    if isinstance(x, (list, tuple)):
+        return any(_on_meta(y) for y in x)
+    if isinstance(x, dict):
+        return any(_on_meta(y) for y in x.values())
+    return False
+
+
 class _Bookkeeping(TorchDispatchMode):
     """Sees every aten op of the rank's thread (dispatch modes are thread-local) and charges the
     non-view ones to the ledger."""
@@ -150,7 +153,9 @@ class _Bookkeeping(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if not func.is_view and str(func) not in _FREE:
+        # the traced data lives on meta; real (CPU) tensors are the host's index arithmetic (packed
+        # documents' masks, positions), not device work
+        if not func.is_view and str(func) not in _FREE and _on_meta([args, kwargs, out]):
             self._ledger.tensor_op(_tensor_bytes(list(args)) + _tensor_bytes(list((kwargs or {}).values()))
                                    + _tensor_bytes(out))
         return out
@@ -211,9 +216,14 @@ class TracingKernel(kernels.TimedKernel):
 
     @contextlib.contextmanager
     def measure(self, device: torch.device, *, op: str, q: torch.Tensor, k: torch.Tensor,
-                causal_offset: Optional[int]):
+                causal_offset: Optional[int], mask=None):
         b, sq, h, d = q.shape
-        self._ledger.add(Compute(op, b, sq, k.shape[1], h, k.shape[2], d, causal_offset, dtype_name(q.dtype)))
+        if mask is not None:  # packed documents: the mask's own pairs (a partly visible block has no offset)
+            plain = None if mask.kind in ("full", "partial") else (mask.causal_offset if mask.kind == "offset" else -sq)
+            e = Compute(op, b, sq, k.shape[1], h, k.shape[2], d, plain, dtype_name(q.dtype), doc_pairs=mask.pairs)
+        else:
+            e = Compute(op, b, sq, k.shape[1], h, k.shape[2], d, causal_offset, dtype_name(q.dtype))
+        self._ledger.add(e)
         with self._ledger.pause():
             yield
 
@@ -282,13 +292,15 @@ def trace(method_name: str, case: Case, pass_: str = "fwd", options: Optional[di
         c = TracingComm(comm, ledger)
         ql, kl, vl, dl = (layout.shard(x, comm.rank) for x in (q, kv, kv, q))
         scale = kernels.default_scale(case.head_dim)
+        extra = {"docs": case.documents} if case.documents is not None else {}
         # what `attention` + autograd run (no LSE asked for: it can cost messages)
         with torch.no_grad(), _Bookkeeping(ledger):
-            _, _, residuals = method.forward(ql, kl, vl, comm=c, causal=case.causal, scale=scale, return_lse=False)
+            _, _, residuals = method.forward(ql, kl, vl, comm=c, causal=case.causal, scale=scale, return_lse=False,
+                                             **extra)
             ledger.flush()
             forward_end = len(ledger.events)
             if pass_ == "fwd_bwd":
-                method.backward(dl, residuals, comm=c, causal=case.causal, scale=scale)
+                method.backward(dl, residuals, comm=c, causal=case.causal, scale=scale, **extra)
         ledger.flush()
         return ledger.events, forward_end
 
@@ -387,7 +399,8 @@ class TraceCache:
     def get(self, method_name: str, case: Case, pass_: str, options: Optional[dict[str, Any]] = None) -> Trace:
         options = dict(options or {})
         s0 = template_seq_len(method_name, case, options)
-        if s0 is None:  # too short to have a smaller template: trace it as it is
+        # packed documents (or padding) give every length its own masks: trace the case itself
+        if s0 is None or case.documents is not None:  # (or too short to have a smaller template)
             self.traced += 1
             return trace(method_name, case, pass_, options)
         # the shape key: s0 itself is in it (a different chunking is a different schedule)
@@ -404,5 +417,11 @@ class TraceCache:
                                                   traced_pass, options)
                                     for b in batches for s in (s0, 2 * s0)}
             self.traced += len(self._templates[key])
+        if any(e.doc_pairs is not None for t in self._templates[key].values() for r in t.ranks for e in r
+               if isinstance(e, Compute)):
+            # a method that masks by documents even without packed ones (sharding by documents):
+            # its block masks do not scale with the length; trace the case itself
+            self.traced += 1
+            return trace(method_name, case, pass_, options)
         full = extrapolate(self._templates[key], case.batch, case.seq_len)
         return full if pass_ == "fwd_bwd" else full.forward_part()

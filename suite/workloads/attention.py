@@ -14,6 +14,7 @@ import torch
 from methods import kernels
 from methods.comm import CommLedger, CountingComm, NullComm, TimingComm
 from methods.comm.base import Comm
+from methods.documents import Documents
 from methods.timing import Stopwatch
 from suite import metrics as M
 from suite.check import build_problem, max_abs_err
@@ -24,6 +25,7 @@ from suite.records import (
     Outcome,
     RankReport,
     RowContext,
+    balance_columns,
     begin_row,
     breakdown_columns,
     check_columns,
@@ -41,28 +43,43 @@ class AttentionWorkload(Workload):
     def run_rank(self, spec: TrialSpec, ctx: RankContext) -> RankReport:
         comm, device, settings = ctx.comm, ctx.device, ctx.settings
         method = spec.build_method()
-        layout = method.layout(spec.case())
+        case = spec.run_case(method)            # padded to the method's granule, with any documents
+        docs = case.documents
+        layout = method.layout(case)
         checked = settings.check and spec.seq_len <= settings.check_max_seq_len
+        lengths = spec.document_lengths()
+        true_docs = Documents(lengths, spec.seq_len) if lengths is not None else None
         prob = ctx.cache.get((spec.problem_key(), checked, settings.seed, str(device)), lambda: build_problem(
-            *spec.problem_key(), seed=settings.seed, device=device, with_reference=checked))
+            *spec.problem_key(), seed=settings.seed, device=device, with_reference=checked, documents=true_docs))
         ctx.prepared()
         rank = comm.rank
-        q, k, v, dout = (layout.shard(x, rank) for x in (prob.q, prob.k, prob.v, prob.dout))
+        pad = case.seq_len - spec.seq_len
+        q, k, v, dout = (layout.shard(_pad(x, pad), rank) for x in (prob.q, prob.k, prob.v, prob.dout))
+        real = layout.positions(rank) < spec.seq_len   # this rank's rows that are not padding
         report = RankReport(rank=rank, checked=checked, kernel_used=method.kernel_used(device, q.dtype, spec.head_dim))
 
-        # 1. Correctness against float64 attention on the unsharded inputs.
+        # 1. Correctness against float64 attention on the unsharded inputs (padding rows excluded).
         if checked:
-            for name, tensor in _outputs(method, spec, q, k, v, dout, comm, ctx.autograd).items():
+            for name, tensor in _outputs(method, spec, q, k, v, dout, comm, ctx.autograd, docs).items():
                 if tensor is None:  # a peer library that does not return the LSE
                     continue
-                ref = layout.shard(prob.ref[name], rank, dim=2 if name == "lse" else 1)
-                report.errors[name] = max_abs_err(tensor, ref)
+                dim = 2 if name == "lse" else 1
+                ref = layout.shard(_pad(prob.ref[name], pad, dim), rank, dim=dim)
+                report.errors[name] = max_abs_err(tensor.index_select(dim, _where(real, tensor)),
+                                                  ref.index_select(dim, _where(real, ref)))
                 report.tol[name] = prob.tolerance(name, spec.world_size)
 
-        # 2. One iteration through a counting comm: bytes per rank (it is also the first warm-up).
-        step = _make_step(method, spec, q, k, v, dout, ctx.autograd)
+        # 2. One iteration through a counting comm and a pair-counting kernel: bytes per rank, and
+        #    the (query, key) pairs this rank's kernels compute (it is also the first warm-up).
+        step = _make_step(method, spec, q, k, v, dout, ctx.autograd, docs)
         ledger = CommLedger()
-        step(CountingComm(comm, ledger))
+        kernel = method.kernel
+        method.kernel = pairs = kernels.PairCountingKernel(kernel)
+        try:
+            step(CountingComm(comm, ledger))
+        finally:
+            method.kernel = kernel
+        report.pairs = pairs.pairs if not method.needs_processes else None
         if not method.needs_processes:  # a peer library talks to torch.distributed itself: nothing was counted
             report.bytes_sent, report.bytes_recv = ledger.bytes_sent, ledger.bytes_recv
             report.comm_ops = dict(sorted(ledger.counts().items()))
@@ -99,7 +116,14 @@ class AttentionWorkload(Workload):
         row.update(checks)
         row.update(timing_columns([r.samples_ms for r in reports]))
         med = row[M.TIME_MS_MEDIAN]
-        flops = M.attention_flops(spec.batch, spec.seq_len, spec.heads, spec.head_dim, spec.causal, spec.pass_)
+        lengths = spec.document_lengths()
+        if lengths is None:  # padding (if any) excluded: the convention on the true length
+            flops = M.attention_flops(spec.batch, spec.seq_len, spec.heads, spec.head_dim, spec.causal, spec.pass_)
+        else:  # packed documents: their exact document-causal pairs
+            everything = torch.arange(spec.seq_len)
+            pairs = Documents(lengths, spec.seq_len).visible_pairs(everything, everything, spec.causal)
+            flops = M.pairs_flops(pairs, spec.heads, spec.head_dim, spec.pass_)
+        row.update(balance_columns(spec, reports, spec.run_case(spec.build_method()).seq_len))
         row.update(breakdown_columns(reports, med))
         row.update(comm_columns(reports))
         peaks = [r.peak_mem for r in reports]
@@ -114,17 +138,32 @@ class AttentionWorkload(Workload):
         return finish(row, outcome)
 
 
-def _outputs(method, spec: TrialSpec, q, k, v, dout, comm: Comm, autograd: bool) -> dict[str, Any]:
+def _pad(x: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
+    """`x` with `n` padding rows at the end of `dim` (zeros; lse -inf: padding sees nothing)."""
+    if n == 0:
+        return x
+    shape = list(x.shape)
+    shape[dim] = n
+    fill = float("-inf") if x.dim() == 3 else 0.0   # lse is [B, H, S]; every other tensor [B, S, H, D]
+    return torch.cat([x, x.new_full(shape, fill)], dim=dim)
+
+
+def _where(real: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return real.nonzero().flatten().to(like.device)
+
+
+def _outputs(method, spec: TrialSpec, q, k, v, dout, comm: Comm, autograd: bool, docs) -> dict[str, Any]:
     """out, lse (and dq, dk, dv for fwd_bwd) of one call on this rank's shards."""
+    extra = {"docs": docs} if docs is not None else {}
     if spec.pass_ == "fwd":
         with torch.no_grad():
-            out, lse = method.attention(q, k, v, causal=spec.causal, comm=comm, return_lse=True)
+            out, lse = method.attention(q, k, v, causal=spec.causal, comm=comm, return_lse=True, **extra)
         return {"out": out, "lse": lse}
     if not autograd:
         return dict(zip(("out", "lse", "dq", "dk", "dv"),
-                        method.attention_fwd_bwd(q, k, v, dout, causal=spec.causal, comm=comm)))
+                        method.attention_fwd_bwd(q, k, v, dout, causal=spec.causal, comm=comm, **extra)))
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out, lse = method.attention(qg, kg, vg, causal=spec.causal, comm=comm, return_lse=True)
+    out, lse = method.attention(qg, kg, vg, causal=spec.causal, comm=comm, return_lse=True, **extra)
     got = {"out": out.detach(), "lse": lse}
     got.update(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (qg, kg, vg), dout)))
     return got
@@ -162,20 +201,21 @@ def _breakdown(method, step, comm: Comm, device: torch.device, repeats: int) -> 
                      compute_only_ms=compute_only, comm_only_ms=comm_only)
 
 
-def _make_step(method, spec: TrialSpec, q, k, v, dout, autograd: bool):
+def _make_step(method, spec: TrialSpec, q, k, v, dout, autograd: bool, docs):
     """The timed unit: forward without an autograd graph, or forward + backward."""
+    extra = {"docs": docs} if docs is not None else {}
     if spec.pass_ == "fwd":
         def step(c: Comm) -> None:
             with torch.no_grad():
-                method.attention(q, k, v, causal=spec.causal, comm=c)
+                method.attention(q, k, v, causal=spec.causal, comm=c, **extra)
         return step
     if not autograd:
         def step(c: Comm) -> None:
-            method.attention_fwd_bwd(q, k, v, dout, causal=spec.causal, comm=c)
+            method.attention_fwd_bwd(q, k, v, dout, causal=spec.causal, comm=c, **extra)
         return step
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
 
     def step(c: Comm) -> None:
-        out = method.attention(qg, kg, vg, causal=spec.causal, comm=c)
+        out = method.attention(qg, kg, vg, causal=spec.causal, comm=c, **extra)
         torch.autograd.grad(out, (qg, kg, vg), dout)
     return step

@@ -14,8 +14,19 @@ import torch
 
 from methods.comm.base import Comm
 from suite.check import ProblemCache
+from suite.lengths import UNIFORM, Distribution, identity
 from suite.plan import RunSettings, TrialSpec
 from suite.records import Outcome, RankReport, RowContext
+
+
+def documents_identity(cfg: "SuiteConfig", workload: str, batch: int, seq_len: int) -> str:
+    """The `workload` column of a trial of length mix `workload` ("" for uniform)."""
+    if workload == UNIFORM:
+        return ""
+    import dataclasses
+    dist = Distribution.from_config(workload, dataclasses.asdict(cfg.documents[workload]))
+    return identity(dist, seq_len, batch, cfg.run.seed)
+
 
 if TYPE_CHECKING:
     from methods.base import Method
@@ -59,9 +70,10 @@ class Workload:
     def passes(self, cfg: "SuiteConfig") -> list[str]:
         return list(cfg.sweep.passes)
 
-    def identity(self, cfg: "SuiteConfig") -> str:
-        """The trials' `workload` column: what is run beyond the attention shape ("" for plain calls)."""
-        return ""
+    def identity(self, cfg: "SuiteConfig", *, workload: str, batch: int, seq_len: int) -> str:
+        """The trials' `workload` column: what is run beyond the attention shape: "" for one
+        document per sequence, else the packed documents (`sweep.workload`, suite/lengths.py)."""
+        return documents_identity(cfg, workload, batch, seq_len)
 
     def supports(self, spec: TrialSpec, method: "Method") -> tuple[bool, str]:
         """This workload's own limits for a trial (the method's and the executor's are asked apart)."""

@@ -22,13 +22,14 @@ import torch
 from methods import layouts
 from methods.base import torch_dtype
 from methods.comm.base import Comm
+from methods.documents import Documents
 from suite import metrics as M
 from suite.perplexity.data import Corpus, load_corpus
 from suite.perplexity.model import ModelConfig, sdpa_attend
 from suite.perplexity.train import TrainConfig, train_and_evaluate
 from suite.plan import TrialSpec
 from suite.records import Outcome, RankReport, RowContext, base_row, begin_row, complete, finish, timing_columns
-from suite.workloads.base import RankContext, Workload
+from suite.workloads.base import RankContext, Workload, documents_identity
 
 TRAIN = "train"          # the `pass` of a perplexity trial
 BASELINE = "baseline"    # the method name of the single-device baseline row
@@ -82,8 +83,12 @@ class PerplexityWorkload(Workload):
     def passes(self, cfg) -> list[str]:
         return [TRAIN]
 
-    def identity(self, cfg) -> str:
-        return workload_json(cfg)
+    def identity(self, cfg, *, workload: str, batch: int, seq_len: int) -> str:
+        ident = json.loads(workload_json(cfg))
+        packed = documents_identity(cfg, workload, batch, seq_len)
+        if packed:  # documents packed into the training windows: positions restart per document
+            ident.update(json.loads(packed))
+        return json.dumps(ident, sort_keys=True, separators=(",", ":"))
 
     def start(self, store, tracker, ctx: RowContext) -> None:
         self._baselines = Baselines(store, tracker, ctx)
@@ -101,14 +106,20 @@ class PerplexityWorkload(Workload):
                                "(autograd runs a device's backward on one thread); use run.executor=dist")
         model_cfg, train_cfg, corpus = _configs(spec)
         method = spec.build_method()
-        layout = method.layout(spec.case())
+        case = spec.run_case(method)           # padded to the method's granule, with any packed documents
+        layout = method.layout(case)
+        docs = case.documents
         ctx.prepared()
 
+        # the planted bug: the method is not told the documents (it attends across them)
+        told = docs if train_cfg.planted_bug != "cross_document_attention" or docs is None or docs.padding else None
+
         def attend(c: Comm):
-            return functools.partial(method.attention, causal=True, comm=c)
+            extra = {"docs": told} if told is not None else {}
+            return functools.partial(method.attention, causal=True, comm=c, **extra)
 
         result = train_and_evaluate(model_cfg, train_cfg, corpus, layout=layout, comm=ctx.comm, make_attend=attend,
-                                    dtype=torch_dtype(spec.dtype), device=ctx.device)
+                                    dtype=torch_dtype(spec.dtype), device=ctx.device, docs=docs)
         return RankReport(rank=ctx.comm.rank, checked=True,
                           kernel_used=method.kernel_used(ctx.device, torch_dtype(spec.dtype), spec.head_dim),
                           losses=result.losses, val_loss=result.val_loss, samples_ms=result.step_ms,
@@ -170,9 +181,16 @@ def run_baseline(bspec: TrialSpec, ctx: RowContext) -> dict[str, Any]:
     t0 = time.perf_counter()
     try:
         model_cfg, train_cfg, corpus = _configs(bspec)
+        lengths = bspec.document_lengths()
+        docs = Documents(lengths, bspec.seq_len) if lengths is not None else None
+        attend = sdpa_attend
+        if docs is not None:  # the documents' mask, dense, for torch's SDPA
+            everything = torch.arange(bspec.seq_len)
+            mask = docs.block(everything, everything, causal=True).dense(torch.device(bspec.device))
+            attend = functools.partial(sdpa_attend, mask=mask)
         result = train_and_evaluate(model_cfg, train_cfg, corpus, layout=layouts.contiguous(bspec.seq_len, 1),
-                                    comm=None, make_attend=lambda c: sdpa_attend, dtype=torch_dtype(bspec.dtype),
-                                    device=torch.device(bspec.device))
+                                    comm=None, make_attend=lambda c: attend, dtype=torch_dtype(bspec.dtype),
+                                    device=torch.device(bspec.device), docs=docs)
     except Exception as exc:  # noqa: BLE001 - recorded; the method trials then say why they have no verdict
         row.update({M.STATUS: M.FAILED, M.REASON: f"{type(exc).__name__}: {exc}"[:2000],
                     M.ERROR_TRACE: traceback.format_exc(limit=30)[-8000:], M.DURATION_S: time.perf_counter() - t0})

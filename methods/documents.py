@@ -1,0 +1,291 @@
+"""Packed documents: which (query, key) pairs attend when a sequence holds several documents.
+
+Long-context training packs documents of many lengths into each sequence, and a token attends only
+to tokens of its own document (earlier ones, with the causal mask): the document-causal mask that
+flash-attn's varlen functions express with cu_seqlens. A sequence whose length a layout cannot
+divide is padded at its tail with tokens that attend nothing and that nothing attends.
+
+`Documents` holds, for each batch element, its document lengths (they add up to the true sequence
+length) and the padded length the layout needs. A block of attention between queries at global
+positions qp (increasing) and keys at kp (increasing) has
+
+    visible(b, i, j) = doc_b(qp[i]) == doc_b(kp[j]) != padding  and  (not causal or kp[j] <= qp[i]).
+
+`Documents.block` classifies a block without materialising that [B, Sq, Sk] mask unless it must:
+no visible pair (skip the block), every pair visible (run it unmasked), one document with a plain
+causal offset (the kernels' fast path), or partly visible (a dense mask on CPU, one call per
+document piece on CUDA). Its visible-pair count (the FLOPs the block really needs) comes from
+searches over the sorted (document, position) keys, so it is cheap at any length.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from typing import Iterator, Optional, Sequence
+
+import torch
+
+PAD = -1                  # the document id of padding tokens
+EMPTY, FULL, OFFSET, PARTIAL = "empty", "full", "offset", "partial"
+
+
+@dataclass(frozen=True)
+class Documents:
+    """Document lengths per batch element, and the padded sequence length."""
+
+    lengths: tuple[tuple[int, ...], ...]   # per batch element: document lengths in order (sum = seq_len)
+    padded_len: int                         # the layout's length: seq_len plus tail padding
+
+    def __post_init__(self):
+        if not self.lengths:
+            raise ValueError("documents: at least one batch element")
+        totals = {sum(ls) for ls in self.lengths}
+        if len(totals) != 1:
+            raise ValueError(f"documents: every batch element must hold the same number of tokens, got {totals}")
+        if any(n < 1 for ls in self.lengths for n in ls):
+            raise ValueError("documents: lengths must be >= 1")
+        if self.padded_len < self.seq_len:
+            raise ValueError(f"documents: padded length {self.padded_len} < sequence length {self.seq_len}")
+
+    @classmethod
+    def single(cls, batch: int, seq_len: int, padded_len: Optional[int] = None) -> "Documents":
+        """One document per sequence (uniform workload), padded to `padded_len`."""
+        return cls(tuple((seq_len,) for _ in range(batch)), padded_len or seq_len)
+
+    @property
+    def batch(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def seq_len(self) -> int:
+        return sum(self.lengths[0])
+
+    @property
+    def padding(self) -> int:
+        return self.padded_len - self.seq_len
+
+    @property
+    def trivial(self) -> bool:
+        """One document per sequence and no padding: the mask is the plain (causal or full) one."""
+        return self.padding == 0 and all(len(ls) == 1 for ls in self.lengths)
+
+    def digest(self) -> str:
+        """A short stable hash of the lengths (part of a trial's identity)."""
+        blob = json.dumps([list(ls) for ls in self.lengths], separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+    @cached_property
+    def doc_ids(self) -> torch.Tensor:
+        """[B, padded_len] int64: each position's document index, PAD (-1) for padding."""
+        ids = torch.full((self.batch, self.padded_len), PAD, dtype=torch.int64)
+        for b, ls in enumerate(self.lengths):
+            ids[b, :self.seq_len] = torch.repeat_interleave(torch.arange(len(ls)), torch.tensor(ls))
+        return ids
+
+    @cached_property
+    def starts(self) -> torch.Tensor:
+        """[B, padded_len] int64: the position where each token's document starts (its own position
+        for padding): RoPE positions restart there (position - start)."""
+        st = torch.arange(self.padded_len).repeat(self.batch, 1)
+        for b, ls in enumerate(self.lengths):
+            offsets = torch.tensor([0] + list(ls[:-1])).cumsum(0)
+            st[b, :self.seq_len] = torch.repeat_interleave(offsets, torch.tensor(ls))
+        return st
+
+    def real(self, positions: torch.Tensor) -> torch.Tensor:
+        """Bool mask of the given global positions that are real tokens (not padding)."""
+        return positions < self.seq_len
+
+    # -- blocks ---------------------------------------------------------------------------------
+    def block(self, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> "BlockMask":
+        """The mask of queries at global positions `q_pos` against keys at `k_pos` (both increasing)."""
+        return BlockMask(self, q_pos.to("cpu", torch.int64), k_pos.to("cpu", torch.int64), causal)
+
+    def visible_pairs(self, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> int:
+        return self.block(q_pos, k_pos, causal).pairs
+
+
+@dataclass
+class BlockMask:
+    """The document mask of one block, classified (see the module docstring)."""
+
+    docs: Documents
+    q_pos: torch.Tensor    # [Sq] global positions of the block's queries, increasing
+    k_pos: torch.Tensor    # [Sk]
+    causal: bool
+    kind: str = field(init=False)
+    causal_offset: Optional[int] = field(init=False, default=None)   # kind OFFSET: query i sees key j iff j <= i + c
+    per_batch_pairs: list[int] = field(init=False)
+
+    def __post_init__(self):
+        self.per_batch_pairs = [self._pairs(b) for b in range(self.docs.batch)]
+        sq, sk = len(self.q_pos), len(self.k_pos)
+        if self.pairs == 0:
+            self.kind = EMPTY
+        elif all(p == sq * sk for p in self.per_batch_pairs):
+            self.kind = FULL
+        else:
+            self.kind = PARTIAL
+            offset = self._single_document_offset()
+            if offset is not None:
+                self.kind, self.causal_offset = OFFSET, offset
+
+    @property
+    def pairs(self) -> int:
+        """Visible (query, key) pairs, summed over the batch."""
+        return sum(self.per_batch_pairs)
+
+    # -- counting -------------------------------------------------------------------------------
+    def _pairs(self, b: int) -> int:
+        """Visible pairs of batch element b: for each query, the keys of its document (at or
+        before it, when causal), found by binary search on sorted (document, position) keys."""
+        ids = self.docs.doc_ids[b]
+        n = self.docs.padded_len + 1
+        last_doc = self.docs.padded_len  # padding sorts after every document (it is at the tail)
+        qd, kd = ids[self.q_pos], ids[self.k_pos]
+        kkey = torch.where(kd == PAD, last_doc, kd) * n + self.k_pos   # increasing along the keys
+        first = torch.searchsorted(kkey, qd * n)
+        if self.causal:
+            last = torch.searchsorted(kkey, qd * n + self.q_pos, right=True)
+        else:
+            last = torch.searchsorted(kkey, (qd + 1) * n)
+        return int(torch.where(qd != PAD, last - first, torch.zeros_like(first)).sum())
+
+    def _single_document_offset(self) -> Optional[int]:
+        """The causal offset c when every query and key is of one and the same document in every
+        batch element and the positions are affine with one stride (then visible iff j <= i + c)."""
+        if not self.causal:
+            return None
+        ids = self.docs.doc_ids
+        for b in range(self.docs.batch):
+            qd, kd = ids[b, self.q_pos], ids[b, self.k_pos]
+            d = qd[0]
+            if d == PAD or not bool((qd == d).all()) or not bool((kd == d).all()):
+                return None
+        return _affine_offset(self.q_pos, self.k_pos)
+
+    # -- what the kernels run -------------------------------------------------------------------
+    def dense(self, device=None) -> torch.Tensor:
+        """[B, Sq, Sk] bool: the visible pairs (for the kernels that take a mask)."""
+        ids = self.docs.doc_ids
+        qd, kd = ids[:, self.q_pos], ids[:, self.k_pos]                  # [B, Sq], [B, Sk]
+        vis = (qd.unsqueeze(2) == kd.unsqueeze(1)) & (qd != PAD).unsqueeze(2)
+        if self.causal:
+            vis &= self.k_pos.unsqueeze(0) <= self.q_pos.unsqueeze(1)
+        return vis.to(device) if device is not None else vis
+
+    def pieces(self, b: int) -> Iterator[tuple[slice, slice, Optional[int]]]:
+        """Batch element b's visible part as (query rows, key rows, causal offset or None) pieces:
+        one per document and per run of evenly spaced positions on each side, so that a kernel
+        that takes only a causal offset (flash-attn) computes the block exactly, piece by piece."""
+        ids = self.docs.doc_ids[b]
+        qd, kd = ids[self.q_pos], ids[self.k_pos]
+        for d in torch.unique(qd).tolist():
+            if d == PAD:
+                continue
+            qrows, krows = _range_of(qd, d), _range_of(kd, d)
+            if krows is None:
+                continue
+            for qa, qb in _affine_runs(self.q_pos, qrows):
+                for ka, kb in _affine_runs(self.k_pos, krows):
+                    q_run, k_run = self.q_pos[qa:qb], self.k_pos[ka:kb]
+                    if not self.causal or int(k_run[-1]) <= int(q_run[0]):
+                        yield slice(qa, qb), slice(ka, kb), None      # every pair visible
+                        continue
+                    if int(k_run[0]) > int(q_run[-1]):
+                        continue                                       # no key precedes any query
+                    offset = _affine_offset(q_run, k_run)
+                    if offset is not None:
+                        yield slice(qa, qb), slice(ka, kb), offset
+                        continue
+                    # sides of different strides: one piece per query row, whose visible keys are
+                    # a prefix of the run
+                    seen = torch.searchsorted(k_run, q_run, right=True)
+                    for i, n in enumerate(seen.tolist()):
+                        if n:
+                            yield slice(qa + i, qa + i + 1), slice(ka, kb), n - 1
+
+
+def _range_of(ids: torch.Tensor, d: int) -> Optional[tuple[int, int]]:
+    """[a, b) of the rows holding document d (contiguous: ids are nondecreasing except padding)."""
+    hit = (ids == d).nonzero().flatten()
+    if hit.numel() == 0:
+        return None
+    return int(hit[0]), int(hit[-1]) + 1
+
+
+def _affine_runs(pos: torch.Tensor, rows: tuple[int, int]) -> Iterator[tuple[int, int]]:
+    """Maximal runs [a, b) of rows whose positions are evenly spaced."""
+    a, end = rows
+    while a < end:
+        b = a + 1
+        if b < end:
+            step = int(pos[b] - pos[a])
+            while b + 1 < end and int(pos[b + 1] - pos[b]) == step:
+                b += 1
+            b += 1
+        yield a, b
+        a = b
+
+
+def _affine_offset(q_pos: torch.Tensor, k_pos: torch.Tensor) -> Optional[int]:
+    """c with (k_pos[j] <= q_pos[i]) == (j <= i + c) for all i, j, when both sides are evenly spaced
+    with one stride; None otherwise."""
+    strides = {int(p[1] - p[0]) for p in (q_pos, k_pos) if len(p) > 1}
+    for p in (q_pos, k_pos):
+        if len(p) > 2 and not bool(((p[1:] - p[:-1]) == (p[1] - p[0])).all()):
+            return None
+    if len(strides) > 1:
+        return None
+    s = strides.pop() if strides else 1
+    # k0 + s*j <= q0 + s*i  <=>  j <= i + floor((q0 - k0) / s)
+    return (int(q_pos[0]) - int(k_pos[0])) // s
+
+
+def pack(lengths: Sequence[int], seq_len: int) -> tuple[int, ...]:
+    """Documents laid end to end into `seq_len` tokens, the last one cut to fit."""
+    out, total = [], 0
+    for n in lengths:
+        if total >= seq_len:
+            break
+        n = min(int(n), seq_len - total)
+        out.append(n)
+        total += n
+    if total < seq_len:
+        raise ValueError(f"documents of {total} tokens in all cannot fill a sequence of {seq_len}")
+    return tuple(out)
+
+
+class BlockMasks:
+    """The document masks of one attention call's blocks.
+
+    `positions(r)` gives the global positions of rank r's local rows (of the comm the blocks are
+    computed on), so a block of rank q_rank's rows `q_rows` against rank k_rank's rows `k_rows`
+    has its mask; forward and backward compute the same blocks, so masks are kept.
+    """
+
+    def __init__(self, docs: Documents, positions, causal: bool):
+        self.docs, self.causal = docs, causal
+        self._positions = positions
+        self._pos: dict[int, torch.Tensor] = {}
+        self._masks: dict[tuple, BlockMask] = {}
+
+    def positions(self, rank: int) -> torch.Tensor:
+        if rank not in self._pos:
+            self._pos[rank] = self._positions(rank).to("cpu", torch.int64)
+        return self._pos[rank]
+
+    def __call__(self, q_rank: int, q_rows, k_rank: int, k_rows) -> BlockMask:
+        key = (q_rank, _key(q_rows), k_rank, _key(k_rows))
+        if key not in self._masks:
+            self._masks[key] = self.docs.block(self.positions(q_rank)[q_rows], self.positions(k_rank)[k_rows],
+                                               self.causal)
+        return self._masks[key]
+
+
+def _key(rows) -> tuple:
+    if isinstance(rows, slice):
+        return ("slice", rows.start, rows.stop, rows.step)
+    return ("rows", tuple(torch.as_tensor(rows).tolist()))
