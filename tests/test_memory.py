@@ -1,11 +1,12 @@
 """Memory: no method keeps more blocks in flight as the world grows (all-gather excepted).
 
 At a fixed local length, the peak memory a rank's own tensors take during forward and
-forward+backward (suite.memtrack, which sees every allocation on CPU) must be the same at 8 and 16
+forward+backward (suite.memtrack, which sees every allocation on CPU) must be the same at 6 and 12
 ranks for every method that circulates blocks, and must grow for a method that materialises the
-whole sequence (`gathers_whole_sequence`: all-gather K/V). 8 and 16 ranks keep each method's
-structure (two-level rings of 2-rank nodes, USP's fixed Ulysses degree, TASP's full
-decompositions). Virtual ranks (ThreadComm) complete a send only when the peer
+whole sequence (`gathers_whole_sequence`: all-gather K/V). 6 and 12 ranks keep each method's
+structure (two-level rings of 2-rank nodes with more than two nodes, USP's fixed Ulysses degree with
+an inner ring longer than two, TASP's full decompositions); at 4 ranks those rings have two members
+and hold fewer blocks, which would hide growth. 12 heads divide both sizes for Ulysses. Virtual ranks (ThreadComm) complete a send only when the peer
 has taken it, as a real transport does, so no rank runs ahead piling up messages.
 """
 import math
@@ -19,9 +20,9 @@ from methods.comm import run_threads
 from suite.memtrack import TensorMemoryTracker
 from tests.helpers import own_variants, problem_for, seq_len_for, variant_id
 
-B, H, HKV, D = 1, 16, 16, 4
+B, H, HKV, D = 1, 12, 12, 4
 
-SIZES = (8, 16)
+SIZES = (6, 12)
 
 
 def local_tokens(name: str, options: dict) -> int:

@@ -394,15 +394,24 @@ class TraceCache:
 
     def __init__(self):
         self._templates: dict[tuple, dict[tuple[int, int], Trace]] = {}
+        # cases traced as they are (packed documents, padding, document sharding): the same case is
+        # asked for once per topology of a sweep, and a trace does not depend on the topology
+        self._direct: dict[tuple, Trace] = {}
         self.traced = 0
+
+    def _trace_directly(self, method_name: str, case: Case, pass_: str, options: dict[str, Any]) -> Trace:
+        key = (method_name, case, pass_, tuple(sorted(options.items())))
+        if key not in self._direct:
+            self.traced += 1
+            self._direct[key] = trace(method_name, case, pass_, options)
+        return self._direct[key]
 
     def get(self, method_name: str, case: Case, pass_: str, options: Optional[dict[str, Any]] = None) -> Trace:
         options = dict(options or {})
         s0 = template_seq_len(method_name, case, options)
         # packed documents (or padding) give every length its own masks: trace the case itself
         if s0 is None or case.documents is not None:  # (or too short to have a smaller template)
-            self.traced += 1
-            return trace(method_name, case, pass_, options)
+            return self._trace_directly(method_name, case, pass_, options)
         # the shape key: s0 itself is in it (a different chunking is a different schedule)
         batches = (1,) if case.batch == 1 else TEMPLATE_BATCHES
         # one fwd_bwd trace serves both passes (the forward pass is its first part), unless the
@@ -421,7 +430,6 @@ class TraceCache:
                if isinstance(e, Compute)):
             # a method that masks by documents even without packed ones (sharding by documents):
             # its block masks do not scale with the length; trace the case itself
-            self.traced += 1
-            return trace(method_name, case, pass_, options)
+            return self._trace_directly(method_name, case, pass_, options)
         full = extrapolate(self._templates[key], case.batch, case.seq_len)
         return full if pass_ == "fwd_bwd" else full.forward_part()
