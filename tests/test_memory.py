@@ -6,8 +6,9 @@ ranks for every method that circulates blocks, and must grow for a method that m
 whole sequence (`gathers_whole_sequence`: all-gather K/V). 6 and 12 ranks keep each method's
 structure (two-level rings of 2-rank nodes with more than two nodes, USP's fixed Ulysses degree with
 an inner ring longer than two, TASP's full decompositions); at 4 ranks those rings have two members
-and hold fewer blocks, which would hide growth. 12 heads divide both sizes for Ulysses. Virtual ranks (ThreadComm) complete a send only when the peer
-has taken it, as a real transport does, so no rank runs ahead piling up messages.
+and hold fewer blocks, which would hide growth. 12 heads divide both sizes for Ulysses. Virtual
+ranks (ThreadComm) complete a send only when the peer has taken it, as a real transport does, so
+no rank runs ahead piling up messages.
 """
 import math
 
