@@ -41,6 +41,11 @@ SWEEPS = {
     "simulate": ("configs/simulate_multinode.yaml", ["sweep.world_size=[4,8]", "sweep.seq_len=[32768]",
                                                      "sim.topology=[h100_sxm,mi300x]"]),
 }
+# Compared in the tests on a part of a sweep (the time budget of the whole suite): every trial of the
+# part must be in the golden file with the same row. The files hold the whole sweeps.
+PARTS = {
+    "quickstart": ["sweep.kv_heads=[4]", "sweep.passes=[fwd_bwd]"],
+}
 
 
 def _close(a, b) -> bool:
@@ -57,10 +62,14 @@ def _close(a, b) -> bool:
 @pytest.mark.parametrize("name", sorted(SWEEPS))
 def test_rows_equal_the_recorded_rows(name, tmp_path):
     config, overrides = SWEEPS[name]
-    cfg, text = load_config(ROOT / config, overrides + ["tracking.mlflow=false", f"results.root={tmp_path}"])
+    part = PARTS.get(name, [])
+    cfg, text = load_config(ROOT / config, overrides + part + ["tracking.mlflow=false", f"results.root={tmp_path}"])
     result = run_sweep(cfg, text, progress=False)
     got = {r["key"]: r for r in result.records}
     want = {r["key"]: r for r in map(json.loads, (GOLDEN / f"{name}.jsonl").read_text().splitlines())}
+    if part:
+        assert got and set(got) <= set(want), "the planned trials (their keys) changed"
+        want = {k: want[k] for k in got}
     assert sorted(got) == sorted(want), "the planned trials (their keys) changed"
     for key, old in want.items():
         new = {k: v for k, v in got[key].items() if k not in VOLATILE}
