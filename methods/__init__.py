@@ -16,6 +16,7 @@ from methods import (  # noqa: E402,F401
                               ring,
                               stripe_ring,
                               tasp,
+                              token_ring,
                               ulysses,
                               usp,
                               zigzag_ring,

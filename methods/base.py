@@ -113,8 +113,16 @@ class Method:
         """(sent, received) bytes of one rank in one call: forward only (`pass_` "fwd") or forward
         and backward ("fwd_bwd"). This is the method's communication formula as code; a generic
         test checks it against what the counting comm records. None: not declared (peer
-        libraries, which talk to torch.distributed themselves)."""
+        libraries, which talk to torch.distributed themselves). When ranks move different amounts
+        (`expected_rank_bytes`), the most any rank sends and the most any rank receives."""
         return None
+
+    def expected_rank_bytes(self, case: Case, pass_: str, rank: int) -> Optional[tuple[int, int]]:
+        """(sent, received) bytes of rank `rank` in one call, as `expected_bytes`. Methods whose
+        ranks all move the same bytes need not override it (the default); one whose ranks differ
+        (token_ring: results carry only the rows a rank computed, which the causal mask makes
+        uneven) gives each rank's exact formula, and the generic test checks every rank."""
+        return self.expected_bytes(case, pass_)
 
     def supports(self, case: Case) -> tuple[bool, str]:
         """Whether this method can run `case`, and if not, why (recorded as the skip reason)."""

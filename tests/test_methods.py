@@ -165,19 +165,23 @@ B, D = 2, 8
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2), (12, 3)], ids=["mha", "gqa", "gqa3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
 def test_counted_bytes_equal_the_declared_formula(name, options, world_size, heads, kv_heads, dtype):
-    """Every rank's counted bytes, forward and backward, equal the method's `expected_bytes`
-    (its documented communication formula, as code)."""
+    """Every rank's counted bytes, forward and backward, equal the method's `expected_rank_bytes`
+    for that rank (its documented communication formula, as code), and `expected_bytes` is the
+    most any rank sends and receives."""
     case = Case(B, seq_len_for(name, world_size, options, heads, kv_heads), heads, kv_heads, D, dtype, True,
                 world_size)
     m = methods.get_method(name, **options)
     if not m.supports(case)[0]:
         return  # heads or degrees this method cannot split (test_method_matches_float64 checks the reasons)
-    fwd_want, both_want = m.expected_bytes(case, "fwd"), m.expected_bytes(case, "fwd_bwd")
-    assert fwd_want is not None and both_want is not None, f"{name} declares no communication formula"
-    for got_fwd, got_bwd, _ in counted(name, case, **options):
-        assert got_fwd == fwd_want, (name, options, "forward", got_fwd, fwd_want)
+    for pass_ in ("fwd", "fwd_bwd"):
+        want = [m.expected_rank_bytes(case, pass_, r) for r in range(world_size)]
+        assert all(w is not None for w in want), f"{name} declares no communication formula"
+        assert m.expected_bytes(case, pass_) == (max(s for s, _ in want), max(r for _, r in want)), (name, pass_)
+    for rank, (got_fwd, got_bwd, _) in enumerate(counted(name, case, **options)):
+        fwd_want, both_want = m.expected_rank_bytes(case, "fwd", rank), m.expected_rank_bytes(case, "fwd_bwd", rank)
+        assert got_fwd == fwd_want, (name, options, rank, "forward", got_fwd, fwd_want)
         both = (got_fwd[0] + got_bwd[0], got_fwd[1] + got_bwd[1])
-        assert both == both_want, (name, options, "forward + backward", both, both_want)
+        assert both == both_want, (name, options, rank, "forward + backward", both, both_want)
 
 
 def test_the_byte_formulas_are_not_vacuous():

@@ -11,9 +11,10 @@ from methods.base import Case
 from methods.comm import CommLedger, CountingComm
 from methods.comm.counting import CommRecord
 from suite.sim.trace import Compute, Wait, trace, visible_pairs
-from tests.helpers import run_dist
+from tests.helpers import own_methods, run_dist
 
-OWN = ["ring", "zigzag_ring", "stripe_ring", "ulysses", "usp", "allgather_kv", "burst", "tasp"]
+# every own method from the registry (its default options): a new method is traced and checked too
+OWN = own_methods()
 
 
 def test_visible_pairs_matches_counting_them():
