@@ -557,6 +557,35 @@ def _merge_final_op_fake(out, lse, block_out, block_lse, dtype):
     return torch.empty(out.shape, dtype=dtype, device=out.device)
 
 
+def _delta_eager(dout, out):
+    acc = acc_dtype(dout.dtype)
+    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()   # [B, H, S]
+
+
+_DELTA_COMPILED = _Compiled(_delta_eager)
+
+
+@torch.library.custom_op("sp_attention::softmax_delta", mutates_args=())
+def _delta_op(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    if _use_compiled(out):
+        result = _DELTA_COMPILED(out.device.type, dout, out)
+        if result is not NotImplemented:
+            return result
+    return _delta_eager(dout, out)
+
+
+@_delta_op.register_fake
+def _delta_op_fake(dout, out):
+    b, s, h, _ = out.shape
+    return torch.empty(b, h, s, dtype=acc_dtype(out.dtype), device=out.device)
+
+
+def softmax_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """D = rowsum(dout * out) [B, H, S] in fp32 (float64 for float64) from dout, out [B, S, H, D]:
+    the backward's per-row term, one fused pass (reads both once) where compiled."""
+    return torch.ops.sp_attention.softmax_delta(dout, out)
+
+
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold one block's partial attention into running accumulators, in place (online softmax).
 
