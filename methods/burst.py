@@ -35,7 +35,7 @@ import torch
 
 from methods import kernels
 from methods.base import Case, Method, element_bytes
-from methods.kv_ring import Plan, kv_ring_forward, make_route
+from methods.kv_ring import ALL, DoubleBuffer, Plan, kv_ring_forward, make_route
 from methods.registry import register
 from methods.zigzag_ring import zigzag_plan
 
@@ -92,15 +92,14 @@ class Burst(Method):
         p = comm.world_size
         route = make_route(comm, self.ranks_per_node)
         plan = query_ring_plan(causal, comm.rank, q.shape[1])
-        acc = kernels.acc_dtype(q.dtype)
-        delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()   # D: [B, H, L]
+        delta = kernels.softmax_delta(dout, out)           # D: [B, H, L]
         packet = [q, dout, delta, lse]                     # the visiting query block (own, at step 0)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        dk = dv = None  # fp32, started by the first block (the own block: every key row)
+        packets, dq_buffers = DoubleBuffer(), DoubleBuffer()
         finish_dq = None
         for step in range(p):
             if step + 1 < p:
-                finish_packet = route.start_move(step, packet)
+                finish_packet = route.start_move(step, packet, into=packets(step, packet))
             q_vis, dout_vis, delta_vis, lse_vis = packet
             pending = []  # partial dQ of the visiting block, added once its accumulator has arrived
             src = route.src(step)
@@ -110,15 +109,24 @@ class Burst(Method):
                     lse_vis[:, :, blk.q_rows], delta=delta_vis[:, :, blk.q_rows], scale=scale,
                     causal_offset=blk.causal_offset, kernel=self.kernel,
                     mask=masks(src, blk.q_rows, comm.rank, blk.k_rows) if masks else None)
-                dk[:, blk.k_rows] += bdk
-                dv[:, blk.k_rows] += bdv
+                if dk is None and blk.k_rows != ALL:
+                    dk, dv = (torch.zeros(x.shape, dtype=kernels.acc_dtype(x.dtype), device=x.device) for x in (k, v))
+                dk = kernels.accumulate_(dk, blk.k_rows, bdk)
+                dv = kernels.accumulate_(dv, blk.k_rows, bdv)
                 pending.append((blk.q_rows, bdq))
-            dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device) if step == 0 else finish_dq()[0]
+            if step == 0:  # our own block's dQ accumulator starts from our contribution
+                dq_acc = None
+                if not (len(pending) == 1 and pending[0][0] == ALL):
+                    dq_acc = torch.zeros(q.shape, dtype=kernels.acc_dtype(q.dtype), device=q.device)
+            else:
+                dq_acc = finish_dq()[0]
             for rows, bdq in pending:
-                dq_acc[:, rows] += bdq
+                dq_acc = kernels.accumulate_(dq_acc, rows, bdq)
             if p > 1:
-                finish_dq = route.start_follow(step, [dq_acc])
+                finish_dq = route.start_follow(step, [dq_acc], into=dq_buffers(step, [dq_acc]))
             if step + 1 < p:
                 packet = finish_packet()
         dq = finish_dq()[0] if p > 1 else dq_acc  # the last hop brings our own block's dQ home
+        if dk is None:  # a plan that skipped everything
+            dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

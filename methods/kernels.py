@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from typing import Optional, Union
 
 import torch
@@ -441,6 +442,150 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     raise AssertionError(f"unhandled kernel {backend}")
 
 
+# ---------------------------------------------------------------------------------------------
+# The online-softmax merge: one fused pass per block
+# ---------------------------------------------------------------------------------------------
+# The merge reads the accumulator and the block result once and writes the accumulator once. As
+# chains of separate torch ops it made a method's own tensor work larger than its kernels' traffic
+# (each op a full pass over the fp32 accumulator, plus temporaries of its size). It is one
+# registered operator, so the simulator's tracer sees one op with its real bytes (its fake
+# implementation runs on meta tensors), and on a device it runs as one fused kernel compiled by
+# torch.compile (Inductor: Triton on CUDA, C++ on CPU) or, where compiling is unavailable, fails,
+# or does not pay (small CPU shapes), as the exact eager fallback below (in place, no temporaries
+# of accumulator size).
+
+# Accumulator elements from which compiling the merge pays on CPU: below it Inductor's kernel is
+# no faster than the eager ops (measured: equal at 131k elements, 3x faster at 4M), and a first
+# compile costs tens of seconds on a busy CPU. On CUDA the fused kernel pays from small sizes.
+COMPILE_MIN_NUMEL = {"cpu": 1 << 21, "cuda": 1 << 14}
+
+
+def _merge_weights(lse: torch.Tensor, block_lse: torch.Tensor):
+    """(new_lse [B, H, S], w_old, w_new [B, S, H, 1]): e^(lse - new_lse) and e^(block_lse - new_lse),
+    0 (not NaN) for rows where both sides are empty (-inf)."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    ref = torch.where(torch.isfinite(new_lse), new_lse, 0.0)
+    w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)      # [B, S, H, 1]
+    w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
+    return new_lse, w_old, w_new
+
+
+def _merge_eager(out, lse, block_out, block_lse) -> None:
+    new_lse, w_old, w_new = _merge_weights(lse, block_lse)
+    out.mul_(w_old).addcmul_(block_out, w_new)   # in place: no accumulator-sized temporary
+    lse.copy_(new_lse)
+
+
+def _merge_final_eager(out, lse, block_out, block_lse, dtype):
+    # the one fresh fp32 buffer of the eager path: the operator reads the accumulator without
+    # writing it (what the fused kernel does), and its result may not alias an input
+    new_lse, w_old, w_new = _merge_weights(lse, block_lse)
+    merged = out.mul(w_old).addcmul_(block_out, w_new)
+    lse.copy_(new_lse)
+    return merged.to(dtype)
+
+
+def _merge_fused(out, lse, block_out, block_lse) -> None:
+    # written as one expression so that Inductor emits one loop over the accumulator
+    new_lse, w_old, w_new = _merge_weights(lse, block_lse)
+    out.copy_(out * w_old + block_out.to(out.dtype) * w_new)
+    lse.copy_(new_lse)
+
+
+def _merge_final_fused(out, lse, block_out, block_lse, dtype):
+    new_lse, w_old, w_new = _merge_weights(lse, block_lse)
+    lse.copy_(new_lse)
+    return (out * w_old + block_out.to(out.dtype) * w_new).to(dtype)
+
+
+class _Compiled:
+    """A function compiled by torch.compile on first use, or None where it cannot be (no
+    compiler, no Triton, a compile error: the caller falls back to eager for good). Calls hold
+    a lock: virtual ranks run as threads, and Dynamo's compilation is not meant to be entered by
+    several threads at once."""
+
+    def __init__(self, fn):
+        self._fn, self._compiled, self._broken = fn, None, set()
+        self._lock = threading.Lock()
+
+    def __call__(self, device_type: str, *args):
+        if device_type in self._broken:
+            return NotImplemented
+        with self._lock:
+            try:
+                if self._compiled is None:
+                    self._compiled = torch.compile(self._fn, dynamic=True)
+                return self._compiled(*args)
+            except Exception:  # no C++ compiler, no Triton, an Inductor limitation: the eager path is exact
+                self._broken.add(device_type)
+                return NotImplemented
+
+
+_MERGE_COMPILED = _Compiled(_merge_fused)
+_MERGE_FINAL_COMPILED = _Compiled(_merge_final_fused)
+
+
+def _use_compiled(out: torch.Tensor) -> bool:
+    limit = COMPILE_MIN_NUMEL.get(out.device.type)
+    return limit is not None and out.numel() >= limit
+
+
+@torch.library.custom_op("sp_attention::merge_", mutates_args=("out", "lse"))
+def _merge_op(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    if _use_compiled(out) and _MERGE_COMPILED(out.device.type, out, lse, block_out, block_lse) is not NotImplemented:
+        return
+    _merge_eager(out, lse, block_out, block_lse)
+
+
+@_merge_op.register_fake
+def _merge_op_fake(out, lse, block_out, block_lse) -> None:
+    return None
+
+
+@torch.library.custom_op("sp_attention::merge_final", mutates_args=("lse",))
+def _merge_final_op(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
+                    dtype: torch.dtype) -> torch.Tensor:
+    if _use_compiled(out):
+        result = _MERGE_FINAL_COMPILED(out.device.type, out, lse, block_out, block_lse, dtype)
+        if result is not NotImplemented:
+            return result
+    return _merge_final_eager(out, lse, block_out, block_lse, dtype)
+
+
+@_merge_final_op.register_fake
+def _merge_final_op_fake(out, lse, block_out, block_lse, dtype):
+    return torch.empty(out.shape, dtype=dtype, device=out.device)
+
+
+def _delta_eager(dout, out):
+    acc = acc_dtype(dout.dtype)
+    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()   # [B, H, S]
+
+
+_DELTA_COMPILED = _Compiled(_delta_eager)
+
+
+@torch.library.custom_op("sp_attention::softmax_delta", mutates_args=())
+def _delta_op(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    if _use_compiled(out):
+        result = _DELTA_COMPILED(out.device.type, dout, out)
+        if result is not NotImplemented:
+            return result
+    return _delta_eager(dout, out)
+
+
+@_delta_op.register_fake
+def _delta_op_fake(dout, out):
+    b, s, h, _ = out.shape
+    return torch.empty(b, h, s, dtype=acc_dtype(out.dtype), device=out.device)
+
+
+def softmax_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """D = rowsum(dout * out) [B, H, S] in fp32 (float64 for float64) from dout, out [B, S, H, D]:
+    the backward's per-row term, one fused pass (reads both once) where compiled."""
+    return torch.ops.sp_attention.softmax_delta(dout, out)
+
+
 def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     """Fold one block's partial attention into running accumulators, in place (online softmax).
 
@@ -451,14 +596,43 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 
     new_lse = log(e^lse + e^block_lse); out = out * e^(lse - new_lse) + block_out * e^(block_lse - new_lse).
     Stable for -inf on either side: a row with nothing seen on both sides stays (0, -inf) instead of
-    becoming NaN (the sigmoid form used by ring-flash-attn produces NaN there).
+    becoming NaN (the sigmoid form used by ring-flash-attn produces NaN there). One fused pass.
     """
-    new_lse = torch.logaddexp(lse, block_lse)
-    ref = torch.where(torch.isfinite(new_lse), new_lse, torch.zeros_like(new_lse))
-    w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)      # [B, S, H, 1]
-    w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).add_(block_out.to(out.dtype) * w_new)
-    lse.copy_(new_lse)
+    torch.ops.sp_attention.merge_(out, lse, block_out, block_lse)
+
+
+def merge_final(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
+                dtype: torch.dtype) -> torch.Tensor:
+    """The last merge with the cast to the output dtype fused in: returns the merged output [B, S, H, D]
+    in `dtype` (a new tensor) and updates `lse` in place; the accumulator `out` is only read. Saves
+    a pass over the fp32 accumulator."""
+    return torch.ops.sp_attention.merge_final(out, lse, block_out, block_lse, dtype)
+
+
+def start_accumulators(block_out: torch.Tensor, block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Accumulators (out, lse) holding the first block's result: its output cast to the accumulator
+    dtype (one pass) and its lse as it is (block results are fresh tensors)."""
+    return block_out.to(acc_dtype(block_out.dtype)), block_lse
+
+
+def accumulate_(acc: Optional[torch.Tensor], rows: slice, block: torch.Tensor) -> torch.Tensor:
+    """acc[:, rows] += block, in place, in the accumulator dtype (fp32; float64 for float64 inputs):
+    one pass. With acc None the first block starts the accumulator: a cast copy of it when it covers
+    every row (`rows` is slice(None)), else zeros plus the block. Returns the accumulator."""
+    if acc is None:
+        if rows == slice(None):  # contiguous: accumulators travel (a kernel's gradient may be a transposed view)
+            return block.to(acc_dtype(block.dtype)).contiguous()
+        raise ValueError("accumulate_: the first block must cover every row (or start from zeros)")
+    acc[:, rows].add_(block)
+    return acc
+
+
+def accumulate_final(acc: Optional[torch.Tensor], block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(acc + block) in `dtype`, the sum and the cast in one pass (the last step of a gradient
+    accumulation over every row); acc None: the block alone."""
+    if acc is None:
+        return block.to(dtype)
+    return torch.add(acc, block, out=torch.empty(acc.shape, dtype=dtype, device=acc.device))
 
 
 def empty_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -68,17 +68,18 @@ class Route:
         """Who held, at step-1, the block this rank holds at `step`."""
         raise NotImplementedError
 
-    def start_move(self, step: int, tensors: Sequence[torch.Tensor]):
-        return self._swap(tensors, self.next_holder(step), self.prev_holder(step + 1))
+    def start_move(self, step: int, tensors: Sequence[torch.Tensor], into: Optional[Sequence[torch.Tensor]] = None):
+        """`into`: receive buffers (same shapes), e.g. from a `DoubleBuffer`; fresh ones if None."""
+        return self._swap(tensors, self.next_holder(step), self.prev_holder(step + 1), into=into)
 
-    def start_follow(self, step: int, tensors: Sequence[torch.Tensor]):
-        return self._swap(tensors, self.next_holder(step), self.prev_holder(step + 1))
+    def start_follow(self, step: int, tensors: Sequence[torch.Tensor], into: Optional[Sequence[torch.Tensor]] = None):
+        return self._swap(tensors, self.next_holder(step), self.prev_holder(step + 1), into=into)
 
-    def _swap(self, tensors, to: int, frm: int, comm: Optional[Comm] = None):
+    def _swap(self, tensors, to: int, frm: int, comm: Optional[Comm] = None, into=None):
         """Send `tensors` to `to`, receive same-shaped ones from `frm` (ranks of `comm`, default the
-        route's comm); return finish()."""
+        route's comm) into `into` (fresh buffers if None); return finish()."""
         comm = comm or self.comm
-        recv = [torch.empty_like(t) for t in tensors]
+        recv = list(into) if into is not None else [torch.empty_like(t) for t in tensors]
         work = comm.exchange([P2P("send", t, to) for t in tensors] + [P2P("recv", t, frm) for t in recv])
 
         def finish() -> list[torch.Tensor]:
@@ -145,7 +146,9 @@ class TwoLevelRoute(Route):
             return self._g(self.node, self.local - 1)
         return self._g(self.node - 1, self.local - 1)
 
-    def start_move(self, step: int, tensors: Sequence[torch.Tensor]):
+    def start_move(self, step: int, tensors: Sequence[torch.Tensor], into: Optional[Sequence[torch.Tensor]] = None):
+        # `into` is ignored: the inter-node block is received a whole cycle before it is used,
+        # while the intra-node ones come and go, so two alternating buffers do not cover it
         i, k = step % self.per_node, step // self.per_node
         if i == 0 and k < self.nodes - 1:
             # the cycle's block goes on to the next node now, behind this cycle's intra steps
@@ -164,6 +167,22 @@ def make_route(comm: Comm, ranks_per_node: int = 0) -> Route:
     if 0 < ranks_per_node < comm.world_size:
         return TwoLevelRoute(comm, ranks_per_node)
     return RingRoute(comm)
+
+
+class DoubleBuffer:
+    """Receive buffers of a circulating block (or accumulator), allocated once and reused: what
+    arrives at step t lands in set t % 2, while the set being sent is the other one (or the
+    caller's own tensors at step 0). Every exchange is waited for before the next one starts, so a
+    set is free again when its turn comes."""
+
+    def __init__(self):
+        self._sets: list[Optional[list[torch.Tensor]]] = [None, None]
+
+    def __call__(self, step: int, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        i = step % 2
+        if self._sets[i] is None:
+            self._sets[i] = [torch.empty_like(t) for t in like]
+        return self._sets[i]
 
 
 @dataclass(frozen=True)
@@ -196,21 +215,28 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: 
     p = comm.world_size
     out = lse = None
     cur_k, cur_v = k, v
+    buffers = DoubleBuffer()
     for step in range(p):
         if step + 1 < p:
-            finish = route.start_move(step, [cur_k, cur_v])
+            finish = route.start_move(step, [cur_k, cur_v], into=buffers(step, [k, v]))
         src = route.src(step)
-        for blk in plan(src):
+        blocks = plan(src)
+        for i, blk in enumerate(blocks):
             block_out, block_lse = kernels.block_forward(
                 q[:, blk.q_rows], cur_k[:, blk.k_rows], cur_v[:, blk.k_rows], scale=scale,
                 causal_offset=blk.causal_offset, kernel=kernel,
                 mask=masks(comm.rank, blk.q_rows, src, blk.k_rows) if masks else None)
+            last = step == p - 1 and i == len(blocks) - 1
             if out is None and blk.q_rows == ALL:
-                # The first block covering every row initialises the accumulators directly.
-                out, lse = block_out.to(kernels.acc_dtype(q.dtype)), block_lse.clone()
+                if last:  # the only block: it is the result
+                    return block_out, block_lse
+                # The first block covering every row starts the accumulators.
+                out, lse = kernels.start_accumulators(block_out, block_lse)
                 continue
             if out is None:
                 out, lse = kernels.empty_accumulators(q)
+            if last and blk.q_rows == ALL:  # the cast to q's dtype fused into the last merge
+                return kernels.merge_final(out, lse, block_out, block_lse, q.dtype), lse
             kernels.merge_(out[:, blk.q_rows], lse[:, :, blk.q_rows], block_out, block_lse)
         if step + 1 < p:
             cur_k, cur_v = finish()
@@ -227,35 +253,46 @@ def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     route = route or RingRoute(comm)
     p = comm.world_size
     acc = kernels.acc_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    dq = None  # fp32, started by the first block's dQ (every plan's first block covers every row)
     cur_k, cur_v = k, v
+    kv_buffers, acc_buffers = DoubleBuffer(), DoubleBuffer()
     finish_acc = None
     for step in range(p):
         if step + 1 < p:
-            finish_kv = route.start_move(step, [cur_k, cur_v])
+            finish_kv = route.start_move(step, [cur_k, cur_v], into=kv_buffers(step, [k, v]))
         pending = []  # this rank's dK/dV contributions, added once the accumulator has arrived
         src = route.src(step)
-        for blk in plan(src):
+        blocks = plan(src)
+        for i, blk in enumerate(blocks):
             bdq, bdk, bdv = kernels.block_backward(
                 dout[:, blk.q_rows], q[:, blk.q_rows], cur_k[:, blk.k_rows], cur_v[:, blk.k_rows],
                 out[:, blk.q_rows], lse[:, :, blk.q_rows], scale=scale, causal_offset=blk.causal_offset,
                 kernel=kernel, mask=masks(comm.rank, blk.q_rows, src, blk.k_rows) if masks else None)
-            dq[:, blk.q_rows] += bdq
+            if step == p - 1 and i == len(blocks) - 1 and blk.q_rows == ALL:
+                dq = kernels.accumulate_final(dq, bdq, q.dtype)   # the cast fused into the last sum
+            else:
+                if dq is None and blk.q_rows != ALL:
+                    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+                dq = kernels.accumulate_(dq, blk.q_rows, bdq)
             pending.append((blk.k_rows, bdk, bdv))
-        if step == 0:
-            dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
-            dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
+        if step == 0:  # our own block's accumulator starts from our contribution
+            dk_acc = dv_acc = None
+            if not (len(pending) == 1 and pending[0][0] == ALL):
+                dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+                dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
         else:  # the accumulator of the block we hold, sent by its previous holder last step
             dk_acc, dv_acc = finish_acc()
         for rows, bdk, bdv in pending:
-            dk_acc[:, rows] += bdk
-            dv_acc[:, rows] += bdv
+            dk_acc = kernels.accumulate_(dk_acc, rows, bdk)
+            dv_acc = kernels.accumulate_(dv_acc, rows, bdv)
         if p > 1:
-            finish_acc = route.start_follow(step, [dk_acc, dv_acc])
+            finish_acc = route.start_follow(step, [dk_acc, dv_acc], into=acc_buffers(step, [dk_acc, dv_acc]))
         if step + 1 < p:
             cur_k, cur_v = finish_kv()
     if p > 1:
         dk_acc, dv_acc = finish_acc()  # the last hop brings our own block's accumulator home
+    if dq is None:  # a plan that skipped everything
+        dq = torch.zeros_like(q)
     return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 

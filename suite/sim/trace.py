@@ -133,6 +133,21 @@ def _tensor_bytes(x) -> int:
     return 0
 
 
+def _written_bytes(func, args, kwargs, out) -> int:
+    """Bytes of arguments an op writes in place without returning them (a fused operator such as
+    the online-softmax merge, `mutates_args`); aten's in-place ops return what they write, which
+    is already counted as their output."""
+    returned = {id(t) for t in (out if isinstance(out, (list, tuple)) else [out]) if isinstance(t, torch.Tensor)}
+    n = 0
+    for i, a in enumerate(func._schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        x = args[i] if i < len(args) else kwargs.get(a.name)
+        if isinstance(x, torch.Tensor) and id(x) not in returned:
+            n += _tensor_bytes(x)
+    return n
+
+
 def _on_meta(x) -> bool:
     if isinstance(x, torch.Tensor):
         return x.device.type == "meta"
@@ -157,7 +172,7 @@ class _Bookkeeping(TorchDispatchMode):
         # documents' masks, positions), not device work
         if not func.is_view and str(func) not in _FREE and _on_meta([args, kwargs, out]):
             self._ledger.tensor_op(_tensor_bytes(list(args)) + _tensor_bytes(list((kwargs or {}).values()))
-                                   + _tensor_bytes(out))
+                                   + _tensor_bytes(out) + _written_bytes(func, args, kwargs or {}, out))
         return out
 
 
