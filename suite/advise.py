@@ -415,9 +415,9 @@ class Advice:
         for i, c in enumerate(self.ranked[:top] if top else self.ranked, 1):
             t = c.row[M.TIME_MS_MEDIAN]
             rows.append({"rank": i, "method": c.label, "degrees": f"{c.ulysses_degree}x{c.ring_degree}",
-                         "layout": c.layout, "ranks/node": c.ranks_per_node, "predicted ms": round(t, 3),
+                         "layout": c.layout, "ranks/node": c.ranks_per_node, "predicted ms": float(f"{t:.4g}"),
                          "% of ideal": round(100 * self.ideal_ms / t, 1),
-                         "memory GB/GPU": round(c.memory_bytes / GB, 2), "main cost": main_cost(c.row)})
+                         "memory GB/GPU": float(f"{c.memory_bytes / GB:.3g}"), "main cost": main_cost(c.row)})
         return rows
 
 
