@@ -65,7 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     adv.add_argument("--ulysses-degree", type=int, action="append", default=None,
                      help="weigh only this Ulysses degree (repeatable)")
     adv.add_argument("--top", type=int, default=10, help="rows shown, and configurations --emit-config measures")
-    adv.add_argument("--out", default=None, help="folder for advice.md and advice.csv (default reports/<sweep name>)")
+    adv.add_argument("--out", default=None, help="folder for advice.md and advice.csv (default "
+                                                 "reports/<sweep name>_<seq len>)")
     adv.add_argument("--emit-config", default=None, help="write a sweep YAML measuring the top --top (executor dist)")
     adv.add_argument("--compare", default=None, metavar="RESULTS_DIR",
                      help="a measured run (or sweep) folder: print predicted vs measured order and Spearman's rho")

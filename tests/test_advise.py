@@ -117,3 +117,14 @@ def test_memory_estimate_within_2x_of_measured(name, options):
     for pass_, peak in measured.items():
         est = estimate(m, case, pass_).working
         assert 0.5 <= est / peak <= 2.0, (pass_, est, peak)
+
+
+def test_main_cost_reads_the_time_split():
+    from suite.advise import main_cost
+    row = {M.TIME_MS_MEDIAN: 10.0, M.COMPUTE_ONLY_MS: 6.0, M.IMBALANCE: 1.0}
+    assert main_cost(row, 6.0).startswith("exposed communication (40%)")
+    row = {M.TIME_MS_MEDIAN: 10.0, M.COMPUTE_ONLY_MS: 10.0, M.IMBALANCE: 2.0}
+    assert main_cost(row, 5.0).startswith("imbalance (50%)")
+    row = {M.TIME_MS_MEDIAN: 10.0, M.COMPUTE_ONLY_MS: 10.0, M.IMBALANCE: 1.0}
+    assert main_cost(row, 4.0).startswith("compute overhead (60%)")
+    assert main_cost(row, 9.5).startswith("compute-bound")
