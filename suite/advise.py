@@ -417,7 +417,8 @@ class Advice:
         for i, c in enumerate(self.ranked[:top] if top else self.ranked, 1):
             t = c.row[M.TIME_MS_MEDIAN]
             rows.append({"rank": i, "method": c.label, "degrees": f"{c.ulysses_degree}x{c.ring_degree}",
-                         "layout": c.layout, "ranks/node": c.ranks_per_node, "predicted ms": float(f"{t:.4g}"),
+                         "layout": c.layout, "ranks/node": c.ranks_per_node,
+                         "predicted ms": round(t, 1) if t >= 100 else float(f"{t:.4g}"),
                          "% of ideal": round(100 * self.ideal_ms / t, 1),
                          "memory GB/GPU": float(f"{c.memory_bytes / GB:.3g}"),
                          "main cost": main_cost(c.row, self.ideal_ms)})
@@ -470,7 +471,9 @@ def header(advice: Advice) -> str:
     return (f"{q.model.name} attention (heads {q.model.heads}, kv_heads {q.model.kv_heads}, head_dim "
             f"{q.model.head_dim}, {q.model.layers} layers) on {q.world_size} x {q.topology.gpu} "
             f"({q.nodes} node(s), topology {q.topology.name}), {q.seq_len} tokens x batch {q.batch}, {mix}, "
-            f"{q.dtype}, {'causal' if q.causal else 'full'}, {q.pass_}. Simulated (executor=sim), not measured.")
+            f"{q.dtype}, {'causal' if q.causal else 'full'}, {q.pass_}. Simulated (executor=sim), not measured. "
+            f"Memory: one attention call's peak plus what the other layers keep for backward (no recomputation); "
+            f"ideal: the whole problem as one kernel call on one GPU of the same compute model / P.")
 
 
 def write_outputs(advice: Advice, out_dir: Path, top: Optional[int] = None) -> list[Path]:
