@@ -13,6 +13,7 @@ EPILOG = """examples:
   python -m suite run configs/h100_sweep.yaml --dry-run           # print the planned trials
   python -m suite run configs/simulate_tasp.yaml                   # predicted on topology models (executor sim)
   python -m suite calibrate configs/sim_check_cpu.yaml             # kernel/link times for the simulator
+  python -m suite advise --model llama3_8b --topology h100_sxm --nodes 2 --seq-len 262144
   python -m suite list
   python -m suite ui
   python -m suite report                                          # latest run of every sweep
@@ -37,6 +38,40 @@ def _parser() -> argparse.ArgumentParser:
                           "run folder of this sweep)")
     run.add_argument("--dry-run", action="store_true", help="print the planned trials and whether each can run here")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    adv = sub.add_parser("advise", help="rank methods x degrees for a model, a cluster and a length mix (simulated)",
+                         description="Which sequence-parallel configuration to use: every own method x its "
+                                     "Ulysses/ring degrees, layouts and ranks per node, pruned by validity and "
+                                     "memory, predicted by the simulator (a sweep with executor=sim) and ranked "
+                                     "by step time.")
+    adv.add_argument("--model", required=True, help="a model of configs/models (llama3_8b, llama3_70b, qwen2_5_7b, "
+                                                    "qwen2_5_72b, mistral_7b), a model YAML, or "
+                                                    "heads/kv_heads/head_dim such as 32/8/128")
+    adv.add_argument("--topology", required=True, help="a name in configs/topologies (h100_sxm, mi300x, ...) or a "
+                                                       "topology YAML, e.g. results/calibration/cpu_host.yaml from "
+                                                       "`suite calibrate`")
+    adv.add_argument("--nodes", type=int, default=None, help="nodes of the topology (default 1)")
+    adv.add_argument("--gpus", type=int, default=None, help="ranks sharing the sequence (default: every GPU of "
+                                                            "--nodes; give it for a CPU host topology, e.g. 4)")
+    adv.add_argument("--seq-len", type=int, default=None, help="tokens per sequence, global (default 131072)")
+    adv.add_argument("--workload", default=None, help="length mix: uniform (default), a histogram of configs/documents "
+                                                      "(stdlib_files) or a file, or lognormal:median=M,sigma=S")
+    adv.add_argument("--batch", type=int, default=1)
+    adv.add_argument("--memory-gb", type=float, default=None, help="memory budget per GPU for attention (GB)")
+    adv.add_argument("--pass", dest="pass_", default="fwd_bwd", choices=["fwd", "fwd_bwd"])
+    adv.add_argument("--dtype", default="auto", help="auto: bfloat16 where the topology has a rate for it, "
+                                                    "else float32")
+    adv.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention instead of causal")
+    adv.add_argument("--ulysses-degree", type=int, action="append", default=None,
+                     help="weigh only this Ulysses degree (repeatable)")
+    adv.add_argument("--top", type=int, default=10, help="rows shown, and configurations --emit-config measures")
+    adv.add_argument("--out", default=None, help="folder for advice.md and advice.csv (default "
+                                                 "reports/<sweep name>_<seq len>)")
+    adv.add_argument("--emit-config", default=None, help="write a sweep YAML measuring the top --top (executor dist)")
+    adv.add_argument("--compare", default=None, metavar="RESULTS_DIR",
+                     help="a measured run (or sweep) folder: print predicted vs measured order and Spearman's rho")
+    adv.add_argument("--results-root", default="results")
+    adv.add_argument("--no-mlflow", action="store_true", help="do not log the simulated sweep to MLflow")
 
     sub.add_parser("list", help="list every method and kernel, whether it can run here, and why not")
 
@@ -107,6 +142,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _run(args)
     if args.command == "list":
         return _list()
+    if args.command == "advise":
+        from suite.advise import run_command
+        return run_command(args)
     if args.command == "ui":
         return _ui(args)
     if args.command == "report":

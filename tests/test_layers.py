@@ -19,6 +19,7 @@ LAYERS = [
     ["suite.metrics", "suite.results"],
     ["suite.env", "suite.check", "suite.memtrack", "suite.timing", "suite.summary", "suite.tracking", "suite.lengths",
      "suite.perplexity.*", "suite.sim.topology", "suite.sim.trace", "suite.sim.engine", "suite.sim.compute",
+     "suite.sim.memory",
      "suite.sim"],
     ["suite.config"],
     ["suite.plan"],
@@ -26,7 +27,7 @@ LAYERS = [
     ["suite.workloads", "suite.workloads.*"],
     ["suite.trial"],
     ["suite.executors", "suite.executors.*", "suite.sim.executor"],
-    ["suite.runner", "suite.sim.calibrate"],
+    ["suite.runner", "suite.sim.calibrate", "suite.advise"],
     ["suite.cli", "suite.__main__", "suite"],
 ]
 # Reports read stored rows only: the store and the column names, nothing that runs trials.

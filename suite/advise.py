@@ -1,0 +1,617 @@
+"""`python -m suite advise`: which method and degrees for a model's attention, a cluster and a length mix.
+
+question (model shape, topology x nodes, length, length mix, memory budget, pass)
+-> candidates: every own method of the registry x the values of its options that shape the
+   configuration (Ulysses degree, ranks per node of a two-level ring, sharding of packed documents)
+-> pruned before anything is traced: what the method refuses for the case (degrees vs world size
+   and heads, layout granules), no backward, a memory estimate over the budget (suite/sim/memory.py)
+-> the survivors run as one ordinary simulated sweep (the runner with executor=sim: rows stored under
+   results/, logged to MLflow, schedules traced once per shape by the trace cache)
+-> ranked by predicted time, with percent of ideal (single-device time / P on the same compute
+   model), memory per GPU, and the main cost read from the row's time split.
+
+Candidates come from `methods.available()`, so a newly registered method is weighed without a change
+here; only option *names* are known here (OPTION_VALUES), never method names.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import re
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import yaml
+
+import methods
+from methods.base import Case, Method, option_names
+from methods.common import check_ulysses_heads
+from methods.documents import Documents
+from suite import metrics as M
+from suite.config import PASSES, DocumentsConfig, SuiteConfig
+from suite.lengths import Distribution, LengthsError
+from suite.sim.compute import ComputeModel
+from suite.sim.memory import MemoryEstimate, estimate
+from suite.sim.topology import Topology, TopologyError, available_topologies, load_topology
+from suite.sim.trace import Compute
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_DIR = ROOT / "configs" / "models"
+DOCUMENTS_DIR = ROOT / "configs" / "documents"
+GB = 1e9
+# a cost is "the main cost" once it takes this share of the predicted time; below it for every
+# cost, the configuration is compute-bound
+MAIN_COST_SHARE = 0.15
+
+
+class AdviceError(ValueError):
+    """Bad input, reported before anything is traced; names the command-line option."""
+
+    def __init__(self, option: str, message: str):
+        super().__init__(f"{option}: {message}")
+        self.option = option
+
+
+# -- the question ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    layers: int = 1
+    hidden: int = 0
+    source: str = ""
+
+
+def available_models() -> list[str]:
+    return sorted(p.stem for p in MODEL_DIR.glob("*.yaml"))
+
+
+def load_model(text: str) -> ModelShape:
+    """A model by name (configs/models/<name>.yaml), a YAML file, or heads/kv_heads/head_dim."""
+    m = re.fullmatch(r"(\d+)/(\d+)/(\d+)", text.strip())
+    if m:
+        h, kv, d = (int(x) for x in m.groups())
+        shape = ModelShape(text, h, kv, d)
+    else:
+        path = Path(text) if text.endswith((".yaml", ".yml")) else MODEL_DIR / f"{text}.yaml"
+        if not path.is_file():
+            raise AdviceError("--model", f"unknown model {text!r}: choose one of {available_models()} or give "
+                                         f"heads/kv_heads/head_dim (e.g. 32/8/128)")
+        d = yaml.safe_load(path.read_text()) or {}
+        try:
+            shape = ModelShape(str(d.get("name", path.stem)), int(d["heads"]), int(d["kv_heads"]),
+                               int(d["head_dim"]), int(d.get("layers", 1)), int(d.get("hidden", 0)),
+                               str(d.get("source", "")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise AdviceError("--model", f"{path}: needs integer heads, kv_heads, head_dim ({exc})") from None
+    if min(shape.heads, shape.kv_heads, shape.head_dim, shape.layers) < 1:
+        raise AdviceError("--model", f"heads, kv_heads, head_dim and layers must be >= 1 in {text!r}")
+    if shape.heads % shape.kv_heads:
+        raise AdviceError("--model", f"heads ({shape.heads}) must be a multiple of kv_heads ({shape.kv_heads})")
+    return shape
+
+
+def load_workload(text: Optional[str]) -> Optional[Distribution]:
+    """A document-length distribution: a histogram in configs/documents/ (by name) or a YAML file of
+    bins, or `lognormal:median=M,sigma=S` / `powerlaw:alpha=A,min=N,max=N` (suite/lengths.py)."""
+    if not text or text == "uniform":
+        return None
+    kind, _, params = text.partition(":")
+    try:
+        if kind in ("lognormal", "powerlaw", "fixed"):
+            settings: dict[str, Any] = {"distribution": kind}
+            for item in filter(None, params.split(",")):
+                k, _, v = item.partition("=")
+                settings[k.strip()] = [int(x) for x in v.split("+")] if k.strip() == "lengths" else float(v)
+            for k in ("min", "max"):
+                if k in settings:
+                    settings[k] = int(settings[k])
+            return Distribution.from_config(kind, settings)
+        path = Path(text) if text.endswith((".yaml", ".yml")) else DOCUMENTS_DIR / f"{text}.yaml"
+        if not path.is_file():
+            choices = sorted(p.stem for p in DOCUMENTS_DIR.glob("*.yaml"))
+            raise AdviceError("--workload", f"unknown length distribution {text!r}: choose uniform, one of {choices}, "
+                                            f"a histogram YAML file, or lognormal:median=M,sigma=S")
+        return Distribution.from_config(path.stem, {"distribution": "histogram", "file": str(path)})
+    except (LengthsError, ValueError) as exc:
+        if isinstance(exc, AdviceError):
+            raise
+        raise AdviceError("--workload", str(exc)) from None
+
+
+@dataclass
+class Question:
+    model: ModelShape
+    topology: Topology
+    topology_arg: str              # the name or file, as the sweep's sim.topology takes it
+    world_size: int
+    seq_len: int
+    batch: int = 1
+    workload: Optional[Distribution] = None
+    memory_gb: Optional[float] = None
+    pass_: str = "fwd_bwd"
+    dtype: str = "bfloat16"
+    causal: bool = True
+    ulysses_degrees: Optional[list[int]] = None   # restrict the Ulysses degrees weighed
+    seed: int = 0
+
+    @property
+    def nodes(self) -> int:
+        return self.topology.nodes_for(self.world_size)
+
+    @property
+    def ranks_per_node(self) -> int:
+        return min(self.world_size, self.topology.gpus_per_node)
+
+    def case(self) -> Case:
+        return Case(batch=self.batch, seq_len=self.seq_len, heads=self.model.heads, kv_heads=self.model.kv_heads,
+                    head_dim=self.model.head_dim, dtype=self.dtype, causal=self.causal, world_size=self.world_size)
+
+    def documents(self) -> Optional[Documents]:
+        if self.workload is None:
+            return None
+        return Documents(self.workload.draw(self.seq_len, self.batch, self.seed), self.seq_len)
+
+
+def make_question(*, model: str, topology: str, nodes: Optional[int] = None, gpus: Optional[int] = None,
+                  seq_len: Optional[int] = None, workload: Optional[str] = None, memory_gb: Optional[float] = None,
+                  pass_: str = "fwd_bwd", dtype: str = "auto", causal: bool = True, batch: int = 1,
+                  ulysses_degree: Optional[list[int]] = None) -> Question:
+    """Validate a question; every problem raises AdviceError naming the option."""
+    shape = load_model(model)
+    try:
+        topo = load_topology(topology)
+    except TopologyError as exc:
+        raise AdviceError("--topology", f"unknown or unusable topology {topology!r}: choose one of "
+                                        f"{available_topologies()} or a topology YAML file "
+                                        f"(e.g. from `python -m suite calibrate`) ({exc})") from None
+    if nodes is not None and not 1 <= nodes <= topo.max_nodes:
+        raise AdviceError("--nodes", f"must be between 1 and {topo.max_nodes} (the most nodes {topo.name} has), "
+                                     f"got {nodes}")
+    if gpus is None:
+        gpus = (nodes or 1) * topo.gpus_per_node
+    if gpus < 2:
+        raise AdviceError("--gpus", f"sequence parallelism needs at least 2 GPUs, got {gpus}")
+    if nodes is not None and topo.nodes_for(gpus) != nodes:
+        raise AdviceError("--gpus", f"{gpus} GPUs on {topo.name} ({topo.gpus_per_node} per node) fill "
+                                    f"{topo.nodes_for(gpus)} node(s), not --nodes {nodes}")
+    ok, why = topo.fits(gpus)
+    if not ok:
+        raise AdviceError("--gpus", why)
+    if seq_len is None:
+        seq_len = 131072
+    if seq_len < 1:
+        raise AdviceError("--seq-len", f"must be a positive number of tokens, got {seq_len}")
+    if batch < 1:
+        raise AdviceError("--batch", f"must be >= 1, got {batch}")
+    if memory_gb is not None and not memory_gb > 0:
+        raise AdviceError("--memory-gb", f"must be > 0, got {memory_gb}")
+    if pass_ not in PASSES:
+        raise AdviceError("--pass", f"{pass_!r} is not one of {list(PASSES)}")
+    compute = ComputeModel(topo)
+    if dtype == "auto":
+        dtype = next((d for d in ("bfloat16", "float16", "float32") if compute.supports(d, shape.head_dim)[0]),
+                     "bfloat16")
+    ok, why = compute.supports(dtype, shape.head_dim)
+    if not ok:
+        raise AdviceError("--dtype", why)
+    for u in ulysses_degree or []:
+        if u < 1 or gpus % u:
+            raise AdviceError("--ulysses-degree", f"{u} does not divide the {gpus} GPUs")
+        reason = check_ulysses_heads(shape.heads, shape.kv_heads, u)
+        if reason:
+            raise AdviceError("--ulysses-degree", f"{u} cannot split the heads of {shape.name}: {reason}")
+    dist = load_workload(workload)
+    q = Question(shape, topo, topology, gpus, seq_len, batch, dist, memory_gb, pass_, dtype, causal,
+                 list(ulysses_degree) if ulysses_degree else None)
+    if dist is not None:
+        try:
+            q.documents()
+        except LengthsError as exc:
+            raise AdviceError("--workload", str(exc)) from None
+    return q
+
+
+# -- candidates ---------------------------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+# The values of each option that changes the configuration (not a kernel knob), by option name:
+# any method that takes the option is weighed with each value. Options not named here keep the
+# method's default.
+OPTION_VALUES: dict[str, Callable[[Question], list[Any]]] = {
+    "ulysses_degree": lambda q: q.ulysses_degrees or _divisors(q.world_size),
+    "ranks_per_node": lambda q: [0] + ([q.topology.gpus_per_node] if q.nodes > 1 else []),
+    "sharding": lambda q: ["sequence"] + (["documents"] if q.workload is not None else []),
+}
+
+
+@dataclass
+class Candidate:
+    method: str
+    options: dict[str, Any]
+    ulysses_degree: int = 0
+    ring_degree: int = 0
+    layout: str = ""
+    ranks_per_node: int = 0
+    memory: Optional[MemoryEstimate] = None
+    memory_bytes: int = 0
+    pruned: str = ""                       # why it was not simulated ("" = simulated)
+    row: dict = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return M.method_label(self.method, self.options)
+
+    @property
+    def options_json(self) -> str:
+        return json.dumps(self.options, sort_keys=True)
+
+
+def candidate_methods() -> list[str]:
+    """Own, multi-rank methods whose schedules the simulator can trace, from the registry."""
+    out = []
+    for name in methods.available():
+        cls = methods.method_class(name)
+        if cls.impl == "own" and not cls.single_device and not cls.needs_processes:
+            out.append(name)
+    return out
+
+
+def enumerate_candidates(q: Question) -> list[Candidate]:
+    import itertools
+
+    out = []
+    for name in candidate_methods():
+        opts = [o for o in option_names(methods.method_class(name)) if o in OPTION_VALUES]
+        for combo in itertools.product(*(OPTION_VALUES[o](q) for o in opts)):
+            out.append(Candidate(name, dict(zip(opts, combo))))
+    return out
+
+
+def _run_case(q: Question, method: Method) -> Case:
+    """The case the method runs (as `TrialSpec.run_case`): padded to its granule, with the documents."""
+    case = q.case()
+    docs = q.documents()
+    if docs is not None:
+        case = replace(case, documents=docs)
+    padded = method.padded_len(case)
+    if docs is None and padded == q.seq_len:
+        return case
+    lengths = docs.lengths if docs is not None else tuple((q.seq_len,) for _ in range(q.batch))
+    return replace(case, seq_len=padded, documents=Documents(lengths, padded))
+
+
+def prune(q: Question, candidates: list[Candidate]) -> list[Candidate]:
+    """Fill each candidate's degrees, layout and memory, and mark the ones that cannot run (or do
+    not fit the budget) with the reason. Nothing is traced here. Returns the candidates kept."""
+    kept = []
+    for c in candidates:
+        try:
+            m = methods.get_method(c.method, **c.options)
+            case = _run_case(q, m)
+            c.ulysses_degree, c.ring_degree = m.degrees(case)
+        except (TypeError, ValueError) as exc:
+            c.pruned = str(exc)
+            continue
+        c.layout = "documents" if c.options.get("sharding") == "documents" else m.layout_kind
+        c.ranks_per_node = c.options.get("ranks_per_node") or q.ranks_per_node
+        ok, why = m.supports(replace(case, device="cpu"))
+        if ok and c.ulysses_degree > 1:  # the heads must split over the Ulysses degree, whatever the method
+            why = check_ulysses_heads(q.model.heads, q.model.kv_heads, c.ulysses_degree)
+            ok = not why
+        if ok and q.ulysses_degrees and c.ulysses_degree > 1 and c.ulysses_degree not in q.ulysses_degrees:
+            ok, why = False, f"Ulysses degree {c.ulysses_degree} not among --ulysses-degree {q.ulysses_degrees}"
+        if ok and q.pass_ != "fwd":
+            why = m.forward_only_reason(case) or ""
+            ok = not why
+        if not ok:
+            c.pruned = why
+            continue
+        c.memory = estimate(m, case, q.pass_)
+        c.memory_bytes = c.memory.total(q.model.layers if q.pass_ == "fwd_bwd" else 1)
+        if q.memory_gb is not None and c.memory_bytes > q.memory_gb * GB:
+            c.pruned = f"needs ~{c.memory_bytes / GB:.1f} GB per GPU, over --memory-gb {q.memory_gb:g}"
+            continue
+        kept.append(c)
+    return kept
+
+
+# -- the simulated sweep ------------------------------------------------------------------------
+def sweep_name(q: Question) -> str:
+    model = re.sub(r"[^A-Za-z0-9_.-]", "-", q.model.name)
+    return f"advise_{model}_{q.topology.name}_{q.world_size}gpu"
+
+
+def build_config(q: Question, kept: list[Candidate], *, executor: str = "sim", name: Optional[str] = None,
+                 results_root: str = "results", mlflow: bool = True) -> SuiteConfig:
+    """One sweep holding exactly the candidates `kept`: each method's option values are axes, and
+    every combination of them that is not a kept candidate is excluded (never planned)."""
+    from suite.config import option_points, validate
+
+    cfg = SuiteConfig(name=name or sweep_name(q))
+    cfg.description = (f"suite advise: {q.model.name} ({q.model.heads}/{q.model.kv_heads}/{q.model.head_dim}) on "
+                       f"{q.world_size} x {q.topology.gpu}, {q.seq_len} tokens")
+    names = list(dict.fromkeys(c.method for c in kept))
+    s = cfg.sweep
+    s.methods, s.world_size, s.batch, s.seq_len = names, [q.world_size], [q.batch], [q.seq_len]
+    s.heads, s.kv_heads, s.head_dim = [q.model.heads], [q.model.kv_heads], [q.model.head_dim]
+    s.dtype, s.causal, s.passes = [q.dtype], [q.causal], [q.pass_]
+    s.method_options, s.exclude = {}, []
+    for m in names:
+        mine = [c.options for c in kept if c.method == m]
+        keys = sorted({k for o in mine for k in o})
+        if not keys:
+            continue
+        s.method_options[m] = {k: sorted({o[k] for o in mine}, key=str) for k in keys}
+        for point in option_points(s.method_options[m]):
+            if point not in mine:
+                s.exclude.append({"method": m, **point})
+    if q.workload is not None:
+        w = q.workload
+        cfg.documents = {w.name: DocumentsConfig(distribution=w.distribution,
+                                                 **{k: v for k, v in w.settings.items() if k != "bins"})}
+        s.workload = [w.name]
+    cfg.run.executor = executor
+    cfg.run.seed = q.seed
+    cfg.sim.topology = [q.topology_arg]
+    cfg.results.root = results_root
+    cfg.tracking.mlflow = mlflow
+    validate(cfg)
+    return cfg
+
+
+def ideal_ms(q: Question) -> float:
+    """The problem on one device of the topology's compute model, divided by the GPUs (the
+    percent-of-ideal convention of the reports: single-device time / P)."""
+    compute = ComputeModel(q.topology)
+    docs = q.documents()
+    causal_offset = 0 if q.causal else None
+    doc_pairs = None
+    if docs is not None:
+        doc_pairs = sum(n * (n + 1) // 2 if q.causal else n * n for seq in docs.lengths for n in seq)
+    t = 0.0
+    for op in ("fwd",) + (("bwd",) if q.pass_ == "fwd_bwd" else ()):
+        t += compute.time(Compute(op, q.batch, q.seq_len, q.seq_len, q.model.heads, q.model.kv_heads,
+                                  q.model.head_dim, causal_offset, q.dtype, doc_pairs))
+    return t * 1e3 / q.world_size
+
+
+def main_cost(row: dict, ideal: Optional[float] = None) -> str:
+    """What the predicted time is mostly spent on beyond useful compute, from a row's time split:
+    exposed communication = time - compute-only time; imbalance = the compute-only time lost to the
+    busiest rank (compute-only x (1 - mean/max visible pairs)); compute overhead = the balanced
+    compute-only time above `ideal` (smaller blocks run below the kernel's best rate, and the
+    method's own merges and copies). "compute-bound" when none takes MAIN_COST_SHARE of the time."""
+    t = row.get(M.TIME_MS_MEDIAN) or 0.0
+    comp = row.get(M.COMPUTE_ONLY_MS)
+    if not t or comp is None:
+        return "-"
+    imb = row.get(M.IMBALANCE) or 1.0
+    costs = {"exposed communication": max(0.0, t - comp) / t,
+             "imbalance": comp * (1.0 - 1.0 / imb) / t if imb > 0 else 0.0,
+             "compute overhead": max(0.0, comp / max(imb, 1.0) - ideal) / t if ideal else 0.0}
+    name, share = max(costs.items(), key=lambda kv: kv[1])
+    if share < MAIN_COST_SHARE:
+        return f"compute-bound ({100 * (1 - costs['exposed communication']):.0f}% compute)"
+    return f"{name} ({100 * share:.0f}%)"
+
+
+@dataclass
+class Advice:
+    question: Question
+    ranked: list[Candidate]
+    pruned: list[Candidate]
+    failed: list[Candidate]
+    ideal_ms: float
+    run_dir: Optional[Path] = None
+
+    def table(self, top: Optional[int] = None) -> list[dict[str, Any]]:
+        rows = []
+        for i, c in enumerate(self.ranked[:top] if top else self.ranked, 1):
+            t = c.row[M.TIME_MS_MEDIAN]
+            rows.append({"rank": i, "method": c.label, "degrees": f"{c.ulysses_degree}x{c.ring_degree}",
+                         "layout": c.layout, "ranks/node": c.ranks_per_node,
+                         "predicted ms": round(t, 1) if t >= 100 else float(f"{t:.4g}"),
+                         "% of ideal": round(100 * self.ideal_ms / t, 1),
+                         "memory GB/GPU": float(f"{c.memory_bytes / GB:.3g}"),
+                         "main cost": main_cost(c.row, self.ideal_ms)})
+        return rows
+
+
+def advise(q: Question, *, results_root: str = "results", mlflow: bool = True, progress: bool = False,
+           out=None) -> Advice:
+    """Prune, simulate the survivors as one sweep (executor=sim), rank them."""
+    import io
+
+    from suite.runner import run_sweep
+
+    candidates = enumerate_candidates(q)
+    kept = prune(q, candidates)
+    pruned = [c for c in candidates if c.pruned]
+    if not kept:
+        if q.memory_gb is not None and any("--memory-gb" in c.pruned for c in pruned):
+            least = min((c for c in pruned if c.memory_bytes), key=lambda c: c.memory_bytes)
+            raise AdviceError("--memory-gb", f"nothing fits {q.memory_gb:g} GB per GPU: the smallest configuration, "
+                                             f"{least.label}, needs ~{least.memory_bytes / GB:.1f} GB")
+        raise AdviceError("--model", "no method can run this question: " + "; ".join(
+            sorted({f"{c.label}: {c.pruned}" for c in pruned})[:5]))
+    cfg = build_config(q, kept, results_root=results_root, mlflow=mlflow)
+    from omegaconf import OmegaConf
+    yaml_text = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
+    result = run_sweep(cfg, yaml_text, out=out or io.StringIO(), progress=progress)
+    by_key = {(c.method, c.options_json): c for c in kept}
+    for r in result.records:
+        c = by_key.get((r["method"], r["options"]))
+        if c is not None:
+            c.row = r
+    ranked = sorted((c for c in kept if c.row.get("status") == M.OK), key=lambda c: c.row[M.TIME_MS_MEDIAN])
+    failed = [c for c in kept if c.row.get("status") != M.OK]
+    return Advice(q, ranked, pruned, failed, ideal_ms(q), result.run_dir)
+
+
+# -- output ---------------------------------------------------------------------------------------
+def render(advice: Advice, top: Optional[int] = None, fmt: str = "simple") -> str:
+    from tabulate import tabulate
+
+    rows = advice.table(top)
+    return tabulate([list(r.values()) for r in rows], headers=list(rows[0]) if rows else [], tablefmt=fmt,
+                    disable_numparse=True)
+
+
+def header(advice: Advice) -> str:
+    q = advice.question
+    mix = f"packed documents ({q.workload.name})" if q.workload is not None else "uniform sequences"
+    return (f"{q.model.name} attention (heads {q.model.heads}, kv_heads {q.model.kv_heads}, head_dim "
+            f"{q.model.head_dim}, {q.model.layers} layers) on {q.world_size} x {q.topology.gpu} "
+            f"({q.nodes} node(s), topology {q.topology.name}), {q.seq_len} tokens x batch {q.batch}, {mix}, "
+            f"{q.dtype}, {'causal' if q.causal else 'full'}, {q.pass_}. Simulated (executor=sim), not measured. "
+            f"Memory: one attention call's peak plus what the other layers keep for backward (no recomputation); "
+            f"ideal: the whole problem as one kernel call on one GPU of the same compute model / P.")
+
+
+def write_outputs(advice: Advice, out_dir: Path, top: Optional[int] = None) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows = advice.table(top)
+    md = out_dir / "advice.md"
+    text = ["# suite advise\n", header(advice), "", render(advice, top, "github"), ""]
+    text += pruned_lines(advice)
+    md.write_text("\n".join(text) + "\n")
+    cs = out_dir / "advice.csv"
+    with cs.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]) if rows else ["rank"])
+        w.writeheader()
+        w.writerows(rows)
+    return [md, cs]
+
+
+def pruned_lines(advice: Advice) -> list[str]:
+    lines = []
+    if advice.pruned:
+        lines.append(f"Pruned before tracing ({len(advice.pruned)}):")
+        lines += [f"- {c.label}: {c.pruned}" for c in advice.pruned]
+    if advice.failed:
+        lines.append(f"Simulated but not ranked ({len(advice.failed)}):")
+        lines += [f"- {c.label}: {c.row.get('status')}: {c.row.get('reason')}" for c in advice.failed]
+    return lines
+
+
+def emit_config(advice: Advice, path: Path, top: int) -> Path:
+    """A sweep YAML that measures the advised top `top` configurations (executor dist)."""
+    from omegaconf import OmegaConf
+
+    q = advice.question
+    cfg = build_config(q, advice.ranked[:top], executor="dist", name=sweep_name(q) + "_measured")
+    cfg.description = f"measure the top {top} of `suite advise` ({cfg.description})"
+    d = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    keep = {"name": d["name"], "description": d["description"], "sweep": d["sweep"], "run": {"executor": "dist"}}
+    if d.get("documents"):
+        keep["documents"] = {k: {kk: vv for kk, vv in v.items() if vv not in (None, [], 0, 0.0) or kk == "min"}
+                             for k, v in d["documents"].items()}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"# Written by `python -m suite advise`: the top {top} configurations, measured.\n"
+                    + yaml.safe_dump(keep, sort_keys=False))
+    return path
+
+
+# -- checking the advice against measurements ------------------------------------------------------
+def ranks_of(values: list[float]) -> list[float]:
+    """1-based ranks, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    i = 0
+    while i < len(order):
+        j = i
+        while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+            j += 1
+        for k in range(i, j + 1):
+            ranks[order[k]] = (i + j) / 2 + 1
+        i = j + 1
+    return ranks
+
+
+def spearman(x: list[float], y: list[float]) -> float:
+    """Spearman's rank correlation: Pearson's correlation of the ranks (ties get mean ranks)."""
+    if len(x) != len(y) or len(x) < 2:
+        raise ValueError("spearman needs two equally long lists of at least 2 values")
+    rx, ry = ranks_of(x), ranks_of(y)
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    cov = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    var = math.sqrt(sum((a - mx) ** 2 for a in rx) * sum((b - my) ** 2 for b in ry))
+    return cov / var if var else float("nan")
+
+
+def compare(advice: Advice, measured_dir: Path) -> tuple[str, dict[str, Any]]:
+    """Predicted vs measured order of the configurations both hold: a table, whether the measured
+    best is in the advised top 3, and the Spearman correlation of predicted and measured times."""
+    from tabulate import tabulate
+
+    from suite.results import ResultsStore
+
+    store = ResultsStore.latest(str(measured_dir.parent), measured_dir.name) \
+        if not (measured_dir / "trials.jsonl").is_file() else ResultsStore.open(measured_dir)
+    if store is None:
+        raise AdviceError("--compare", f"no results under {measured_dir}")
+    measured = {(r["method"], r["options"]): r for r in store.records() if r["status"] == M.OK}
+    pairs = [(c, measured[(c.method, c.options_json)]) for c in advice.ranked if (c.method, c.options_json) in measured]
+    if len(pairs) < 2:
+        raise AdviceError("--compare", f"{measured_dir} holds {len(pairs)} of the advised configurations; need 2+")
+    pred = [c.row[M.TIME_MS_MEDIAN] for c, _ in pairs]
+    meas = [r[M.TIME_MS_MEDIAN] for _, r in pairs]
+    mrank = ranks_of(meas)
+    adv_rank = {id(c): i for i, c in enumerate(advice.ranked, 1)}
+    rows = [[adv_rank[id(c)], int(mr) if mr == int(mr) else mr, c.label, f"{p:.3f}", f"{m:.3f}"]
+            for (c, _), p, m, mr in zip(pairs, pred, meas, mrank)]
+    best = min(pairs, key=lambda cr: cr[1][M.TIME_MS_MEDIAN])[0]
+    rho = spearman(pred, meas)
+    facts = {"n": len(pairs), "measured_best": best.label, "best_advised_rank": adv_rank[id(best)],
+             "best_in_top3": adv_rank[id(best)] <= 3, "spearman": rho, "run_dir": str(store.run_dir)}
+    text = tabulate(rows, headers=["advised rank", "measured rank", "configuration", "predicted ms", "measured ms"],
+                    disable_numparse=True)
+    text += (f"\nmeasured best: {best.label}, advised rank {adv_rank[id(best)]} "
+             f"({'in' if facts['best_in_top3'] else 'NOT in'} the advised top 3); Spearman rank correlation "
+             f"predicted vs measured over {len(pairs)} configurations: {rho:+.3f} (measured: {store.run_dir})")
+    return text, facts
+
+
+# -- command line -----------------------------------------------------------------------------------
+def run_command(args) -> int:
+    import time
+
+    t0 = time.perf_counter()
+    try:
+        if args.top < 1:
+            raise AdviceError("--top", f"must be >= 1, got {args.top}")
+        q = make_question(model=args.model, topology=args.topology, nodes=args.nodes, gpus=args.gpus,
+                          seq_len=args.seq_len, workload=args.workload, memory_gb=args.memory_gb, pass_=args.pass_,
+                          dtype=args.dtype, causal=not args.no_causal, batch=args.batch,
+                          ulysses_degree=args.ulysses_degree)
+        if args.compare and not Path(args.compare).exists():
+            raise AdviceError("--compare", f"no such folder: {args.compare}")
+        advice = advise(q, results_root=args.results_root, mlflow=not args.no_mlflow)
+    except AdviceError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(header(advice))
+    print(render(advice, args.top))
+    for line in pruned_lines(advice):
+        print(line)
+    files = write_outputs(advice, Path(args.out or f"reports/{sweep_name(q)}_{q.seq_len}"), args.top)
+    print(f"{len(advice.ranked)} configurations simulated, {len(advice.pruned)} pruned, in "
+          f"{time.perf_counter() - t0:.1f}s; rows in {advice.run_dir}; tables {', '.join(map(str, files))}")
+    if args.emit_config:
+        print(f"sweep measuring the top {args.top}: {emit_config(advice, Path(args.emit_config), args.top)}")
+    if args.compare:
+        try:
+            text, _ = compare(advice, Path(args.compare))
+        except AdviceError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(text)
+    return 0

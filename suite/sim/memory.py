@@ -1,0 +1,80 @@
+"""Memory per GPU of one sequence-parallel attention call, estimated from what a method declares.
+
+The advisor (suite/advise.py) prunes configurations that cannot fit a memory budget before it
+traces anything, so this estimate uses only the method's declarations (docs/DESIGN.md section 4):
+its Ulysses x ring degrees, its KV replication and whether it gathers the whole sequence. It
+counts whole tensors, per rank, in bytes (L = local tokens, e = bytes per input element, a = per
+accumulator element):
+
+- inputs: the local q [B, L, H, D], k and v [B, L, Hkv, D] (and dout for forward+backward);
+- forward working set: out and its fp32 accumulator, the LSE, one block result being merged;
+  Ulysses (degree > 1): the head-scattered q, k, v (KV heads replicated up to the degree) and a
+  send buffer of the largest of them; a ring (degree > 1): the K/V block held and the next one
+  arriving (double buffering); a method that gathers the whole sequence: the whole K/V and the
+  all-gather's receive buffer;
+- backward adds dq, dk, dv, their fp32 accumulators, and, on a ring, two dK/dV accumulators in
+  flight (or the whole sequence's dK/dV for a gathering method);
+- saved per layer (forward+backward of a model): what each attention layer keeps for its backward
+  (q, k, v, out, LSE, and the head-scattered copies under Ulysses).
+
+tests/test_advise.py checks the working set against the peak that suite.memtrack measures for
+every own method at a small shape (virtual ranks as threads), within a stated factor. Kernel
+workspaces that never become tensors (flash-attention's tiles) are not counted.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from methods.base import Case, Method, element_bytes
+from methods.common import kv_replication
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per rank of one attention call."""
+
+    inputs: int    # q, k, v shards (and dout) the caller holds before the call
+    working: int   # what the call itself allocates at its peak, beyond its inputs
+    saved: int     # kept per layer for the backward pass (0 for forward only)
+
+    def total(self, layers: int = 1) -> int:
+        """Peak of one layer's call, plus what the other `layers - 1` layers keep for backward."""
+        return self.inputs + self.working + max(0, layers - 1) * self.saved
+
+
+def estimate(method: Method, case: Case, pass_: str) -> MemoryEstimate:
+    """Estimated memory per rank of `method` on `case` (its `seq_len` already padded to the
+    method's granule) for one call of `pass_` ("fwd" or "fwd_bwd")."""
+    e, a = element_bytes(case)
+    p = case.world_size
+    local = case.seq_len // p
+    u, r = method.degrees(case)
+    rep = kv_replication(case.kv_heads, u) if u > 1 else 1
+    tokens_heads = case.batch * local * case.head_dim     # one head's worth of local tokens, in elements
+    q = tokens_heads * case.heads * e
+    kv = tokens_heads * case.kv_heads * e                 # one of k, v
+    lse = case.batch * case.heads * local * 4
+    q_acc, kv_acc = q // e * a, kv // e * a
+    fwd = bwd = 0
+    bwd_inputs = q if pass_ == "fwd_bwd" else 0            # dout
+    fwd += q + q_acc + lse + q_acc                        # out, its accumulator, LSE, one block's result
+    scattered = 0
+    if u > 1:
+        scattered = q + 2 * kv * rep                       # every token of the group for this rank's heads
+        fwd += scattered + max(q, kv * rep)                # ... and the all-to-all's send buffer
+    if method.gathers_whole_sequence:
+        fwd += 2 * 2 * kv * p                              # whole K/V and the all-gather's buffer
+    elif r > 1:
+        fwd += 2 * 2 * kv * rep                            # the K/V block held and the next one arriving
+    if pass_ == "fwd_bwd":
+        bwd += q + 2 * kv + q_acc + 2 * kv_acc * rep       # dq, dk, dv and their fp32 accumulators
+        if u > 1:
+            bwd += scattered                               # head-scattered dout, dq, dk, dv
+        if method.gathers_whole_sequence:
+            bwd += 2 * kv_acc * p                          # the whole sequence's dK/dV
+        elif r > 1:
+            bwd += 2 * 2 * kv_acc * rep + 2 * 2 * kv * rep  # dK/dV accumulators and K/V blocks in flight
+    saved = 0
+    if pass_ == "fwd_bwd":
+        saved = q + 2 * kv + q + lse + scattered + (q if u > 1 else 0)
+    return MemoryEstimate(inputs=q + 2 * kv + bwd_inputs, working=fwd + bwd, saved=saved)

@@ -1,0 +1,130 @@
+"""`suite advise`: pruning before tracing, bad input, ranking, the memory estimate, Spearman."""
+import math
+
+import pytest
+import torch
+
+import methods
+import suite.sim.trace as trace_mod
+from methods import Case
+from methods.comm import run_threads
+from suite import metrics as M
+from suite.advise import advise, candidate_methods, emit_config, make_question, spearman
+from suite.cli import main
+from suite.config import load_config
+from suite.memtrack import TensorMemoryTracker
+from suite.sim.memory import estimate
+from tests.helpers import own_variants, problem_for
+
+
+def test_spearman_known_values():
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    # ties share their mean rank: y ranks [1, 2, 3.5, 5, 3.5] -> rho = 8 / sqrt(10 * 9.5)
+    assert spearman([1, 2, 3, 4, 5], [5, 6, 7, 8, 7]) == pytest.approx(8 / math.sqrt(95))
+    # monotone but not linear: ranks only
+    assert spearman([1, 2, 3], [1, 100, 101]) == pytest.approx(1.0)
+
+
+@pytest.fixture
+def no_tracing(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("bad input must be refused before anything is traced")
+    monkeypatch.setattr(trace_mod, "trace", refuse)
+
+
+@pytest.mark.parametrize("args,option,mentions", [
+    (["--model", "llama9_1t", "--topology", "h100_sxm"], "--model", "llama3_8b"),
+    (["--model", "32/5/128", "--topology", "h100_sxm"], "--model", "multiple of kv_heads"),
+    (["--model", "llama3_8b", "--topology", "dgx_z"], "--topology", "mi300x"),
+    (["--model", "llama3_8b", "--topology", "h100_sxm", "--seq-len", "0"], "--seq-len", "positive"),
+    (["--model", "llama3_8b", "--topology", "h100_sxm", "--nodes", "0"], "--nodes", "between"),
+    (["--model", "12/12/64", "--topology", "h100_sxm", "--ulysses-degree", "8"], "--ulysses-degree", "heads"),
+    (["--model", "llama3_8b", "--topology", "h100_sxm", "--ulysses-degree", "3"], "--ulysses-degree", "divide"),
+    (["--model", "llama3_8b", "--topology", "h100_sxm", "--memory-gb", "0.001"], "--memory-gb", "nothing fits"),
+    (["--model", "llama3_8b", "--topology", "h100_sxm", "--workload", "nope"], "--workload", "stdlib_files"),
+    (["--model", "llama3_8b", "--topology", "h100_sxm", "--dtype", "float64"], "--dtype", "float64"),
+])
+def test_bad_input_exits_2_naming_the_option(args, option, mentions, capsys, no_tracing, tmp_path):
+    assert main(["advise", *args, "--no-mlflow", "--results-root", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: {option}:") and mentions in err, err
+
+
+def test_small_question_prunes_before_tracing_and_ranks(monkeypatch, tmp_path):
+    """6 heads on 8 GPUs: Ulysses degrees 4 and 8 cannot split the heads, so neither Ulysses nor USP
+    at those degrees may be traced; the others run as a simulated sweep and come back sorted."""
+    traced = []
+    real = trace_mod.trace
+
+    def counting(method_name, case, pass_="fwd", options=None, timeout_s=120.0):
+        traced.append((method_name, dict(options or {}), case.world_size))
+        return real(method_name, case, pass_, options, timeout_s)
+
+    monkeypatch.setattr(trace_mod, "trace", counting)
+    q = make_question(model="6/6/16", topology="h100_sxm", seq_len=4800, pass_="fwd", memory_gb=10)
+    adv = advise(q, results_root=str(tmp_path), mlflow=False)
+    pruned = {c.label: c.pruned for c in adv.pruned}
+    assert "ulysses" in pruned and "usp(ulysses_degree=8)" in pruned and "usp(ulysses_degree=4)" in pruned
+    assert all("heads" in why for why in pruned.values()), pruned
+    assert traced, "the survivors must be traced"
+    for name, options, _ in traced:
+        assert name != "ulysses" and options.get("ulysses_degree", 1) in (1, 2), (name, options)
+    # every registered own method is weighed (pruned or ranked): nothing is kept in a list here
+    weighed = {c.method for c in adv.ranked + adv.pruned + adv.failed}
+    assert weighed == set(candidate_methods())
+    times = [c.row[M.TIME_MS_MEDIAN] for c in adv.ranked]
+    assert len(times) >= 5 and times == sorted(times)
+    assert all(c.row["executor"] == "sim" and c.row["topology"] == "h100_sxm" for c in adv.ranked)
+    assert (adv.run_dir / "trials.jsonl").is_file()
+    assert not adv.failed
+    rows = adv.table()
+    assert [r["rank"] for r in rows] == list(range(1, len(rows) + 1))
+    assert all(0 < r["% of ideal"] and r["memory GB/GPU"] > 0 for r in rows)
+    # the emitted sweep measures exactly the top 3
+    path = emit_config(adv, tmp_path / "top3.yaml", 3)
+    cfg, _ = load_config(path)
+    assert cfg.run.executor == "dist" and cfg.sweep.world_size == [8]
+    from suite.plan import Place, expand
+    from suite.workloads import make_workload
+    plan = expand(cfg, make_workload(cfg.kind, cfg), [Place("cpu", "local", lambda w: 1)], "cpu")
+    assert sorted(M.method_label(s.method, s.method_options) for s in plan) == sorted(c.label for c in adv.ranked[:3])
+
+
+@pytest.mark.parametrize("name,options", own_variants())
+def test_memory_estimate_within_2x_of_measured(name, options):
+    """The working set one call allocates (suite.memtrack sees every tensor on CPU), forward and
+    forward+backward, P = 4 threads, GQA: the estimate is within a factor of 2 either way."""
+    case = Case(1, 480, 8, 2, 16, "float32", True, 4)
+    m = methods.get_method(name, **options)
+    ok, why = m.supports(case)
+    assert ok, why
+    prob = problem_for(case)
+    lay = m.layout(case)
+
+    def rank(comm):
+        q, k, v, do = (lay.shard(x, comm.rank) for x in (prob.q, prob.k, prob.v, prob.dout))
+        with torch.no_grad(), TensorMemoryTracker() as fwd:
+            m.attention(q, k, v, causal=True, comm=comm)
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        with TensorMemoryTracker() as both:
+            torch.autograd.grad(m.attention(qg, kg, vg, causal=True, comm=comm), (qg, kg, vg), do)
+        return fwd.peak_bytes, both.peak_bytes
+
+    per_rank = run_threads(case.world_size, rank)
+    measured = {"fwd": max(f for f, _ in per_rank), "fwd_bwd": max(b for _, b in per_rank)}
+    for pass_, peak in measured.items():
+        est = estimate(m, case, pass_).working
+        assert 0.5 <= est / peak <= 2.0, (pass_, est, peak)
+
+
+def test_main_cost_reads_the_time_split():
+    from suite.advise import main_cost
+    row = {M.TIME_MS_MEDIAN: 10.0, M.COMPUTE_ONLY_MS: 6.0, M.IMBALANCE: 1.0}
+    assert main_cost(row, 6.0).startswith("exposed communication (40%)")
+    row = {M.TIME_MS_MEDIAN: 10.0, M.COMPUTE_ONLY_MS: 10.0, M.IMBALANCE: 2.0}
+    assert main_cost(row, 5.0).startswith("imbalance (50%)")
+    row = {M.TIME_MS_MEDIAN: 10.0, M.COMPUTE_ONLY_MS: 10.0, M.IMBALANCE: 1.0}
+    assert main_cost(row, 4.0).startswith("compute overhead (60%)")
+    assert main_cost(row, 9.5).startswith("compute-bound")
