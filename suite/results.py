@@ -94,11 +94,15 @@ class ResultsStore:
         while run_dir.exists():  # two sweeps started in the same second
             n += 1
             run_dir = base / f"{stamp}-{n}"
-        run_dir.mkdir(parents=True)
-        store = cls(run_dir).lock()
-        (run_dir / CONFIG).write_text(config_yaml)
-        store.write_json(ENVIRONMENT, environment)
-        store.trials_path.touch()
+        try:
+            run_dir.mkdir(parents=True)
+            store = cls(run_dir).lock()
+            (run_dir / CONFIG).write_text(config_yaml)
+            store.write_json(ENVIRONMENT, environment)
+            store.trials_path.touch()
+        except OSError as exc:  # a read-only or invalid results.root, a full disk: one line, no traceback
+            raise StoreError(f"cannot create the run folder {run_dir}: {exc.strerror or exc} (set results.root to "
+                             f"a writable folder, or free space)") from None
         return store
 
     @classmethod

@@ -84,6 +84,10 @@ def run_sweep(cfg: SuiteConfig, config_yaml: str, *, resume: Optional[str] = Non
     try:
         workload = make_workload(cfg.kind, cfg)
         plan = expand(cfg, workload, executor.places(), executor.device)
+        if not plan:  # a run folder with no trials in it is a mistake in the config, not a result
+            from suite.config import ConfigError
+            raise ConfigError("sweep.exclude: the rules remove every trial of the sweep (nothing to run); "
+                              "narrow the rules or widen the sweep axes")
         if dry_run:
             print_plan(plan, executor, workload, out)
             return None
@@ -223,8 +227,8 @@ def _compact(store: ResultsStore) -> None:
         store.compact()
     except Exception as exc:  # noqa: BLE001
         import warnings
-        warnings.warn(f"could not write {store.run_dir}/trials.parquet: {exc} (trials.jsonl is complete)",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(f"could not write {store.run_dir}/trials.parquet: {exc} (the rows are in trials.jsonl; "
+                      f"a line a failed write left partial is skipped on reading)", RuntimeWarning, stacklevel=2)
 
 
 def _print_footer(records: list[dict], this_run: list[dict], wall: float, store: ResultsStore, tracker,

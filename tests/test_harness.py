@@ -150,3 +150,91 @@ def test_a_report_over_many_sweeps_skips_an_unreadable_one(write_config, tmp_pat
     data = load_runs(sorted((tmp_path / "results").glob("*/*")))
     assert len(data.frame) == 4 and set(data.frame["sweep"]) == {"first"}
     assert any("second" in n and "skipped, it cannot be read" in n for n in data.notes)
+
+
+# -- limits checked before start --------------------------------------------------------------------
+QUICK = "name: {name}\nsweep: {{methods: [ring], world_size: [2], seq_len: [32], heads: [2], kv_heads: [2], " \
+        "head_dim: [8], causal: [true], passes: [fwd]}}\nrun: {{device: cpu}}\ntracking: {{mlflow: false}}\n"
+
+
+@pytest.mark.parametrize("override, words", [
+    ("sweep.world_size=[1024]", ["sweep.world_size", "run.max_ranks_per_core"]),
+    ("run.timeout_s=inf", ["run.timeout_s", "finite"]),
+    ("run.startup_timeout_s=nan", ["run.startup_timeout_s", "finite"]),
+    ("name=" + "n" * 101, ["name", "at most 100"]),
+    ("sweep.exclude=[{method: ring}]", ["sweep.exclude", "every trial"]),
+])
+def test_limits_are_one_line_errors_before_anything_starts(write_config, tmp_path, capsys, override, words):
+    path = write_config(QUICK.format(name="limits"))
+    assert main(["run", str(path), override, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "results").exists()
+
+
+def test_oversubscribing_is_an_explicit_choice(write_config, monkeypatch):
+    import suite.executors.local as local
+    from suite.config import ConfigError, load_config
+    from suite.executors import make_executor
+
+    monkeypatch.setattr(local, "available_cores", lambda: 2)
+    cfg, _ = load_config(write_config(QUICK.format(name="over")), ["sweep.world_size=[8]"])
+    with pytest.raises(ConfigError, match="8.*2 cores x run.max_ranks_per_core 2 = 4 ranks"):
+        make_executor(cfg)
+    cfg, _ = load_config(write_config(QUICK.format(name="over")), ["sweep.world_size=[8]", "run.max_ranks_per_core=4"])
+    make_executor(cfg).close()
+
+
+def test_a_yaml_alias_bomb_is_refused_before_it_is_expanded(tmp_path):
+    from suite.config import ConfigError, load_config
+
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x]"]
+    for i in range(1, 7):  # 8^7 nodes once expanded, from a few hundred bytes
+        levels.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 8) + "]")
+    path = tmp_path / "bomb.yaml"
+    path.write_text("name: bomb\n" + "\n".join(levels) + "\n")
+    with pytest.raises(ConfigError, match="expands to [0-9]+ nodes through its aliases"):
+        load_config(path)
+
+
+def test_an_unwritable_results_root_and_a_full_disk_are_one_line_errors(write_config, tmp_path, capsys,
+                                                                        monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    path = write_config(SIM.format(name="disk"))
+    assert main(["run", str(path), f"results.root={blocker}", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot create the run folder" in err and "results.root" in err and "Traceback" not in err
+
+    import errno
+
+    import suite.results as results_module
+    real_write, writes = os.write, []
+
+    def full_disk(fd, data):  # the third row: half of it is written, then the disk is full
+        writes.append(1)
+        if len(writes) == 3:
+            real_write(fd, bytes(data[: len(data) // 2]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+    monkeypatch.setattr(results_module.os, "write", full_disk)
+    assert main(["run", str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "every earlier row is complete" in err and "--resume" in err
+    run_dir = next((tmp_path / "results" / "disk").iterdir())
+    data = (run_dir / "trials.jsonl").read_bytes()
+    assert data.count(b"\n") == 2 and data.endswith(b"\n")  # the partial line was cut back
+    monkeypatch.setattr(results_module.os, "write", real_write)
+    assert main(["run", str(path), "--resume", "--no-progress"]) == 0
+    assert len(ResultsStore(run_dir).records()) == 4
+
+
+def test_cuda_without_a_gpu_is_one_line(write_config, capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    path = write_config(QUICK.format(name="nocuda"))
+    assert main(["run", str(path), "run.device=cuda", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "Traceback" not in err
