@@ -7,6 +7,7 @@ boundary: q [B, S_local, H, D], k and v [B, S_local, Hkv, D]; lse [B, H, S_local
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar, Optional
 
@@ -333,8 +334,14 @@ def element_bytes(case: Case) -> tuple[int, int]:
 
 def option_names(cls: type[Method]) -> list[str]:
     """Keyword options accepted by a method class (for error messages)."""
+    return list(_option_names(cls))
+
+
+@functools.lru_cache(maxsize=None)
+def _option_names(cls: type[Method]) -> tuple[str, ...]:
+    # once per class: the signature was read for every method built, a quarter of planning the main sweep
     import inspect
-    return [p for p in inspect.signature(cls.__init__).parameters if p != "self"]
+    return tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self")
 
 
 def case_from_dict(d: dict) -> Case:

@@ -20,28 +20,40 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence, Union
 
 import torch
 
 LAYOUTS = ("contiguous", "zigzag", "stripe", "usp", "documents")
 
 
+Positions = tuple[torch.Tensor, ...]  # per rank, LongTensor [S_local]
+
+
 @dataclass(frozen=True, eq=False)
 class Layout:
-    """A token-to-rank map for one (seq_len, world_size)."""
+    """A token-to-rank map for one (seq_len, world_size).
+
+    The builders check the sizes when the layout is made but build the position tensors only when
+    they are first asked for: planning asks every trial's method whether its layout fits (thousands
+    of times in the main sweep, at lengths of a million tokens) and never uses the positions."""
 
     kind: str
     seq_len: int
     world_size: int
-    _positions: tuple[torch.Tensor, ...]  # per rank, LongTensor [S_local]
+    _positions: Union[Positions, Callable[[], Positions]]  # the tensors, or how to build them
+
+    def _all(self) -> Positions:
+        if callable(self._positions):
+            object.__setattr__(self, "_positions", tuple(self._positions()))
+        return self._positions
 
     def positions(self, rank: int) -> torch.Tensor:
         """Global positions held by `rank`, in local order: LongTensor [S_local]."""
-        return self._positions[rank]
+        return self._all()[rank]
 
     def local_len(self, rank: int) -> int:
-        return self._positions[rank].numel()
+        return self._all()[rank].numel()
 
     def shard(self, x: torch.Tensor, rank: int, dim: int = 1) -> torch.Tensor:
         """Rank `rank`'s tokens of global tensor `x` (sequence along `dim`), contiguous."""
@@ -63,7 +75,7 @@ class Layout:
 
     def causal_work(self, rank: int) -> int:
         """(query, key) pairs a rank's queries attend to under a causal mask: sum of (pos + 1)."""
-        return int((self._positions[rank] + 1).sum())
+        return int((self._all()[rank] + 1).sum())
 
 
 def _check(kind: str, seq_len: int, world_size: int, divisor: int) -> None:
@@ -78,32 +90,39 @@ def _check(kind: str, seq_len: int, world_size: int, divisor: int) -> None:
 
 def contiguous(seq_len: int, world_size: int) -> Layout:
     _check("contiguous", seq_len, world_size, world_size)
-    return Layout("contiguous", seq_len, world_size, torch.arange(seq_len).chunk(world_size))
+    return Layout("contiguous", seq_len, world_size, lambda: torch.arange(seq_len).chunk(world_size))
 
 
 def zigzag(seq_len: int, world_size: int) -> Layout:
     _check("zigzag", seq_len, world_size, 2 * world_size)
-    chunks = torch.arange(seq_len).chunk(2 * world_size)
-    return Layout("zigzag", seq_len, world_size,
-                  tuple(torch.cat([chunks[r], chunks[2 * world_size - 1 - r]]) for r in range(world_size)))
+
+    def build() -> Positions:
+        chunks = torch.arange(seq_len).chunk(2 * world_size)
+        return tuple(torch.cat([chunks[r], chunks[2 * world_size - 1 - r]]) for r in range(world_size))
+    return Layout("zigzag", seq_len, world_size, build)
 
 
 def stripe(seq_len: int, world_size: int) -> Layout:
     _check("stripe", seq_len, world_size, world_size)
     return Layout("stripe", seq_len, world_size,
-                  tuple(torch.arange(r, seq_len, world_size) for r in range(world_size)))
+                  lambda: tuple(torch.arange(r, seq_len, world_size) for r in range(world_size)))
 
 
 def usp(seq_len: int, world_size: int, ulysses_degree: int) -> Layout:
     if ulysses_degree < 1 or world_size % ulysses_degree != 0:
         raise ValueError(f"usp layout needs ulysses_degree dividing world_size: {ulysses_degree} vs {world_size}")
     ring_degree = world_size // ulysses_degree
-    if seq_len % (2 * ring_degree) != 0 or seq_len % world_size != 0:
+    divisor = granule("usp", world_size, ulysses_degree=ulysses_degree)
+    if seq_len % divisor != 0:
         raise ValueError(f"usp layout needs seq_len divisible by 2 x ring_degree ({2 * ring_degree}) and by "
                          f"world_size ({world_size}); got seq_len={seq_len}")
-    pairs = zigzag(seq_len, ring_degree)
-    return Layout("usp", seq_len, world_size,
-                  tuple(piece for r in range(ring_degree) for piece in pairs.positions(r).chunk(ulysses_degree)))
+    # ring degree 1 is plain Ulysses: one ring rank holds the whole sequence in order, which needs no
+    # even split into a zigzag pair
+    pairs = zigzag(seq_len, ring_degree) if ring_degree > 1 else contiguous(seq_len, 1)
+
+    def build() -> Positions:
+        return tuple(piece for r in range(ring_degree) for piece in pairs.positions(r).chunk(ulysses_degree))
+    return Layout("usp", seq_len, world_size, build)
 
 
 def documents(doc_lengths: Sequence[int], world_size: int) -> Layout:
@@ -133,7 +152,7 @@ def granule(kind: str, world_size: int, **params) -> int:
         return 2 * world_size
     if kind == "usp":
         ring_degree = world_size // params["ulysses_degree"]
-        return math.lcm(2 * ring_degree, world_size)
+        return math.lcm(2 * ring_degree, world_size) if ring_degree > 1 else world_size
     raise ValueError(f"unknown layout {kind!r}; choose one of {LAYOUTS}")
 
 

@@ -128,8 +128,9 @@ class USP(Method):
             q, k, v, rep = ulysses_scatter_heads(uly, q, k, v)              # [B, U*L, H/U, D]: the pair
         plan = zigzag_plan(causal, ring.rank, q.shape[1])
         # the inner ring holds, on ring rank r, the zigzag pair r of R ranks (Algorithm 2's layout)
-        masks = BlockMasks(docs, layouts.zigzag(docs.padded_len, ring.world_size).positions, causal) if docs \
-            else None
+        # (one ring rank, plain Ulysses, holds its whole sequence in order: any length, no zigzag pair)
+        ring_layout = layouts.zigzag if ring.world_size > 1 else layouts.contiguous
+        masks = BlockMasks(docs, ring_layout(docs.padded_len, ring.world_size).positions, causal) if docs else None
         out_h, lse_h = kv_ring_forward(q, k, v, comm=ring, plan=plan, scale=scale, kernel=self.kernel, masks=masks)
         if u == 1:
             return out_h, lse_h, (q, k, v, out_h, lse_h, u, rep, masks)

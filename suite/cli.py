@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+from pathlib import Path
 from typing import Optional
 
 EPILOG = """examples:
@@ -36,6 +37,10 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--resume", nargs="?", const="latest", default=None, metavar="RUN_DIR",
                      help="continue an interrupted sweep: skip trials already recorded (default: the latest "
                           "run folder of this sweep)")
+    run.add_argument("--force", action="store_true",
+                     help="with --resume: continue even where a setting that changes results (run.repeats, "
+                          "run.check, run.seed, ...) or the sweep name differs from the folder's; the change is "
+                          "recorded in the folder's resumes.jsonl")
     run.add_argument("--dry-run", action="store_true", help="print the planned trials and whether each can run here")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -139,6 +144,9 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
     if args.command == "run":
+        # `--resume run.repeats=3`: argparse takes the override for --resume's optional folder
+        if args.resume and "=" in args.resume and not Path(args.resume).exists():
+            args.overrides, args.resume = list(args.overrides) + [args.resume], "latest"
         return _run(args)
     if args.command == "list":
         return _list()
@@ -201,18 +209,23 @@ def _calibrate(args) -> int:
 
 def _run(args) -> int:
     from suite.config import ConfigError
+    from suite.results import StoreError
     from suite.runner import run_sweep
 
+    if args.force and not args.resume:
+        print("error: --force only applies to --resume", file=sys.stderr)
+        return 2
     loaded = _load_config(args)
     if loaded is None:
         return 2
     cfg, yaml_text = loaded
     try:
-        run_sweep(cfg, yaml_text, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress)
+        run_sweep(cfg, yaml_text, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress,
+                  force=args.force)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
-    except FileNotFoundError as exc:
+    except (FileNotFoundError, StoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

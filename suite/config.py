@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import re
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -30,6 +31,10 @@ AXES = ("method", "topology", "world_size", "batch", "seq_len", "heads", "kv_hea
 
 class ConfigError(ValueError):
     """A configuration problem, reported before anything runs."""
+
+
+MAX_NAME = 100              # a sweep name is a folder name and an MLflow experiment name
+MAX_TIMEOUT_S = 7 * 86400   # a week: longer waits are a typo (and inf overflows the waits)
 
 
 @dataclass
@@ -101,6 +106,9 @@ class RunConfig:
     """After one rank fails, how long to wait for the others to report before replacing the group."""
     threads_per_rank: int = 0
     """CPU threads per worker; 0 = available cores / world_size (at least 1)."""
+    max_ranks_per_core: float = 2.0
+    """Local CPU runs (executor dist on cpu): world sizes above this many ranks per available core are
+    refused before start (P = 16 on 2 cores times nothing but contention); raise it to oversubscribe."""
     hardware: str = "auto"
     """Hardware label recorded with each trial; auto = detected (GPU name or CPU model)."""
     plugins: list[str] = field(default_factory=list)
@@ -245,9 +253,58 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     return obj, OmegaConf.to_yaml(OmegaConf.structured(obj), resolve=True)
 
 
+# YAML aliases repeat a node without copying it, so a few hundred bytes can stand for billions of
+# nodes once loaded (the "billion laughs"); a config is refused, before anything constructs it, when
+# its expanded size passes these.
+MAX_YAML_NODES = 200_000
+MAX_YAML_ALIASES = 1_000
+
+
+def check_yaml_size(text: str, source: str) -> None:
+    """Raise ConfigError when the YAML `text` would expand to more than MAX_YAML_NODES nodes or uses
+    more than MAX_YAML_ALIASES aliases. Counts on the composed node graph (aliases are shared nodes
+    there, so nothing is expanded), memoised per node."""
+    import yaml
+
+    aliases = text.count("*")  # an upper bound on alias uses; the exact count comes from the events
+    if aliases > MAX_YAML_ALIASES:
+        try:
+            aliases = sum(isinstance(e, yaml.AliasEvent) for e in yaml.parse(text, Loader=yaml.SafeLoader))
+        except yaml.YAMLError:
+            return  # the real loader reports the syntax error with its position
+        if aliases > MAX_YAML_ALIASES:
+            raise ConfigError(f"{source}: {aliases} YAML aliases (at most {MAX_YAML_ALIASES}); write the values out")
+    try:
+        roots = list(yaml.compose_all(text, Loader=yaml.SafeLoader))
+    except yaml.YAMLError:
+        return
+    sizes: dict[int, int] = {}
+
+    def size(node) -> int:
+        if id(node) in sizes:
+            return sizes[id(node)]
+        sizes[id(node)] = 1  # a cycle counts once (and cannot recurse forever)
+        n = 1
+        if isinstance(node, yaml.SequenceNode):
+            n += sum(size(child) for child in node.value)
+        elif isinstance(node, yaml.MappingNode):
+            n += sum(size(k) + size(v) for k, v in node.value)
+        sizes[id(node)] = n
+        return n
+    total = sum(size(root) for root in roots if root is not None)
+    if total > MAX_YAML_NODES:
+        raise ConfigError(f"{source}: the YAML expands to {total} nodes through its aliases (at most "
+                          f"{MAX_YAML_NODES}); write the values out instead of repeating aliases")
+
+
 def _compose(path: Path) -> DictConfig:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{path}: could not read the config: {exc}") from None
+    check_yaml_size(text, str(path))
     from hydra import compose, initialize_config_dir
     from hydra.errors import HydraException
 
@@ -338,6 +395,8 @@ def validate(cfg: SuiteConfig) -> None:
 
     _require(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", cfg.name or "")), "name",
              f"{cfg.name!r} must be letters, digits, '-', '_' or '.' (it names a folder)")
+    _require(len(cfg.name) <= MAX_NAME, "name", f"is {len(cfg.name)} characters; at most {MAX_NAME} (it names a "
+                                                f"folder and an MLflow experiment): use a shorter name")
     s, r = cfg.sweep, cfg.run
     try:
         methods.load_plugins(r.plugins)
@@ -389,9 +448,13 @@ def validate(cfg: SuiteConfig) -> None:
     _require(r.warmup >= 0, "run.warmup", f"must be >= 0, got {r.warmup}")
     _require(r.repeats >= 1, "run.repeats", f"must be >= 1, got {r.repeats}")
     _require(r.check_max_seq_len >= 1, "run.check_max_seq_len", "must be >= 1")
-    for k in ("timeout_s", "startup_timeout_s", "prepare_timeout_s"):
-        _require(getattr(r, k) > 0, f"run.{k}", f"must be > 0, got {getattr(r, k)}")
-    _require(r.fail_grace_s >= 0, "run.fail_grace_s", "must be >= 0")
+    for k in ("timeout_s", "startup_timeout_s", "prepare_timeout_s", "fail_grace_s"):
+        v = getattr(r, k)  # inf or NaN would overflow the waits (OverflowError) or never time out
+        _require(math.isfinite(v) and 0 <= v <= MAX_TIMEOUT_S and (v > 0 or k == "fail_grace_s"), f"run.{k}",
+                 f"must be a finite number of seconds, {'>=' if k == 'fail_grace_s' else '>'} 0 and at most "
+                 f"{MAX_TIMEOUT_S} (a week), got {v}")
+    _require(math.isfinite(r.max_ranks_per_core) and r.max_ranks_per_core > 0, "run.max_ranks_per_core",
+             f"must be a finite number > 0, got {r.max_ranks_per_core}")
     _require(r.threads_per_rank >= 0, "run.threads_per_rank", "must be >= 0 (0 = automatic)")
     if r.backend == "nccl":
         _require(r.device != "cpu", "run.backend", "nccl needs run.device cuda (or auto on a GPU machine)")

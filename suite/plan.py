@@ -6,10 +6,11 @@ passes and identity), so that planning needs neither the executors nor the workl
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
 import methods
@@ -66,14 +67,13 @@ class TrialSpec:
     kind: str = field(default="attention", compare=False)   # the workload that runs it (config `kind`)
 
     def identity(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["pass"] = d.pop("pass_")
-        d.pop("device")
-        d.pop("kind")
-        return {k: d[k] for k in IDENTITY}
+        # plain attribute reads: `dataclasses.asdict` deep-copies every field, which cost more than the
+        # hash itself at the main sweep's 6,608 trials
+        return {k: getattr(self, "pass_" if k == "pass" else k) for k in IDENTITY}
 
-    @property
+    @functools.cached_property
     def key(self) -> str:
+        """Hashed once per spec (the plan, the resume filter and the post-sweep bookkeeping all ask)."""
         identity = self.identity()
         if not identity["workload"]:  # attention trials keep the keys they had before workloads existed
             del identity["workload"]

@@ -21,7 +21,7 @@ from suite.env import fingerprint
 from suite.executors import Executor, make_executor
 from suite.plan import RunSettings, TrialSpec, expand
 from suite.records import RowContext, skipped_row
-from suite.results import ResultsStore
+from suite.results import CONFIG, ResultsStore, StoreError
 from suite.summary import summary_table
 from suite.tracking import make_tracker
 from suite.workloads import Workload, make_workload
@@ -70,8 +70,9 @@ class SweepResult:
 
 
 def run_sweep(cfg: SuiteConfig, config_yaml: str, *, resume: Optional[str] = None, dry_run: bool = False,
-              out: Optional[TextIO] = None, progress: bool = True) -> Optional[SweepResult]:
-    """Run (or, with `dry_run`, only plan) a sweep. `resume`: a run folder, or "latest".
+              out: Optional[TextIO] = None, progress: bool = True, force: bool = False) -> Optional[SweepResult]:
+    """Run (or, with `dry_run`, only plan) a sweep. `resume`: a run folder, or "latest"; `force`:
+    resume even where a setting that changes results differs from the folder's (recorded).
 
     Returns None for a dry run and on the ranks other than 0 of an external launch."""
     out = out or sys.stdout  # looked up now, not at import (pytest swaps sys.stdout)
@@ -83,30 +84,87 @@ def run_sweep(cfg: SuiteConfig, config_yaml: str, *, resume: Optional[str] = Non
     try:
         workload = make_workload(cfg.kind, cfg)
         plan = expand(cfg, workload, executor.places(), executor.device)
+        if not plan:  # a run folder with no trials in it is a mistake in the config, not a result
+            from suite.config import ConfigError
+            raise ConfigError("sweep.exclude: the rules remove every trial of the sweep (nothing to run); "
+                              "narrow the rules or widen the sweep axes")
         if dry_run:
             print_plan(plan, executor, workload, out)
             return None
-        return _drive(cfg, config_yaml, plan, executor, workload, resume=resume, out=out, progress=progress)
+        return _drive(cfg, config_yaml, plan, executor, workload, resume=resume, out=out, progress=progress,
+                      force=force)
     finally:
         executor.close()
 
 
-def open_store(cfg: SuiteConfig, config_yaml: str, device: str, resume: Optional[str]) -> tuple[ResultsStore, bool]:
+# Settings that change what a trial's row says without changing its key: resuming a folder with
+# other values would append rows that disagree with the folder's config.yaml.
+RESULT_SETTINGS = ("kind", "run.executor", "run.device", "run.backend", "run.kernel", "run.warmup", "run.repeats",
+                   "run.check", "run.check_max_seq_len", "run.seed", "run.breakdown", "run.threads_per_rank")
+
+
+def _setting(d: dict, key: str):
+    for part in key.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d
+
+
+def resume_changes(recorded_yaml: str, cfg: SuiteConfig) -> dict[str, tuple]:
+    """{key: (the folder's value, this run's value)} of the name and every result setting that differ."""
+    import yaml
+
+    try:
+        recorded = yaml.safe_load(recorded_yaml) or {}
+    except yaml.YAMLError:
+        recorded = {}
+    now = to_dict(cfg)
+    now["name"], now["kind"] = cfg.name, cfg.kind
+    changes = {k: (_setting(recorded, k), _setting(now, k)) for k in ("name",) + RESULT_SETTINGS}
+    return {k: v for k, v in changes.items() if v[0] != v[1]}
+
+
+def open_store(cfg: SuiteConfig, config_yaml: str, device: str, resume: Optional[str],
+               force: bool = False) -> tuple[ResultsStore, bool]:
+    """The run folder, locked by this process: a new one, or with `resume` an earlier one whose
+    sweep and result settings match this run's (or differ, with `force`, recorded in resumes.jsonl)."""
     if resume:
         store = (ResultsStore.latest(cfg.results.root, cfg.name) if resume == "latest"
                  else ResultsStore.open(resume))
         if store is None:
             raise FileNotFoundError(f"--resume: no earlier run of {cfg.name!r} under {cfg.results.root}/")
-        return ResultsStore.open(store.run_dir), True
+        store = ResultsStore(store.run_dir).lock()  # before the torn tail is cut: a live writer may be mid-line
+        try:
+            store = ResultsStore.open(store.run_dir)._adopt_lock(store)
+            config_path = store.run_dir / CONFIG
+            changes = resume_changes(config_path.read_text() if config_path.exists() else "", cfg)
+            if changes and not force:
+                what = "; ".join(f"{k}: {a!r} recorded, {b!r} now" for k, (a, b) in changes.items())
+                raise StoreError(f"--resume: {store.run_dir} was run with other settings ({what}); rows would "
+                                 f"disagree with its config.yaml. Resume with the recorded values, start a new "
+                                 f"run (no --resume), or add --force to mix them (the change is recorded)")
+            if changes:
+                store.record_resume(changes)
+        except BaseException:
+            store.unlock()
+            raise
+        return store, True
     return ResultsStore.create(cfg.results.root, cfg.name, config_yaml, fingerprint(device)), False
 
 
 def _drive(cfg: SuiteConfig, config_yaml: str, plan: list[TrialSpec], executor: Executor, workload: Workload, *,
-           resume: Optional[str], out: TextIO, progress: bool) -> SweepResult:
+           resume: Optional[str], out: TextIO, progress: bool, force: bool = False) -> SweepResult:
+    t_start = time.perf_counter()
+    store, resumed = open_store(cfg, config_yaml, executor.device, resume, force)
+    try:
+        return _drive_locked(cfg, plan, executor, workload, store, resumed, t_start, out=out, progress=progress)
+    finally:
+        store.unlock()
+
+
+def _drive_locked(cfg: SuiteConfig, plan: list[TrialSpec], executor: Executor, workload: Workload,
+                  store: ResultsStore, resumed: bool, t_start: float, *, out: TextIO, progress: bool) -> SweepResult:
     from tqdm import tqdm
 
-    t_start = time.perf_counter()
-    store, resumed = open_store(cfg, config_yaml, executor.device, resume)
     done = store.completed_keys()
     todo = [s for s in plan if s.key not in done]
     tracker = make_tracker(cfg.tracking.mlflow, cfg.tracking.uri, cfg.tracking.experiment or cfg.name,
@@ -148,8 +206,14 @@ def _drive(cfg: SuiteConfig, config_yaml: str, plan: list[TrialSpec], executor: 
         _compact(store)
         tracker.finish(store, status)
     wall = time.perf_counter() - t_start
-    records = store.records()
+    records, duplicates = store.latest_rows()
     print(summary_table(records), file=out)
+    if duplicates:
+        print(f"{duplicates} earlier row(s) of keys recorded twice are not counted (the latest row of each key "
+              f"is)", file=out)
+    if store.damaged:
+        print(f"{len(store.damaged)} damaged line(s) of {store.trials_path} skipped (first: {store.damaged[0]})",
+              file=out)
     todo_keys = {s.key for s in todo}
     this_run = [r for r in records if r[M.KEY] in todo_keys] + workload.added_rows()
     _print_footer(records, this_run, wall, store, tracker, out, executor.startup_s, executor.groups_started)
@@ -163,8 +227,8 @@ def _compact(store: ResultsStore) -> None:
         store.compact()
     except Exception as exc:  # noqa: BLE001
         import warnings
-        warnings.warn(f"could not write {store.run_dir}/trials.parquet: {exc} (trials.jsonl is complete)",
-                      RuntimeWarning, stacklevel=2)
+        warnings.warn(f"could not write {store.run_dir}/trials.parquet: {exc} (the rows are in trials.jsonl; "
+                      f"a line a failed write left partial is skipped on reading)", RuntimeWarning, stacklevel=2)
 
 
 def _print_footer(records: list[dict], this_run: list[dict], wall: float, store: ResultsStore, tracker,

@@ -44,7 +44,15 @@ def make_executor(cfg: SuiteConfig, *, dry_run: bool = False) -> Executor:
     if launch is not None:
         return TorchrunExecutor(launch, device=device, backend=resolve_backend(r.backend, device), run=settings,
                                 timeout_s=r.timeout_s, hardware=r.hardware)
-    from suite.executors.local import LocalDistExecutor
+    from suite.executors.local import LocalDistExecutor, available_cores
+    if device == "cpu" and not dry_run:
+        cores = available_cores()
+        limit = max(1, int(cores * r.max_ranks_per_core))
+        too_big = [p for p in cfg.sweep.world_size if p > limit]
+        if too_big:  # every rank would wait for a core: the timings would measure contention
+            raise ConfigError(f"sweep.world_size: {too_big} exceed{'s' if len(too_big) == 1 else ''} this machine's "
+                              f"{cores} cores x run.max_ranks_per_core {r.max_ranks_per_core:g} = {limit} ranks; use "
+                              f"fewer ranks, run.executor=sim, or raise run.max_ranks_per_core to oversubscribe")
     return LocalDistExecutor(device=device, backend=resolve_backend(r.backend, device), run=settings,
                              threads_per_rank=r.threads_per_rank, plugins=tuple(r.plugins), timeout_s=r.timeout_s,
                              startup_timeout_s=r.startup_timeout_s, grace_s=r.fail_grace_s,

@@ -63,6 +63,8 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
     data = combine(sets)
     df = with_series(data.frame)
     say(f"read {len(df)} rows from {len(data.sources)} run(s) in {time.perf_counter() - t0:.1f}s")
+    for note in data.notes:
+        say(note)
     base = _baseline(df, baseline)
     name = "+".join(dict.fromkeys(s.sweep for s in data.sources)) or "report"
     out_dir = Path(out) if out else Path("reports") / name
@@ -73,6 +75,7 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
     say(f"wrote {len(written)} tables (md, tex, csv) in {time.perf_counter() - t0:.1f}s")
     palette = palette_for(df)
     jobs, notes = plan_figures(df, base) if not df.empty else ([], ["no rows"])
+    notes = data.notes + notes
     if baseline is None and base is None and not df.empty:
         notes.append(f"speedup: no {DEFAULT_BASELINE} rows; name a baseline with --baseline")
 

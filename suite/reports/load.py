@@ -33,6 +33,7 @@ class Source:
 class ResultSet:
     frame: pd.DataFrame
     sources: list[Source]
+    notes: list[str] = field(default_factory=list)   # what was read differently from what is stored
 
 
 def resolve_runs(paths: list[str | Path], root: str | Path = "results") -> list[Path]:
@@ -57,12 +58,27 @@ def resolve_runs(paths: list[str | Path], root: str | Path = "results") -> list[
 
 
 def load_runs(run_dirs: list[Path]) -> ResultSet:
-    frames, sources = [], []
+    """Every run's rows: one per trial key (the latest, where a key was written twice), damaged
+    lines skipped, and a run that cannot be read at all skipped; each of these is said in `notes`
+    (a report over many sweeps must not fail, nor count silently, because of one)."""
+    import warnings
+
+    frames, sources, notes = [], [], []
     for run_dir in run_dirs:
         store = ResultsStore(run_dir)
-        rows = store.records()
-        config = (run_dir / CONFIG).read_text() if (run_dir / CONFIG).exists() else ""
-        env = json.loads((run_dir / ENVIRONMENT).read_text()) if (run_dir / ENVIRONMENT).exists() else {}
+        try:
+            with warnings.catch_warnings():  # each damaged line is said once, in the notes
+                warnings.simplefilter("ignore", RuntimeWarning)
+                rows, duplicates = store.latest_rows()
+            config = (run_dir / CONFIG).read_text() if (run_dir / CONFIG).exists() else ""
+            env = json.loads((run_dir / ENVIRONMENT).read_text()) if (run_dir / ENVIRONMENT).exists() else {}
+        except (OSError, ValueError) as exc:
+            notes.append(f"{run_dir}: skipped, it cannot be read ({type(exc).__name__}: {exc})")
+            continue
+        notes.extend(store.damaged)
+        if duplicates:
+            notes.append(f"{run_dir}: {duplicates} row(s) of keys recorded twice were dropped (the latest row of "
+                         f"each key is kept)")
         sweep = run_dir.parent.name
         sources.append(Source(sweep, str(run_dir), config, env, len(rows)))
         if rows:
@@ -70,7 +86,7 @@ def load_runs(run_dirs: list[Path]) -> ResultSet:
             df["sweep"], df["run_dir"] = sweep, str(run_dir)
             frames.append(df)
     frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    return ResultSet(normalise(frame), sources)
+    return ResultSet(normalise(frame), sources, notes)
 
 
 def load_mlflow(experiment: str, uri: Optional[str] = None) -> ResultSet:
@@ -108,7 +124,7 @@ def load_mlflow(experiment: str, uri: Optional[str] = None) -> ResultSet:
 def combine(sets: list[ResultSet]) -> ResultSet:
     frames = [s.frame for s in sets if not s.frame.empty]
     frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
-    return ResultSet(normalise(frame), [src for s in sets for src in s.sources])
+    return ResultSet(normalise(frame), [src for s in sets for src in s.sources], [n for s in sets for n in s.notes])
 
 
 def normalise(df: pd.DataFrame) -> pd.DataFrame:

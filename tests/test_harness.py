@@ -1,0 +1,240 @@
+"""The harness at the main sweep's scale: linear cost, one writer per run folder, a damaged store,
+limits checked before anything starts. Sweeps here run on the simulator (no processes)."""
+import json
+import os
+import warnings
+
+import pytest
+
+from suite import metrics as M
+from suite import results
+from suite.cli import main
+from suite.results import ResultsStore
+
+SIM = """
+name: {name}
+sweep: {{methods: [ring, ulysses], world_size: [2], seq_len: [64, 128], heads: [4], kv_heads: [4], head_dim: [16],
+        dtype: [bfloat16], causal: [true], passes: [fwd]}}
+run: {{executor: sim}}
+sim: {{topology: [h100_sxm]}}
+tracking: {{mlflow: false}}
+"""
+
+
+def _sweep(write_config, tmp_path, name="small", *args):
+    path = write_config(SIM.format(name=name), name=f"{name}.yaml")
+    rc = main(["run", str(path), "--no-progress", *args])
+    runs = sorted((tmp_path / "results" / name).glob("*")) if (tmp_path / "results" / name).exists() else []
+    return rc, path, runs
+
+
+# -- linear cost ------------------------------------------------------------------------------------
+def test_every_trial_key_is_hashed_once_per_sweep(write_config, tmp_path, monkeypatch):
+    """The plan, the resume filter and the post-sweep bookkeeping all ask for keys: a key computed
+    on every ask made the post-sweep step quadratic in the sweep (an hour at 6,608 trials)."""
+    import hashlib
+    import types
+
+    calls = []
+    counting = types.SimpleNamespace(sha256=lambda data: calls.append(1) or hashlib.sha256(data))
+    monkeypatch.setattr("suite.plan.hashlib", counting)
+    rc, _, runs = _sweep(write_config, tmp_path)
+    assert rc == 0 and len(runs) == 1
+    assert len(calls) == 4  # 4 trials, each hashed once
+
+
+def test_planning_checks_layout_sizes_without_building_positions(monkeypatch):
+    """`supports` at a million tokens must not build position tensors (planning asks thousands of
+    times); the positions are still built, and right, when asked for."""
+    import torch
+
+    import methods
+    from methods import layouts
+    from methods.base import Case
+
+    case = Case(batch=1, seq_len=1 << 20, heads=8, kv_heads=8, head_dim=64, dtype="bfloat16", causal=True,
+                world_size=8, device="cpu")
+
+    def no_arange(*a, **k):
+        raise AssertionError("planning built a position tensor")
+    real_arange = torch.arange
+    monkeypatch.setattr(torch, "arange", no_arange)
+    for name in ("ring", "zigzag_ring", "ulysses", "usp", "stripe_ring"):
+        if name in methods.available():
+            assert methods.get_method(name).supports(case) == (True, ""), name
+    bad = Case(**{**case.__dict__, "seq_len": (1 << 20) + 8})
+    assert not methods.get_method("zigzag_ring").supports(bad)[0]  # sizes are still checked
+    monkeypatch.setattr(torch, "arange", real_arange)
+    lay = layouts.make("zigzag", 12, 3)
+    assert lay.positions(0).tolist() == [0, 1, 10, 11] and lay.local_len(2) == 4
+
+
+def test_usp_at_ring_degree_one_takes_any_length_ulysses_takes():
+    import methods
+    from methods.base import Case
+
+    case = Case(batch=1, seq_len=777, heads=6, kv_heads=3, head_dim=8, dtype="float64", causal=True, world_size=3,
+                device="cpu")
+    assert methods.get_method("ulysses").supports(case) == (True, "")
+    usp = methods.get_method("usp", ulysses_degree=3)
+    assert usp.degrees(case) == (3, 1) and usp.supports(case) == (True, "") and usp.padded_len(case) == 777
+
+
+# -- one writer per folder --------------------------------------------------------------------------
+def test_a_second_writer_is_refused_naming_the_holder(write_config, tmp_path, capsys):
+    rc, path, runs = _sweep(write_config, tmp_path)
+    holder = ResultsStore(runs[0]).lock()  # a sweep still writing the folder
+    try:
+        with pytest.raises(results.StoreLocked, match=f"pid {os.getpid()}"):
+            ResultsStore(runs[0]).lock()
+        assert main(["run", str(path), "--resume", "--no-progress"]) == 2
+        assert f"being written by another sweep (pid {os.getpid()})" in capsys.readouterr().err
+    finally:
+        holder.unlock()
+    assert main(["run", str(path), "--resume", "--no-progress"]) == 0  # the lock ends with its holder
+
+
+def test_resume_refuses_changed_result_settings_unless_forced(write_config, tmp_path, capsys):
+    rc, path, runs = _sweep(write_config, tmp_path)
+    capsys.readouterr()
+    assert main(["run", str(path), "--resume", "run.repeats=3", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "run.repeats: 10 recorded, 3 now" in err and "--force" in err
+    assert main(["run", str(path), "--resume", str(runs[0]), "name=other", "--no-progress"]) == 2
+    assert "name: 'small' recorded, 'other' now" in capsys.readouterr().err
+    assert main(["run", str(path), "--resume", "--force", "run.seed=5", "--no-progress"]) == 0
+    entry = json.loads((runs[0] / "resumes.jsonl").read_text())
+    assert entry["changed"] == {"run.seed": {"recorded": 0, "now": 5}}
+
+
+def test_report_keeps_the_latest_row_of_a_key_and_says_so(write_config, tmp_path):
+    from pathlib import Path
+
+    from suite.reports.load import load_runs
+
+    rc, path, runs = _sweep(write_config, tmp_path)
+    lines = (runs[0] / "trials.jsonl").read_text().splitlines()
+    again = dict(json.loads(lines[0]), reason="the later row")
+    with open(runs[0] / "trials.jsonl", "a") as f:
+        f.write(json.dumps(again) + "\n")
+    data = load_runs([Path(runs[0])])
+    assert len(data.frame) == 4 and len(set(data.frame["key"])) == 4
+    assert (data.frame.set_index("key").loc[again["key"], "reason"]) == "the later row"
+    assert any("1 row(s) of keys recorded twice were dropped" in n for n in data.notes)
+
+
+# -- a damaged store --------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [b"garbage\n", b"\x00\x00\x00\n", b"\xff\xfe{\n", b"{}\n", b"[1, 2]\n"])
+def test_a_damaged_line_is_skipped_with_file_and_line_and_the_sweep_goes_on(write_config, tmp_path, bad, capsys):
+    rc, path, runs = _sweep(write_config, tmp_path)
+    trials = runs[0] / "trials.jsonl"
+    lines = trials.read_bytes().splitlines(keepends=True)
+    trials.write_bytes(b"".join(lines[:2]) + bad + b"".join(lines[3:]))  # row 3 replaced by damage
+    with pytest.warns(RuntimeWarning, match=f"{trials}:3: "):
+        rows = ResultsStore(runs[0]).records()
+    assert len(rows) == 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert main(["run", str(path), "--resume", "--no-progress"]) == 0  # the lost trial runs again
+        assert "damaged line(s)" in capsys.readouterr().out
+        rows = ResultsStore(runs[0]).records()
+    assert len(rows) == 4 and rows[-1][M.KEY] == json.loads(lines[2])[M.KEY]
+
+
+def test_a_report_over_many_sweeps_skips_an_unreadable_one(write_config, tmp_path):
+    from suite.reports.load import load_runs
+
+    _sweep(write_config, tmp_path, "first")
+    _, _, runs = _sweep(write_config, tmp_path, "second")
+    (runs[0] / "environment.json").write_bytes(b"\xff not json")
+    data = load_runs(sorted((tmp_path / "results").glob("*/*")))
+    assert len(data.frame) == 4 and set(data.frame["sweep"]) == {"first"}
+    assert any("second" in n and "skipped, it cannot be read" in n for n in data.notes)
+
+
+# -- limits checked before start --------------------------------------------------------------------
+QUICK = "name: {name}\nsweep: {{methods: [ring], world_size: [2], seq_len: [32], heads: [2], kv_heads: [2], " \
+        "head_dim: [8], causal: [true], passes: [fwd]}}\nrun: {{device: cpu}}\ntracking: {{mlflow: false}}\n"
+
+
+@pytest.mark.parametrize("override, words", [
+    ("sweep.world_size=[1024]", ["sweep.world_size", "run.max_ranks_per_core"]),
+    ("run.timeout_s=inf", ["run.timeout_s", "finite"]),
+    ("run.startup_timeout_s=nan", ["run.startup_timeout_s", "finite"]),
+    ("name=" + "n" * 101, ["name", "at most 100"]),
+    ("sweep.exclude=[{method: ring}]", ["sweep.exclude", "every trial"]),
+])
+def test_limits_are_one_line_errors_before_anything_starts(write_config, tmp_path, capsys, override, words):
+    path = write_config(QUICK.format(name="limits"))
+    assert main(["run", str(path), override, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert all(w in err for w in words), err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "results").exists()
+
+
+def test_oversubscribing_is_an_explicit_choice(write_config, monkeypatch):
+    import suite.executors.local as local
+    from suite.config import ConfigError, load_config
+    from suite.executors import make_executor
+
+    monkeypatch.setattr(local, "available_cores", lambda: 2)
+    cfg, _ = load_config(write_config(QUICK.format(name="over")), ["sweep.world_size=[8]"])
+    with pytest.raises(ConfigError, match="8.*2 cores x run.max_ranks_per_core 2 = 4 ranks"):
+        make_executor(cfg)
+    cfg, _ = load_config(write_config(QUICK.format(name="over")), ["sweep.world_size=[8]", "run.max_ranks_per_core=4"])
+    make_executor(cfg).close()
+
+
+def test_a_yaml_alias_bomb_is_refused_before_it_is_expanded(tmp_path):
+    from suite.config import ConfigError, load_config
+
+    levels = ["a0: &a0 [x, x, x, x, x, x, x, x]"]
+    for i in range(1, 7):  # 8^7 nodes once expanded, from a few hundred bytes
+        levels.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 8) + "]")
+    path = tmp_path / "bomb.yaml"
+    path.write_text("name: bomb\n" + "\n".join(levels) + "\n")
+    with pytest.raises(ConfigError, match="expands to [0-9]+ nodes through its aliases"):
+        load_config(path)
+
+
+def test_an_unwritable_results_root_and_a_full_disk_are_one_line_errors(write_config, tmp_path, capsys,
+                                                                        monkeypatch):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    path = write_config(SIM.format(name="disk"))
+    assert main(["run", str(path), f"results.root={blocker}", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "cannot create the run folder" in err and "results.root" in err and "Traceback" not in err
+
+    import errno
+
+    import suite.results as results_module
+    real_write, writes = os.write, []
+
+    def full_disk(fd, data):  # the third row: half of it is written, then the disk is full
+        writes.append(1)
+        if len(writes) == 3:
+            real_write(fd, bytes(data[: len(data) // 2]))
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+    monkeypatch.setattr(results_module.os, "write", full_disk)
+    assert main(["run", str(path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "No space left on device" in err and "every earlier row is complete" in err and "--resume" in err
+    run_dir = next((tmp_path / "results" / "disk").iterdir())
+    data = (run_dir / "trials.jsonl").read_bytes()
+    assert data.count(b"\n") == 2 and data.endswith(b"\n")  # the partial line was cut back
+    monkeypatch.setattr(results_module.os, "write", real_write)
+    assert main(["run", str(path), "--resume", "--no-progress"]) == 0
+    assert len(ResultsStore(run_dir).records()) == 4
+
+
+def test_cuda_without_a_gpu_is_one_line(write_config, capsys):
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    path = write_config(QUICK.format(name="nocuda"))
+    assert main(["run", str(path), "run.device=cuda", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device" in err and "Traceback" not in err
