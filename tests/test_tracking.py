@@ -305,3 +305,20 @@ def test_a_harness_error_ends_the_parent_run_failed(write_config, tmp_path, monk
         run_sweep(cfg, text, progress=False, out=open(os.devnull, "w"))
     _, parents, _ = _runs(_client(db), "full")
     assert [p.info.status for p in parents] == ["FAILED"]
+
+
+def test_progress_bar_names_the_running_trial(write_config, capsys):
+    path = write_config("""
+    name: bar
+    sweep: {methods: [ring, ulysses], world_size: [2], seq_len: [32], heads: [2], kv_heads: [2], head_dim: [8],
+            causal: [true], passes: [fwd]}
+    run: {executor: threads, warmup: 1, repeats: 1}
+    tracking: {mlflow: false}
+    """)
+    cfg, text = load_config(path)
+    res = run_sweep(cfg, text, progress=True, out=open(os.devnull, "w"))
+    frames = [f.strip() for f in capsys.readouterr().err.replace("\n", "\r").split("\r") if f.strip()]
+    first = next(r for r in res.records)
+    label = next(f for f in frames if f.startswith(first["method"]))
+    # the first trial's name is on the bar while nothing has finished yet (0 of 2)
+    assert any(f.startswith(label.split(":")[0]) and " 0/2 " in f for f in frames), frames
