@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -80,8 +82,15 @@ def _parser() -> argparse.ArgumentParser:
 
     sub.add_parser("list", help="list every method and kernel, whether it can run here, and why not")
 
-    ui = sub.add_parser("ui", help="start the MLflow UI on 127.0.0.1 over the suite's tracking store")
+    ui = sub.add_parser("ui", help="start the MLflow UI (default http://127.0.0.1:5000) over the suite's tracking "
+                                   "store")
+    ui.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface, for a "
+                                                         "remote node; anyone who reaches it can read and edit runs)")
     ui.add_argument("--port", type=int, default=5000)
+    ui.add_argument("--workers", type=int, default=None, help="server worker processes (MLflow's default: 4)")
+    ui.add_argument("--allowed-hosts", default=None,
+                    help="host names the server answers to besides localhost (MLflow's --allowed-hosts), e.g. "
+                         "the node's name when the UI is opened through it")
     ui.add_argument("--results-root", default="results", help="folder holding mlflow.db (default: results)")
     ui.add_argument("--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or "
                                                 "sqlite:///<results-root>/mlflow.db)")
@@ -162,12 +171,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command == "calibrate":
         return _calibrate(args)
     if args.command == "relog":
+        from suite.env import redact_uri
         from suite.tracking import relog
         tracker = relog(args.run_dir, args.uri, args.experiment)
         if not tracker.enabled:
             print(f"relog failed: {tracker.disabled_reason}", file=sys.stderr)
             return 1
-        print(f"logged {args.run_dir} to {tracker.uri} (parent run {tracker.parent_run_id})")
+        c = tracker.counts
+        print(f"logged {args.run_dir} to {redact_uri(tracker.uri)} (parent run {tracker.parent_run_id}): "
+              f"{c['logged']} child runs added, {c['completed']} completed, {c['deleted']} duplicates deleted, "
+              f"{c['killed']} stale runs ended KILLED")
+        print(f"runs: {tracker.link} (serve it with `python -m suite ui`)")
         return 0
     return 2
 
@@ -220,18 +234,49 @@ def _run(args) -> int:
         return 2
     cfg, yaml_text = loaded
     try:
-        run_sweep(cfg, yaml_text, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress,
-                  force=args.force)
+        with _signals_interrupt():
+            run_sweep(cfg, yaml_text, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress,
+                      force=args.force)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
     except (FileNotFoundError, StoreError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("\ninterrupted: every finished trial is saved; continue with --resume", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        signum = getattr(exc, "signum", signal.SIGINT)
+        print(f"\ninterrupted ({signal.Signals(signum).name}): every finished trial is saved; continue with "
+              f"--resume", file=sys.stderr)
+        return 128 + signum
     return 0
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the sweep is so that it stops as on Ctrl-C: the trial in
+    flight is abandoned, the store compacted and the MLflow parent run ended KILLED."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _signals_interrupt:
+    """SIGTERM (a scheduler's or `kill`'s stop) and SIGHUP (the terminal closed) raise Terminated
+    in the main thread; the previous handlers come back on exit."""
+
+    SIGNALS = tuple(s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGHUP", None)) if s)
+
+    def __enter__(self):
+        def handler(signum, frame):
+            raise Terminated(signum)
+        # a signal ignored on entry (SIGHUP under nohup) stays ignored
+        self._old = {s: signal.signal(s, handler) for s in self.SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
+        return self
+
+    def __exit__(self, *exc):
+        for s, old in self._old.items():
+            signal.signal(s, old)
+        return False
 
 
 def _hf_perplexity(args) -> int:
@@ -328,13 +373,75 @@ def _list() -> int:
 
 
 def _ui(args) -> int:
+    """Serve the MLflow UI until Ctrl-C, SIGTERM or SIGHUP. The server (MLflow's CLI, which starts
+    uvicorn or gunicorn and their workers) runs in its own process group, and every way of stopping
+    this command stops that whole group, so no server or worker outlives it."""
+    import time
+
+    from suite.env import redact_uri
     from suite.tracking import default_uri
 
     uri = args.uri or default_uri(args.results_root)
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", "127.0.0.1",
+    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host,
            "--port", str(args.port)]
-    print(f"MLflow UI on http://127.0.0.1:{args.port} (store {uri}); Ctrl-C to stop", flush=True)
+    if args.workers:
+        cmd += ["--workers", str(args.workers)]
+    if args.allowed_hosts:
+        cmd += ["--allowed-hosts", args.allowed_hosts]
+    shown = args.host if args.host not in ("0.0.0.0", "::") else "<this host's name>"
+    base = f"http://{shown}:{args.port}"
+    print(f"MLflow UI on {base} (store {redact_uri(uri)}); Ctrl-C to stop", flush=True)
+    for line in _experiment_links(uri, base):
+        print(f"  {line}", flush=True)
+    env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY=os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true"))
+    server = subprocess.Popen(cmd, start_new_session=True, env=env)
+    old = {}
+
+    def stop(signum, frame):
+        raise Terminated(signum)
+    for sig in _signals_interrupt.SIGNALS:
+        if signal.getsignal(sig) is not signal.SIG_IGN:
+            old[sig] = signal.signal(sig, stop)
+    code = 0
     try:
-        return subprocess.call(cmd)
-    except KeyboardInterrupt:
-        return 0
+        code = server.wait()
+    except KeyboardInterrupt as exc:
+        code = 128 + getattr(exc, "signum", signal.SIGINT)
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+        _stop_group(server, time)
+    return code if code != 128 + signal.SIGINT else 0
+
+
+def _stop_group(server: subprocess.Popen, time) -> None:
+    """SIGTERM to the server's whole process group, SIGKILL to what is left after 10 s."""
+    try:
+        pgid = os.getpgid(server.pid)
+    except ProcessLookupError:
+        return
+    for sig, wait_s in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(pgid, sig)
+        except ProcessLookupError:
+            return
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            server.poll()
+            try:
+                os.killpg(pgid, 0)  # anyone of the group still alive?
+            except ProcessLookupError:
+                return
+            time.sleep(0.1)
+
+
+def _experiment_links(uri: str, base: str) -> list[str]:
+    """One line per experiment of the store: its name and the link to its runs view. Best effort
+    (the server shows them all anyway)."""
+    try:
+        from suite.tracking import open_client_readonly, runs_link
+        client = open_client_readonly(uri)
+        return [f"{e.name}: {runs_link(uri, e.experiment_id, base)}" for e in client.search_experiments()
+                if e.name != "Default"]
+    except Exception:  # noqa: BLE001
+        return []

@@ -238,17 +238,35 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     Returns the typed config and its resolved YAML text (saved with the run).
     """
     raw = _compose(Path(path))
-    schema = OmegaConf.structured(SuiteConfig)
-    try:
-        cfg = OmegaConf.merge(schema, raw)
-    except OmegaConfBaseException as exc:
-        raise ConfigError(_explain(exc, source=str(path))) from None
+    cfg = _merge_schema(raw, str(path))
     for text in overrides:
         _apply_override(cfg, text)
+    return _finish(cfg, str(path))
+
+
+def config_from_node(node: DictConfig | dict, source: str = "") -> tuple[SuiteConfig, str]:
+    """A config composed elsewhere (the Hydra application, suite/hydra_app.py), validated as
+    load_config validates a file: the same schema, the same errors naming the key."""
+    raw = node if isinstance(node, DictConfig) else OmegaConf.create(node)
+    if "hydra" in raw:
+        raw = OmegaConf.masked_copy(raw, [k for k in raw if k != "hydra"])
+    return _finish(_merge_schema(raw, source), source)
+
+
+def _merge_schema(raw: DictConfig, source: str) -> DictConfig:
+    schema = OmegaConf.structured(SuiteConfig)
+    _lists_from_scalars(raw, SuiteConfig)
+    try:
+        return OmegaConf.merge(schema, raw)
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc, source=source)) from None
+
+
+def _finish(cfg: DictConfig, source: str) -> tuple[SuiteConfig, str]:
     try:
         obj: SuiteConfig = OmegaConf.to_object(cfg)
     except OmegaConfBaseException as exc:
-        raise ConfigError(_explain(exc, source=str(path))) from None
+        raise ConfigError(_explain(exc, source=source)) from None
     validate(obj)
     return obj, OmegaConf.to_yaml(OmegaConf.structured(obj), resolve=True)
 
@@ -297,6 +315,30 @@ def check_yaml_size(text: str, source: str) -> None:
                           f"{MAX_YAML_NODES}); write the values out instead of repeating aliases")
 
 
+def _list_field(schema: type, name: str) -> bool:
+    """Whether `schema`'s field `name` is a list (an axis): its default is a list."""
+    hit = {f.name: f for f in fields(schema)}.get(name)
+    if hit is None:
+        return False
+    default = hit.default_factory() if hit.default_factory is not dataclasses.MISSING else hit.default
+    return isinstance(default, list)
+
+
+def _lists_from_scalars(node: DictConfig, schema: type) -> None:
+    """A single value where the schema has a list (an axis) is a list of that one value:
+    `sweep.seq_len=512` means `sweep.seq_len=[512]` (Hydra's overrides and YAML both allow it)."""
+    for f in fields(schema):
+        if f.name not in node:
+            continue
+        value = node._get_node(f.name)
+        if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
+            if isinstance(value, DictConfig):
+                _lists_from_scalars(value, f.default_factory)
+        elif _list_field(schema, f.name) and not OmegaConf.is_list(value) and value is not None \
+                and not OmegaConf.is_missing(node, f.name) and node[f.name] is not None:
+            node[f.name] = [node[f.name]]
+
+
 def _compose(path: Path) -> DictConfig:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
@@ -321,6 +363,10 @@ def _compose(path: Path) -> DictConfig:
 
 
 def _apply_override(cfg: DictConfig, text: str) -> None:
+    """One override in Hydra's grammar: `key=value` (a value where the schema has a list becomes a
+    one-value list; `a,b` is a list), `+key=value` (add a key that is not there yet, e.g. a method's
+    options or a documents entry), `++key=value` (add or replace) and `~key` (remove an entry of a
+    dict section, or put a setting back to its default)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
@@ -330,15 +376,55 @@ def _apply_override(cfg: DictConfig, text: str) -> None:
         raise ConfigError(f"bad override {text!r}: {exc}. Use key=value, e.g. run.repeats=3 or "
                           f"sweep.seq_len=[512,1024]") from None
     key = ov.key_or_group
-    if ov.is_delete() or ov.is_add() or ov.is_force_add():
-        raise ConfigError(f"override {text!r}: only key=value is supported (every key exists in the schema)")
+    exists = OmegaConf.select(cfg, key, default=_MISSING_KEY) is not _MISSING_KEY
+    if ov.is_delete():
+        _delete(cfg, key, text)
+        return
     value = list(ov.sweep_iterator()) if ov.is_sweep_override() else ov.value()
-    if OmegaConf.select(cfg, key, default=_MISSING_KEY) is _MISSING_KEY:
-        raise ConfigError(_unknown_key_message(key))
+    if ov.is_add() and exists:
+        raise ConfigError(f"override {text!r}: {key!r} is already set; use {key}=... to change it "
+                          f"(or ++{key}=... to add or replace)")
+    if not exists and not (ov.is_add() or ov.is_force_add()):
+        raise ConfigError(_unknown_key_message(key) + (f" (to add an entry to a dict section, write +{key}=...)"
+                                                       if _in_dict_section(key) else ""))
+    parts = key.split(".")
+    schema = _schema_for(parts[:-1])
+    if schema is not None and _list_field(schema, parts[-1]) and not isinstance(value, list) and value is not None:
+        value = [value]
     try:
-        OmegaConf.update(cfg, key, value, merge=False)
+        OmegaConf.update(cfg, key, value, merge=False, force_add=not exists and _in_dict_section(key))
     except OmegaConfBaseException as exc:
         raise ConfigError(f"override {text!r}: {_explain(exc)}") from None
+
+
+def _in_dict_section(key: str) -> bool:
+    """Whether `key` lies under a free-form dict of the schema (method_options, documents)."""
+    parts = key.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        schema = _schema_for(parts[:i - 1]) if i > 1 else SuiteConfig
+        if schema is None:
+            continue
+        hit = {f.name: f for f in fields(schema)}.get(parts[i - 1])
+        if hit is not None:
+            default = hit.default_factory() if hit.default_factory is not dataclasses.MISSING else hit.default
+            return isinstance(default, dict)
+    return False
+
+
+def _delete(cfg: DictConfig, key: str, text: str) -> None:
+    if OmegaConf.select(cfg, key, default=_MISSING_KEY) is _MISSING_KEY:
+        raise ConfigError(f"override {text!r}: nothing to remove at {key!r}")
+    parent_key, _, leaf = key.rpartition(".")
+    parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
+    if _in_dict_section(key):
+        from omegaconf import open_dict
+        with open_dict(parent):  # the schema's struct flag forbids deletion, also in its dict sections
+            del parent[leaf]
+        return
+    default = OmegaConf.select(OmegaConf.structured(SuiteConfig), key, default=_MISSING_KEY)
+    if default is _MISSING_KEY or OmegaConf.is_missing(parent, leaf) or key == "name":
+        raise ConfigError(f"override {text!r}: {key!r} is required and has no default to go back to")
+    OmegaConf.update(cfg, key, default, merge=False)
 
 
 _MISSING_KEY = object()
@@ -347,8 +433,8 @@ _MISSING_KEY = object()
 def _schema_for(path: list[str]):
     node: Any = SuiteConfig
     for part in path:
-        hit = {f.name: f for f in fields(node)}.get(part) if isinstance(node, type) else None
-        if hit is None or not isinstance(hit.default_factory, type):  # type: ignore[arg-type]
+        hit = {f.name: f for f in fields(node)}.get(part) if dataclasses.is_dataclass(node) else None
+        if hit is None or not (isinstance(hit.default_factory, type) and dataclasses.is_dataclass(hit.default_factory)):
             return None
         node = hit.default_factory  # nested dataclass sections use default_factory=Class
     return node

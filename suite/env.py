@@ -10,11 +10,54 @@ import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Optional
+from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
 PACKAGES = ("torch", "numpy", "pandas", "pyarrow", "matplotlib", "hydra-core", "omegaconf",
             "mlflow", "flash-attn", "flash_attn_3", "yunchang", "ring-flash-attn", "transformers")
+
+
+# Environment variables recorded with a run: those that change what a number means (threads, NCCL
+# transport and algorithm choices, allocator and launch settings, the SLURM job). An allowlist, not
+# prefixes: a prefix such as TORCH_ or CUDA_ also catches tokens and paths that hold secrets.
+ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS",
+            "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+            "TORCH_NCCL_BLOCKING_WAIT", "TORCH_DISTRIBUTED_DEBUG", "NCCL_ALGO", "NCCL_PROTO", "NCCL_DEBUG",
+            "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE", "NCCL_NET_GDR_LEVEL",
+            "NCCL_SOCKET_IFNAME", "NCCL_NVLS_ENABLE", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS",
+            "NCCL_BUFFSIZE", "NCCL_CROSS_NIC", "SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_PARTITION",
+            "MLFLOW_TRACKING_URI")
+_URI_VARS = ("MLFLOW_TRACKING_URI",)
+
+
+def redact_uri(uri: Optional[str]) -> Optional[str]:
+    """`uri` without the user info (user:password@) of its network location, and without a
+    query (tokens travel there too): what may be printed or stored. Other strings pass unchanged.
+
+    >>> redact_uri("https://alice:s3cret@mlflow.example.org:5000/x?token=1")
+    'https://***@mlflow.example.org:5000/x'
+    """
+    if not uri or "://" not in uri:
+        return uri
+    try:
+        parts = urlsplit(uri)
+    except ValueError:
+        return "<unparseable URI>"
+    netloc, query = parts.netloc, parts.query
+    if "@" not in netloc and (not query or parts.scheme.startswith("sqlite")):
+        return uri  # nothing to hide (and urlunsplit would drop the empty authority of sqlite:////path)
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    if query and not parts.scheme.startswith("sqlite"):
+        query = ""
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def env_vars() -> dict[str, str]:
+    """The allowlisted variables that are set, URIs redacted."""
+    return {k: (redact_uri(os.environ[k]) if k in _URI_VARS else os.environ[k])
+            for k in ENV_VARS if k in os.environ}
 
 
 def _run(cmd: list[str], timeout: float = 10.0) -> Optional[str]:
@@ -72,8 +115,7 @@ def fingerprint(device: str) -> dict:
         "cuda_available": torch.cuda.is_available(),
         "packages": versions,
         "git": git_info(),
-        "env_vars": {k: os.environ[k] for k in sorted(os.environ)
-                     if k.startswith(("NCCL_", "CUDA_", "OMP_", "TORCH_", "MLFLOW_TRACKING_URI", "SLURM_JOB"))},
+        "env_vars": env_vars(),
     }
     if torch.cuda.is_available():
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -17,13 +17,13 @@ from typing import Optional, TextIO
 import methods
 from suite import metrics as M
 from suite.config import SuiteConfig, to_dict
-from suite.env import fingerprint
+from suite.env import fingerprint, redact_uri
 from suite.executors import Executor, make_executor
 from suite.plan import RunSettings, TrialSpec, expand
 from suite.records import RowContext, skipped_row
 from suite.results import CONFIG, ResultsStore, StoreError
 from suite.summary import summary_table
-from suite.tracking import make_tracker
+from suite.tracking import config_params, make_tracker
 from suite.workloads import Workload, make_workload
 
 
@@ -51,13 +51,9 @@ def check_supported(spec: TrialSpec, executor: Executor, workload: Workload) -> 
 
 
 def sweep_params(cfg: SuiteConfig) -> dict:
-    """The sweep's own MLflow params (the axes and run settings, flattened)."""
-    d = to_dict(cfg)
-    flat = {"name": cfg.name}
-    for section in ("sweep", "run"):
-        for k, v in d[section].items():
-            flat[f"{section}.{k}"] = v
-    return flat
+    """The sweep's own MLflow params: every setting of its resolved config, flattened
+    (`sweep.methods = ring,ulysses`, `perplexity.train.lr = 0.001`)."""
+    return config_params(to_dict(cfg))
 
 
 @dataclass
@@ -165,23 +161,26 @@ def _drive_locked(cfg: SuiteConfig, plan: list[TrialSpec], executor: Executor, w
                   store: ResultsStore, resumed: bool, t_start: float, *, out: TextIO, progress: bool) -> SweepResult:
     from tqdm import tqdm
 
+    started_ms = int(time.time() * 1000)
     done = store.completed_keys()
     todo = [s for s in plan if s.key not in done]
     tracker = make_tracker(cfg.tracking.mlflow, cfg.tracking.uri, cfg.tracking.experiment or cfg.name,
                            cfg.results.root)
     tracker.start(store, sweep=cfg.name, params=sweep_params(cfg), environment=store.read_json("environment.json"),
-                  description=cfg.description, resume=resumed)
+                  description=cfg.description, resume=resumed, started_ms=started_ms)
     ctx = RowContext(RunSettings.of(cfg), store.run_dir.name)
-    workload.start(store, tracker, ctx)
     print(f"sweep {cfg.name}: {len(plan)} trials ({len(plan) - len(todo)} already recorded), "
           f"executor={cfg.run.executor}, device={executor.device} -> {store.run_dir}", file=out, flush=True)
     bar = tqdm(total=len(plan), initial=len(plan) - len(todo), disable=not progress, file=sys.stderr,
                dynamic_ncols=True, unit="trial")
+    # lines a workload prints mid-sweep (a baseline being trained) go above the bar, not through it
+    workload.start(store, tracker, ctx, say=bar.write if progress else (lambda line: print(line, file=out)))
     status = "FINISHED"
     try:
         for spec in todo:
-            bar.set_description(spec.label(), refresh=False)
-            started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+            # shown now, while the trial runs (the bar otherwise redraws only after it finished)
+            bar.set_description(spec.label(), refresh=True)
+            started = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
             ok, reason = check_supported(spec, executor, workload)
             if not ok:
                 record = skipped_row(spec, reason, ctx, started)
@@ -197,8 +196,10 @@ def _drive_locked(cfg: SuiteConfig, plan: list[TrialSpec], executor: Executor, w
             bar.update(1)
             if record[M.STATUS] in (M.FAILED, M.TIMEOUT, M.INCORRECT):
                 bar.write(f"  {record[M.STATUS]}: {spec.label()}: {str(record[M.REASON])[:300]}")
-    except BaseException:
-        status = "KILLED"
+    except BaseException as exc:
+        # Ctrl-C, SIGTERM and SIGHUP (raised as KeyboardInterrupt by the CLI) end the parent run
+        # KILLED; an error of the harness itself (a full disk, a bug) ends it FAILED
+        status = "KILLED" if isinstance(exc, KeyboardInterrupt) else "FAILED"
         executor.abort()  # do not wait for a trial in flight
         raise
     finally:
@@ -239,11 +240,11 @@ def _print_footer(records: list[dict], this_run: list[dict], wall: float, store:
     trial_s = sum(r.get(M.DURATION_S) or 0.0 for r in this_run)
     print(f"\n{len(records)} trials: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), file=out)
     print(f"wall time {wall:.1f}s = trials {trial_s:.1f}s + worker start-up {startup_s:.1f}s ({groups} groups) "
-          f"+ other {wall - trial_s - startup_s:.1f}s (MLflow logging took {tracker.seconds:.1f}s in the "
-          f"background); results in {store.run_dir}", file=out)
+          f"+ other {wall - trial_s - startup_s:.1f}s (MLflow logging took {tracker.seconds:.1f}s, "
+          f"{getattr(tracker, 'cpu_seconds', 0.0):.1f}s CPU, in the background); results in {store.run_dir}", file=out)
     if tracker.enabled:
-        print(f"MLflow: {tracker.uri} (experiment {tracker.experiment!r}); browse with `python -m suite ui`",
-              file=out)
+        print(f"MLflow: {redact_uri(tracker.uri)} (experiment {tracker.experiment!r}); browse with "
+              f"`python -m suite ui`, then open {tracker.link}", file=out)
     elif tracker.uri:
         print(f"MLflow was disabled: {tracker.disabled_reason}", file=out)
 

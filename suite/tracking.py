@@ -1,30 +1,49 @@
-"""MLflow logging: one parent run per sweep, one nested child run per trial (docs/DESIGN.md section 8).
+"""MLflow as a derived view of the results store (docs/DESIGN.md section 8).
+
+The store (trials.jsonl) is the truth; MLflow is a view of it that can always be rebuilt: one
+parent run per run folder, one child run per stored row, found again by the tag `key` (the trial
+hash). Every start (a new sweep, `--resume`, `python -m suite relog`) reconciles the two: stored
+rows without a child run are logged, half-logged children (RUNNING) are completed, duplicate
+children are deleted and RUNNING runs with no stored row are ended KILLED. A child run starts and
+ends at its trial's own times and every value carries those timestamps, so that logging a row
+twice adds nothing (MLflow drops a metric equal in key, value, step and timestamp).
 
 Only the parent process logs (concurrent sqlite writers corrupt the store), from one background
-thread, so that importing MLflow and writing runs overlap the trials instead of adding to the
-sweep's wall time. Identity goes to
-params, numbers to metrics (the raw per-iteration times as the step series `time_ms`),
-environment and status to tags. MLflow failing never loses a result: the first error disables
-tracking with a warning, the results store stays complete, and `python -m suite relog RUN_DIR`
-logs a stored sweep again later.
+thread, so that importing MLflow and writing runs overlap the trials. Identity goes to params
+(flattened: `option.ulysses_degree`, `workload.train.lr`), numbers to metrics (summary values
+under their row names, the raw samples as the step series `samples/time_ms`), status and
+environment to tags. MLflow failing never loses a result: the first error disables tracking with
+a warning and `relog` catches up later.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
+import json
+import logging
 import os
 import queue
 import threading
 import time
 import warnings
+from datetime import datetime
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 from suite import metrics as M
+from suite.env import redact_uri
 from suite.env import tags as env_tags
 from suite.metrics import IDENTITY
 from suite.results import CONFIG, ENVIRONMENT, MLFLOW, PARQUET, TRIALS, ResultsStore
 
 _MAX_TAG = 4000
+_MAX_PARAM = 6000
+SAMPLES = "samples/time_ms"      # the per-iteration times of a trial, as a step series
+TRAIN_LOSS = "train_loss"        # the per-step training loss of a perplexity trial, as a step series
+UI_URL = "http://127.0.0.1:5000"  # where `python -m suite ui` serves by default
+# MLflow 3 opens an experiment without this tag on its GenAI (traces) pages; this kind opens the
+# classic machine-learning runs table.
+_EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 
 
 def default_uri(results_root: str | Path) -> str:
@@ -35,6 +54,187 @@ def default_uri(results_root: str | Path) -> str:
     return f"sqlite:///{(Path(results_root).resolve() / 'mlflow.db').as_posix()}"
 
 
+def runs_link(uri: str, experiment_id: str, ui_url: str = UI_URL) -> str:
+    """The browser link to an experiment's machine-learning runs view: the tracking server itself
+    for an http(s) URI, else the address `python -m suite ui` serves on."""
+    base = redact_uri(uri) if uri.startswith(("http://", "https://")) else ui_url
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+
+
+# ---------------------------------------------------------------------------------------------
+# What a row becomes in MLflow (pure functions)
+# ---------------------------------------------------------------------------------------------
+def _flat_value(value: Any) -> str:
+    """A param value as a person types it: lists comma-joined, booleans lower case."""
+    if isinstance(value, (list, tuple)):
+        return ",".join(_flat_value(v) for v in value)
+    if isinstance(value, bool):
+        return str(value).lower()
+    if value is None:
+        return ""
+    return str(value)
+
+
+def flatten(prefix: str, value: Any) -> dict[str, str]:
+    """Nested dicts as dotted keys (`perplexity.train.lr`), lists of scalars comma-joined; a list
+    holding dicts (e.g. exclude rules) stays one JSON value."""
+    if isinstance(value, dict):
+        out: dict[str, str] = {}
+        for k, v in value.items():
+            out.update(flatten(f"{prefix}.{k}" if prefix else str(k), v))
+        return out
+    if isinstance(value, (list, tuple)) and any(isinstance(v, (dict, list, tuple)) for v in value):
+        return {prefix: json.dumps(value, sort_keys=True)}
+    return {prefix: _flat_value(value)}
+
+
+def config_params(cfg: dict) -> dict[str, str]:
+    """The sweep's params from its resolved config (a plain dict): every setting, flattened. Where
+    results and tracking go is not a setting of the measurement."""
+    return flatten("", {k: v for k, v in cfg.items() if k not in ("results", "tracking", "description")})
+
+
+def run_name(record: dict) -> str:
+    """A child run's name: what the trial is, made unique by the start of its key."""
+    opts = _json(record.get("options"))
+    name = M.method_label(record["method"], opts if isinstance(opts, dict) else {})
+    mask = "causal" if record.get("causal") else "full"
+    mix = M.workload_label(record.get("workload"))
+    return (f"{name} P={record['world_size']} B={record['batch']} S={record['seq_len']} H={record['heads']}/"
+            f"{record['kv_heads']} D={record['head_dim']} {mask}{'' if mix == 'uniform' else ' ' + mix} "
+            f"{record['pass']} #{str(record[M.KEY])[:7]}")
+
+
+def _json(text: Any) -> Any:
+    if not text or not isinstance(text, str):
+        return {}
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {}
+
+
+def trial_times(record: dict) -> tuple[int, int]:
+    """(start, end) of a trial in ms since the epoch: its recorded start plus its own wall time."""
+    try:
+        start = int(datetime.fromisoformat(str(record[M.STARTED_AT])).timestamp() * 1000)
+    except (KeyError, ValueError):
+        start = int(time.time() * 1000)
+    return start, start + int(round((record.get(M.DURATION_S) or 0.0) * 1000))
+
+
+def child_values(record: dict) -> tuple[dict, dict, dict, dict]:
+    """(params, metrics, tags, step series) of a trial row."""
+    params = {k: _flat_value(record.get(k)) for k in IDENTITY if k not in ("options", "workload")}
+    opts = _json(record.get("options"))
+    params.update(flatten("option", opts) if opts else {})
+    work = _json(record.get("workload"))
+    params.update(flatten("workload", work) if isinstance(work, dict) and work else {})
+    for k in (M.SEED, M.WARMUP, M.REPEATS):
+        if record.get(k) is not None:
+            params[k] = _flat_value(record[k])
+    metrics = {k: record[k] for k in M.NUMERIC_METRICS if isinstance(record.get(k), (int, float))
+               and not isinstance(record.get(k), bool)}
+    # the trial hash and the raw identity JSON are tags: they find a run again (and let a report
+    # read an experiment back into rows) but are no axis to compare runs by
+    tags = {M.KEY: record[M.KEY], M.STATUS: record[M.STATUS], M.REASON: record.get(M.REASON) or "",
+            M.CHECKED: record.get(M.CHECKED), M.KERNEL_USED: record.get(M.KERNEL_USED) or "",
+            M.COMM_OPS: record.get(M.COMM_OPS) or "", "options": record.get("options") or "{}",
+            "workload": record.get("workload") or ""}
+    steps = {SAMPLES: record[M.TIME_MS_SAMPLES]} if record.get(M.TIME_MS_SAMPLES) else {}
+    if record.get(M.LOSS_CURVE):
+        steps[TRAIN_LOSS] = record[M.LOSS_CURVE]
+    return params, metrics, tags, steps
+
+
+def run_status(record: dict) -> str:
+    return "FAILED" if record[M.STATUS] in (M.FAILED, M.TIMEOUT) else "FINISHED"
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening the store: one process at a time creates (migrates) a fresh sqlite database
+# ---------------------------------------------------------------------------------------------
+def _sqlite_path(uri: str) -> Optional[Path]:
+    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+
+
+@contextlib.contextmanager
+def _store_lock(uri: str):
+    """An fcntl lock on `<db>.lock` beside a sqlite store while it is opened: two processes that
+    create the same fresh database at once both run MLflow's schema migration and one of them
+    (or the database) is broken ("table already exists", a half-migrated schema)."""
+    path = _sqlite_path(uri)
+    if path is None:
+        yield
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock (one sweep at a time)
+        yield
+        return
+    with open(path.with_name(path.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+def quiet_mlflow_logs() -> None:
+    """MLflow and Alembic log INFO lines when they open or migrate a store; on the console they
+    break the progress bar and say nothing a user acts on."""
+    for name in ("alembic", "mlflow"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def _client_env() -> None:
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")  # fail fast on an unreachable server
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+
+
+def open_client_readonly(uri: str):
+    """An MlflowClient on an existing store (a sqlite file that does not exist is not created)."""
+    path = _sqlite_path(uri)
+    if path is not None and not path.exists():
+        raise FileNotFoundError(path)
+    _client_env()
+    from mlflow.tracking import MlflowClient
+
+    quiet_mlflow_logs()
+    with _store_lock(uri):
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)  # opens (and, for an older schema, migrates) the store
+    return client
+
+
+def open_client(uri: str, experiment: str, artifact_root: Optional[Path] = None):
+    """(MlflowClient, experiment id): the store opened (migrated if new) and the experiment created
+    if missing, under the store's lock."""
+    _client_env()
+    from mlflow.tracking import MlflowClient
+
+    quiet_mlflow_logs()  # after the import: importing mlflow sets its loggers' levels
+    with _store_lock(uri):
+        client = MlflowClient(tracking_uri=uri)
+        exp = client.get_experiment_by_name(experiment)
+        if exp is None:
+            artifacts = None
+            if uri.startswith("sqlite:") and artifact_root is not None:  # beside the local store, explicitly
+                artifacts = (artifact_root / "mlartifacts" / experiment).as_uri()
+            exp_id = client.create_experiment(experiment, artifact_location=artifacts)
+            client.set_experiment_tag(exp_id, *_EXPERIMENT_KIND)
+        else:
+            exp_id = exp.experiment_id
+            if exp.tags.get(_EXPERIMENT_KIND[0]) is None:
+                client.set_experiment_tag(exp_id, *_EXPERIMENT_KIND)
+    return client, exp_id
+
+
+# ---------------------------------------------------------------------------------------------
+# Trackers
+# ---------------------------------------------------------------------------------------------
 class NullTracker:
     """Tracking switched off (tracking.mlflow: false)."""
 
@@ -43,6 +243,8 @@ class NullTracker:
     seconds = 0.0
     disabled_reason: Optional[str] = "tracking.mlflow is false"
     parent_run_id: Optional[str] = None
+    experiment_id: Optional[str] = None
+    link: Optional[str] = None
 
     def start(self, *args, **kwargs) -> None: ...
     def log_trial(self, record: dict, label: str = "") -> None: ...
@@ -50,14 +252,16 @@ class NullTracker:
 
 
 def _timed(fn):
-    """Add the call's duration to `self.seconds` (MLflow's share of the harness overhead)."""
+    """Add the call's CPU and wall time to `self.cpu_seconds`/`self.seconds` (MLflow's share of the
+    harness overhead; the CPU time is what it takes from the trials on a busy machine)."""
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return fn(self, *args, **kwargs)
         finally:
             self.seconds += time.perf_counter() - t0
+            self.cpu_seconds += time.thread_time() - c0
     return wrapper
 
 
@@ -65,8 +269,8 @@ class MlflowTracker:
     """Logs through MlflowClient (no global "active run" state) on one background thread.
 
     `start`, `log_trial` and `finish` queue the work and return at once; `finish` waits for the
-    queue to drain (at most `finish_timeout_s`). After `finish`, `enabled`, `disabled_reason` and
-    `parent_run_id` describe what happened.
+    queue to drain (at most `finish_timeout_s`). After `finish`, `enabled`, `disabled_reason`,
+    `parent_run_id`, `link` and `counts` (what reconciling did) describe what happened.
     """
 
     enabled = True
@@ -77,21 +281,29 @@ class MlflowTracker:
         self.results_root = Path(results_root).resolve()
         self.disabled_reason: Optional[str] = None
         self.parent_run_id: Optional[str] = None
+        self.experiment_id: Optional[str] = None
+        self.seconds = 0.0      # wall time in MLflow calls (on the background thread)
+        self.cpu_seconds = 0.0  # CPU time of that thread
+        self.counts = {"logged": 0, "completed": 0, "deleted": 0, "killed": 0}
         self._client = None
-        self._exp_id: Optional[str] = None
-        self.seconds = 0.0  # time spent in MLflow calls (on the background thread)
+        self._children: dict[str, tuple[str, str]] = {}  # key -> (child run id, its status)
         self._queue: queue.Queue = queue.Queue()
         self._thread: Optional[threading.Thread] = None
 
+    @property
+    def link(self) -> Optional[str]:
+        return runs_link(self.uri, self.experiment_id) if self.experiment_id else None
+
     # -- public: queue the work -----------------------------------------------------------------
     def start(self, store: ResultsStore, **kwargs) -> None:
+        quiet_mlflow_logs()
         self._thread = threading.Thread(target=self._loop, name="mlflow-logger", daemon=True)
         self._thread.start()
         self._queue.put((self._start, (store,), kwargs))
 
     def log_trial(self, record: dict, label: str = "") -> None:
         if self._thread is not None:
-            self._queue.put((self._log_trial, (dict(record), label), {}))
+            self._queue.put((self._log_trial, (dict(record),), {}))
 
     def finish(self, store: ResultsStore, status: str = "FINISHED") -> None:
         if self._thread is None:
@@ -116,7 +328,11 @@ class MlflowTracker:
                 fn(*args, **kwargs)
 
     def _disable(self, what: str, exc: BaseException) -> None:
-        self.disabled_reason = f"{what}: {type(exc).__name__}: {str(exc).splitlines()[0][:300]}"
+        text = redact_uri(self.uri) or ""
+        msg = str(exc).splitlines()[0][:300] if str(exc) else ""
+        if self.uri and self.uri != text:
+            msg = msg.replace(self.uri, text)
+        self.disabled_reason = f"{what}: {type(exc).__name__}: {msg}"
         self.enabled = False
         warnings.warn(f"MLflow disabled ({self.disabled_reason}); results are still written to the results "
                       f"store; log them later with `python -m suite relog RUN_DIR`", RuntimeWarning, stacklevel=2)
@@ -124,73 +340,120 @@ class MlflowTracker:
     # -- the work itself (background thread) -----------------------------------------------------
     @_timed
     def _start(self, store: ResultsStore, *, sweep: str, params: dict, environment: dict, description: str = "",
-              resume: bool = False) -> None:
-        # Fail fast when a tracking server is unreachable instead of retrying for minutes.
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-        os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "15")
-        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+               resume: bool = False, started_ms: Optional[int] = None) -> None:
         try:
-            from mlflow.tracking import MlflowClient
-
-            if self.uri.startswith("sqlite:///"):
-                Path(self.uri[len("sqlite:///"):]).parent.mkdir(parents=True, exist_ok=True)
-            self._client = MlflowClient(tracking_uri=self.uri)
-            exp = self._client.get_experiment_by_name(self.experiment)
-            if exp is None:
-                artifacts = None
-                if self.uri.startswith("sqlite:"):  # keep artifacts beside the local store, explicitly
-                    artifacts = (self.results_root / "mlartifacts" / self.experiment).as_uri()
-                self._exp_id = self._client.create_experiment(self.experiment, artifact_location=artifacts)
+            self._client, self.experiment_id = open_client(self.uri, self.experiment, self.results_root)
+            parent = self._find_parent(store) if resume else None
+            if parent is None:
+                run_tags = dict(env_tags(environment or {}))
+                run_tags.update({"suite.run_dir": str(store.run_dir.resolve()), "suite.sweep": sweep,
+                                 "mlflow.note.content": description or f"sweep {sweep}"})
+                parent = self._client.create_run(self.experiment_id, run_name=f"{sweep}@{store.run_dir.name}",
+                                                 tags=run_tags, start_time=started_ms)
+                self.parent_run_id = parent.info.run_id
             else:
-                self._exp_id = exp.experiment_id
-            previous = store.read_json(MLFLOW) if resume else None
-            if previous and previous.get("uri") == self.uri:
-                self.parent_run_id = previous["parent_run_id"]
+                self.parent_run_id = parent.info.run_id
                 self._client.update_run(self.parent_run_id, status="RUNNING")
-                return
-            run_tags = dict(env_tags(environment))
-            run_tags.update({"suite.run_dir": str(store.run_dir.resolve()), "suite.sweep": sweep,
-                             "mlflow.note.content": description or f"sweep {sweep}"})
-            run = self._client.create_run(self._exp_id, run_name=f"{sweep}@{store.run_dir.name}", tags=run_tags)
-            self.parent_run_id = run.info.run_id
-            self._log_batch(self.parent_run_id, params={k: v for k, v in params.items()})
-            store.write_json(MLFLOW, {"uri": self.uri, "experiment": self.experiment,
-                                      "experiment_id": self._exp_id, "parent_run_id": self.parent_run_id})
+            have = parent.data.params
+            # a param cannot change: a setting changed on --resume (e.g. a method added) is a tag
+            changed = {f"resumed_with.{k}": v for k, v in params.items() if k in have and have[k] != str(v)}
+            self._log_missing(self.parent_run_id, params=params, tags=changed, existing=have)
+            store.write_json(MLFLOW, {"uri": redact_uri(self.uri), "experiment": self.experiment,
+                                      "experiment_id": self.experiment_id, "parent_run_id": self.parent_run_id})
+            if resume:
+                self._reconcile(store)
         except Exception as exc:  # noqa: BLE001 - never lose the sweep to tracking
             self._disable("could not start the sweep's run", exc)
 
-    def _log_batch(self, run_id: str, *, params=None, metrics=None, tags=None, steps=None) -> None:
+    def _find_parent(self, store: ResultsStore):
+        """The run folder's parent run: the one mlflow.json names, else the one tagged with the
+        folder; other parents of the folder still RUNNING (killed sweeps) are ended KILLED."""
+        known = store.read_json(MLFLOW) or {}
+        folder = str(store.run_dir.resolve()).replace("'", "\\'")
+        runs = self._client.search_runs([self.experiment_id], filter_string=f"tags.`suite.run_dir` = '{folder}'",
+                                        max_results=1000)
+        parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+        named = [r for r in parents if r.info.run_id == known.get("parent_run_id")]
+        chosen = (named or sorted(parents, key=lambda r: r.info.start_time or 0) or [None])[0]
+        for r in parents:
+            if r is not chosen and r.info.status == "RUNNING":
+                self._client.set_terminated(r.info.run_id, "KILLED")
+                self.counts["killed"] += 1
+        return chosen
+
+    def _reconcile(self, store: ResultsStore) -> None:
+        """Make the parent's children match the store's rows (see the module docstring)."""
+        runs = self._client.search_runs([self.experiment_id],
+                                        filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}'",
+                                        max_results=50000)
+        stored = {r[M.KEY]: r for r in store.iter_records()}
+        by_key: dict[str, list] = {}
+        for run in runs:
+            by_key.setdefault(run.data.tags.get(M.KEY, ""), []).append(run)
+        for key, group in by_key.items():
+            # keep a finished run over a half-logged one, then the oldest
+            group.sort(key=lambda r: (r.info.status == "RUNNING", r.info.start_time or 0))
+            keep, extra = group[0], group[1:]
+            for run in extra:
+                self._client.delete_run(run.info.run_id)
+                self.counts["deleted"] += 1
+            if key not in stored:  # a child with no row: a trial that never finished
+                if keep.info.status == "RUNNING":
+                    self._client.set_terminated(keep.info.run_id, "KILLED")
+                    self.counts["killed"] += 1
+                continue
+            self._children[key] = (keep.info.run_id, keep.info.status)
+        for key, record in stored.items():
+            known = self._children.get(key)
+            if known is None or known[1] == "RUNNING":
+                self._log_record(record)
+
+    def _log_missing(self, run_id: str, *, params=None, metrics=None, tags=None, steps=None, timestamp=None,
+                     existing=None) -> None:
+        """log_batch in chunks of MLflow's limits (100 params, 100 tags, 1000 values per call); params
+        already on the run are left alone (a param cannot change, and an equal one is a no-op)."""
         from mlflow.entities import Metric, Param, RunTag
 
-        now = int(time.time() * 1000)
+        now = timestamp or int(time.time() * 1000)
+        have = existing if existing is not None else {}
         m = [Metric(k, float(v), now, 0) for k, v in (metrics or {}).items()]
         for key, series in (steps or {}).items():
             m += [Metric(key, float(v), now, i) for i, v in enumerate(series)]
-        p = [Param(k, str(v)[:500]) for k, v in (params or {}).items()]
+        p = [Param(k, str(v)[:_MAX_PARAM]) for k, v in (params or {}).items() if k not in have]
         t = [RunTag(k, str(v)[:_MAX_TAG]) for k, v in (tags or {}).items()]
-        for i in range(0, max(len(m), 1), 900):  # log_batch takes at most 1000 metrics
-            self._client.log_batch(run_id, metrics=m[i:i + 900], params=p if i == 0 else [],
-                                   tags=t if i == 0 else [])
+        while m or p or t:
+            bp, p, bt, t = p[:100], p[100:], t[:100], t[100:]
+            room = 1000 - len(bp) - len(bt)
+            bm, m = m[:room], m[room:]
+            self._client.log_batch(run_id, metrics=bm, params=bp, tags=bt)
+
+    def _log_record(self, record: dict) -> None:
+        params, metrics, tags, steps = child_values(record)
+        start, end = trial_times(record)
+        known = self._children.get(record[M.KEY])
+        if known is None:
+            run = self._client.create_run(self.experiment_id, start_time=start, run_name=run_name(record),
+                                          tags={M.KEY: record[M.KEY], "mlflow.parentRunId": self.parent_run_id})
+            run_id, have = run.info.run_id, {}
+            self.counts["logged"] += 1
+        else:
+            run_id, have = known[0], self._client.get_run(known[0]).data.params
+            self.counts["completed"] += 1
+        self._log_missing(run_id, params=params, metrics=metrics, tags=tags, steps=steps, timestamp=end,
+                          existing=have)
+        status = run_status(record)
+        self._client.set_terminated(run_id, status, end_time=end)
+        self._children[record[M.KEY]] = (run_id, status)
 
     @_timed
-    def _log_trial(self, record: dict, label: str = "") -> None:
+    def _log_trial(self, record: dict) -> None:
         if self.parent_run_id is None:
             return
+        known = self._children.get(record[M.KEY])
+        if known is not None and known[1] != "RUNNING":
+            return  # already a finished child run of this row
         try:
-            status = record[M.STATUS]
-            child = self._client.create_run(self._exp_id, run_name=label or record[M.KEY],
-                                            tags={"mlflow.parentRunId": self.parent_run_id})
-            metrics = {k: record[k] for k in M.NUMERIC_METRICS if record.get(k) is not None}
-            params = {k: record[k] for k in IDENTITY}
-            params[M.KEY] = record[M.KEY]
-            tags = {M.STATUS: status, M.REASON: record.get(M.REASON) or "", M.CHECKED: record.get(M.CHECKED),
-                    M.KERNEL_USED: record.get(M.KERNEL_USED) or "", M.COMM_OPS: record.get(M.COMM_OPS) or ""}
-            steps = {"time_ms": record[M.TIME_MS_SAMPLES]} if record.get(M.TIME_MS_SAMPLES) else {}
-            if record.get(M.LOSS_CURVE):
-                steps["train_loss"] = record[M.LOSS_CURVE]
-            self._log_batch(child.info.run_id, params=params, metrics=metrics, tags=tags, steps=steps)
-            self._client.set_terminated(child.info.run_id,
-                                        "FAILED" if status in (M.FAILED, M.TIMEOUT) else "FINISHED")
+            self._log_record(record)
         except Exception as exc:  # noqa: BLE001
             self._disable(f"could not log trial {record.get(M.KEY)}", exc)
 
@@ -203,9 +466,20 @@ class MlflowTracker:
                 path = store.run_dir / name
                 if path.exists():
                     self._client.log_artifact(self.parent_run_id, str(path), artifact_path="results")
+            self._log_table(store)
             self._client.set_terminated(self.parent_run_id, status)
         except Exception as exc:  # noqa: BLE001
             self._disable("could not finish the sweep's run", exc)
+
+    def _log_table(self, store: ResultsStore) -> None:
+        """The trials as one table on the parent run (MLflow's artifact view shows it as a grid)."""
+        import pandas as pd
+
+        cols = (M.KEY,) + IDENTITY + (M.STATUS, M.TIME_MS_MEDIAN, M.TIME_MS_MIN, M.TIME_MS_MAX, M.TFLOPS_PER_GPU,
+                                      M.BYTES_SENT, M.ERR["out"], M.PPL, M.REASON)
+        rows = [{c: r.get(c) for c in cols} for r in store.iter_records()]
+        if rows:
+            self._client.log_table(self.parent_run_id, pd.DataFrame(rows), "trials_table.json")
 
 
 def make_tracker(enabled: bool, uri: Optional[str], experiment: str, results_root: str):
@@ -215,20 +489,26 @@ def make_tracker(enabled: bool, uri: Optional[str], experiment: str, results_roo
 
 
 def relog(run_dir: str | Path, uri: Optional[str] = None, experiment: Optional[str] = None) -> MlflowTracker:
-    """Log a stored sweep (results folder) to MLflow as a new parent run with its child runs."""
+    """Reconcile MLflow with a stored sweep (results folder): its existing parent run (a new one if
+    this store has none) gets every stored row as a child run, each once."""
     from omegaconf import OmegaConf
 
     store = ResultsStore.open(run_dir)
-    cfg = OmegaConf.load(store.run_dir / CONFIG)
+    cfg = OmegaConf.to_container(OmegaConf.load(store.run_dir / CONFIG), resolve=True)
     name = str(cfg.get("name"))
-    root = cfg.get("results", {}).get("root", "results")
-    tracker = MlflowTracker(uri or default_uri(root), experiment or cfg.get("tracking", {}).get("experiment") or name,
-                            root)
-    params = {f"{section}.{k}": v for section in ("sweep", "run")
-              for k, v in OmegaConf.to_container(cfg.get(section, {}), resolve=True).items()}
-    tracker.start(store, sweep=name, params={"name": name, **params}, environment=store.read_json(ENVIRONMENT),
-                  description=str(cfg.get("description") or ""))
-    for record in store.iter_records():
-        tracker.log_trial(record, f"{record['method']} P={record['world_size']} S={record['seq_len']} {record['pass']}")
+    root = (cfg.get("results") or {}).get("root", "results")
+    tracking = cfg.get("tracking") or {}
+    tracker = MlflowTracker(uri or tracking.get("uri") or default_uri(root),
+                            experiment or tracking.get("experiment") or name, root)
+    env = store.read_json(ENVIRONMENT) or {}
+    tracker.start(store, sweep=name, params=config_params(cfg), environment=env,
+                  description=str(cfg.get("description") or ""), resume=True, started_ms=_ms(env.get("timestamp")))
     tracker.finish(store)
     return tracker
+
+
+def _ms(iso: Optional[str]) -> Optional[int]:
+    try:
+        return int(datetime.fromisoformat(str(iso)).timestamp() * 1000) if iso else None
+    except ValueError:
+        return None

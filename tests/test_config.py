@@ -1,6 +1,6 @@
 import pytest
 
-from suite.config import ConfigError, load_config
+from suite.config import ConfigError, RunConfig, load_config
 from tests.helpers import plan_for
 
 BASE = """
@@ -61,13 +61,29 @@ def test_bad_config_names_the_key_and_the_fix(write_config, yaml_or_override, ex
 @pytest.mark.parametrize("override,expected", [
     ("run.repeet=3", "unknown config key 'run.repeet'; allowed keys under run:"),
     ("run.repeats=many", "run.repeats"),
-    ("+run.extra=1", "only key=value"),
+    ("+run.extra=1", "unknown config key 'run.extra'; allowed keys under run:"),
+    ("+run.repeats=3", "'run.repeats' is already set"),
+    ("~sweep.method_options.nothing", "nothing to remove at 'sweep.method_options.nothing'"),
+    ("sweep.method_options.usp.ulysses_degree=2", "write +sweep.method_options.usp.ulysses_degree=..."),
     ("run.repeats", "bad override"),
 ])
 def test_bad_override_names_the_key(write_config, override, expected):
     with pytest.raises(ConfigError) as err:
         load_config(write_config(BASE), [override])
     assert expected in str(err.value)
+
+
+def test_scalar_axis_add_and_remove_overrides(write_config):
+    """Hydra's grammar on `suite run`: one value for a list axis, `+` to add a method's options,
+    `~` to remove them again or to put a setting back to its default."""
+    path = write_config(BASE)
+    cfg, _ = load_config(path, ["sweep.seq_len=512", "sweep.methods=[ring,usp]", "run.repeats=7",
+                                "+sweep.method_options.usp.ulysses_degree=[1,2]", "++sweep.batch=2"])
+    assert cfg.sweep.seq_len == [512] and cfg.sweep.batch == [2] and cfg.run.repeats == 7
+    assert cfg.sweep.method_options == {"usp": {"ulysses_degree": [1, 2]}}
+    again, _ = load_config(path, ["sweep.methods=[ring,usp]", "+sweep.method_options.usp.ulysses_degree=2",
+                                  "~sweep.method_options.usp", "run.repeats=7", "~run.repeats"])
+    assert again.sweep.method_options == {} and again.run.repeats == RunConfig().repeats
 
 
 def test_missing_name_and_missing_file(write_config, tmp_path):

@@ -234,6 +234,7 @@ def test_perplexity_sweep_records_baseline_curves_and_mlflow_and_resumes(write_c
     # resume with one more method: the stored baseline is reused, not trained again
     res2 = _sweep(path, "sweep.methods=[ring,zigzag_ring,ulysses,tasp]", resume=str(res.run_dir))
     assert len(res2.records) == 5 and sum(r["method"] == "baseline" for r in res2.records) == 1
+    assert res2.mlflow_disabled is None  # a setting changed on resume is no MLflow error
     assert next(r for r in res2.records if r["method"] == "tasp")[M.STATUS] == M.OK
     # the report: a perplexity table and the loss-curve figure, no attention tables
     from suite.reports import build_report

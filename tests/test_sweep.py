@@ -77,7 +77,8 @@ def test_multiprocess_sweep_is_checked_recorded_and_logged_to_mlflow(write_confi
     assert parents[0].info.status == "FINISHED"
     ok_child = next(c for c in children if c.data.params["method"] == "ring" and c.data.tags["status"] == "ok")
     assert {"time_ms_median", "err_out", "bytes_sent_per_rank"} <= set(ok_child.data.metrics)
-    assert len(client.get_metric_history(ok_child.info.run_id, "time_ms")) == 3
+    assert len(client.get_metric_history(ok_child.info.run_id, "samples/time_ms")) == 3
+    assert "time_ms" not in ok_child.data.metrics  # the samples are a series apart from the summary metrics
     arts = {a.path for a in client.list_artifacts(parents[0].info.run_id, "results")}
     assert {"results/trials.jsonl", "results/config.yaml"} <= arts
     # a report from the results folder is attached to the sweep's parent run; and the MLflow
@@ -85,7 +86,10 @@ def test_multiprocess_sweep_is_checked_recorded_and_logged_to_mlflow(write_confi
     from suite.reports import build_report
     rep = build_report([str(run_dir)], out=tmp_path / "rep")
     assert rep.logged_to == [parents[0].info.run_id]
-    assert [a.path for a in client.list_artifacts(parents[0].info.run_id, "report")] == ["report/report.html"]
+    assert [a.path for a in client.list_artifacts(parents[0].info.run_id, "report")] == ["report/figures",
+                                                                                            "report/report.html"]
+    assert len(client.list_artifacts(parents[0].info.run_id, "report/figures")) == len(
+        [f for f in rep.figures if f.endswith(".png")])
     from_mlflow = build_report(None, out=tmp_path / "rep2", mlflow_experiment="e2e", mlflow_uri=f"sqlite:///{db}",
                                log_to_mlflow=False)
     assert from_mlflow.rows == 56 and (tmp_path / "rep2" / "tables" / "speedup_over_ring.csv").exists()

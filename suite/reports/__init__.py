@@ -96,7 +96,7 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
     say(f"wrote {html} ({time.perf_counter() - t0:.1f}s)")
     report = Report(out_dir, html, written, figures, notes, len(df), redrawn=drawn)
     if log_to_mlflow:
-        report.logged_to = _log_html(html, data.sources)
+        report.logged_to = _log_html(html, data.sources, [Path(p) for p in figures if str(p).endswith(".png")])
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -124,9 +124,12 @@ def _baseline(df, baseline: Optional[str]) -> Optional[str]:
     return baseline
 
 
-def _log_html(html: Path, sources) -> list[str]:
-    """Attach the page to the MLflow parent run of every source run that was logged to MLflow."""
+def _log_html(html: Path, sources, pngs: list[Path] = ()) -> list[str]:
+    """Attach the page and its figures (PNG) to the MLflow parent run of every source run that was
+    logged to MLflow. The figures are drawn in worker processes, so the files are logged, not
+    figure objects."""
     import json
+    import os
 
     logged = []
     for src in sources:
@@ -134,11 +137,17 @@ def _log_html(html: Path, sources) -> list[str]:
         if not meta.exists():
             continue
         info = json.loads(meta.read_text())
+        uri = info["uri"]
+        if "***@" in uri:  # stored without its credentials: they come from the environment again
+            uri = os.environ.get("MLFLOW_TRACKING_URI", uri)
         try:
             from mlflow.tracking import MlflowClient
-            MlflowClient(info["uri"]).log_artifact(info["parent_run_id"], str(html), artifact_path="report")
+            client = MlflowClient(uri)
+            client.log_artifact(info["parent_run_id"], str(html), artifact_path="report")
+            for png in pngs:
+                client.log_artifact(info["parent_run_id"], str(png), artifact_path="report/figures")
             logged.append(info["parent_run_id"])
         except Exception as exc:  # noqa: BLE001 - the report on disk is what matters
-            warnings.warn(f"could not attach the report to MLflow run {info.get('parent_run_id')}: {exc}",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(f"could not attach the report to MLflow run {info.get('parent_run_id')}: "
+                          f"{type(exc).__name__}", RuntimeWarning, stacklevel=2)
     return logged

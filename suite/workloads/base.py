@@ -80,8 +80,9 @@ class Workload:
         return True, ""
 
     # -- around the sweep (parent) ----------------------------------------------------------------
-    def start(self, store, tracker, ctx: RowContext) -> None:
-        """Called once before the first trial (e.g. to read rows this workload made earlier)."""
+    def start(self, store, tracker, ctx: RowContext, say: Callable[[str], None] = print) -> None:
+        """Called once before the first trial (e.g. to read rows this workload made earlier). `say`
+        prints a line for the user without breaking the progress bar."""
 
     def before(self, spec: TrialSpec) -> None:
         """Called before a trial runs (e.g. to train the single-device baseline it is judged by)."""

@@ -15,7 +15,7 @@ import math
 import time
 import traceback
 from datetime import datetime, timezone
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -90,8 +90,8 @@ class PerplexityWorkload(Workload):
             ident.update(json.loads(packed))
         return json.dumps(ident, sort_keys=True, separators=(",", ":"))
 
-    def start(self, store, tracker, ctx: RowContext) -> None:
-        self._baselines = Baselines(store, tracker, ctx)
+    def start(self, store, tracker, ctx: RowContext, say: Callable[[str], None] = print) -> None:
+        self._baselines = Baselines(store, tracker, ctx, say)
 
     def before(self, spec: TrialSpec) -> None:
         self._baselines.get(spec)  # trained once per workload, before the first trial that needs it
@@ -176,7 +176,7 @@ def baseline_spec(spec: TrialSpec) -> TrialSpec:
 
 def run_baseline(bspec: TrialSpec, ctx: RowContext) -> dict[str, Any]:
     """Train the baseline in this process and return its result row (status ok or failed)."""
-    started = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    started = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
     row = base_row(bspec, ctx, started)
     t0 = time.perf_counter()
     try:
@@ -205,15 +205,20 @@ class Baselines:
     """Baseline rows by key: computed on first use, appended to the store and MLflow, and reused
     (also from an earlier run's rows on --resume)."""
 
-    def __init__(self, store, tracker, ctx: RowContext):
-        self._store, self._tracker, self._ctx = store, tracker, ctx
+    def __init__(self, store, tracker, ctx: RowContext, say: Callable[[str], None] = print):
+        self._store, self._tracker, self._ctx, self._say = store, tracker, ctx, say
         self._rows = {r[M.KEY]: r for r in store.iter_records() if r["method"] == BASELINE and r[M.STATUS] == M.OK}
         self.created: list[dict] = []
 
     def get(self, spec: TrialSpec) -> dict[str, Any]:
         bspec = baseline_spec(spec)
         if bspec.key not in self._rows:
+            # training it takes as long as a trial or longer, before the bar moves: say so
+            self._say(f"training the single-device baseline ({bspec.label()}) ...")
             row = run_baseline(bspec, self._ctx)
+            self._say(f"baseline {row[M.STATUS]} in {row.get(M.DURATION_S) or 0.0:.1f}s"
+                      + (f": perplexity {row[M.PPL]:.4f}" if row.get(M.PPL) is not None else
+                         f": {str(row.get(M.REASON))[:200]}"))
             self._store.append(row)
             self._tracker.log_trial(row, f"baseline (single device, torch SDPA) {bspec.label()}")
             self.created.append(row)

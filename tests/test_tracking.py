@@ -1,0 +1,324 @@
+"""MLflow as a derived view of the results store (suite/tracking.py): runs that open on the
+answer, reconciling with the store, the fresh-database race, credentials never recorded."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+from datetime import datetime
+from pathlib import Path
+
+import pytest
+
+from suite import metrics as M
+from suite.config import load_config
+from suite.results import ResultsStore
+from suite.runner import run_sweep
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SWEEP = """
+name: trk
+sweep: {methods: [ring, usp], world_size: [2], seq_len: [32], heads: [4], kv_heads: [2], head_dim: [8],
+        causal: [true, false], passes: [fwd]}
+method_options: {}
+run: {executor: threads, warmup: 1, repeats: 3}
+tracking: {mlflow: false}
+"""
+
+
+@pytest.fixture(scope="module")
+def stored(tmp_path_factory):
+    """A small stored sweep (threads executor, no MLflow): 4 trials, usp with an option axis."""
+    tmp = tmp_path_factory.mktemp("trk")
+    cfg_path = tmp / "trk.yaml"
+    cfg_path.write_text(SWEEP.replace("method_options: {}\n", "").replace(
+        "passes: [fwd]}", "passes: [fwd],\n        method_options: {usp: {ulysses_degree: [2]}}}"))
+    cfg, text = load_config(cfg_path, [f"results.root={tmp / 'results'}"])
+    res = run_sweep(cfg, text, progress=False, out=open(os.devnull, "w"))
+    assert len(res.records) == 4
+    return res.run_dir
+
+
+def _client(db):
+    from mlflow.tracking import MlflowClient
+    return MlflowClient(f"sqlite:///{db}")
+
+
+def _runs(client, name="trk"):
+    exp = client.get_experiment_by_name(name)
+    runs = client.search_runs([exp.experiment_id], max_results=1000)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    return exp, parents, children
+
+
+def test_runs_open_on_the_answer(stored, tmp_path):
+    from suite.tracking import relog
+    db = tmp_path / "m.db"
+    tracker = relog(stored, uri=f"sqlite:///{db}")
+    assert tracker.enabled, tracker.disabled_reason
+    client = _client(db)
+    exp, parents, children = _runs(client)
+    records = {r[M.KEY]: r for r in ResultsStore.open(stored).iter_records()}
+    assert len(parents) == 1 and len(children) == 4
+    # the experiment opens on the machine-learning runs table, and the link says so
+    assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
+    assert tracker.link.endswith(f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning")
+    assert len({c.info.run_name for c in children}) == 4
+    for child in children:
+        rec = records[child.data.tags[M.KEY]]
+        # the run's Duration is the trial's: it starts at the trial's start and lasts its wall time
+        start = int(datetime.fromisoformat(rec[M.STARTED_AT]).timestamp() * 1000)
+        assert child.info.start_time == start
+        assert child.info.end_time - child.info.start_time == round(rec[M.DURATION_S] * 1000)
+        assert child.info.status == "FINISHED"
+        # the trial hash is a tag (it finds the run again), not a param to compare runs by
+        assert "key" not in child.data.params
+        # summary metrics under their own names; the samples are a separate step series
+        assert child.data.metrics[M.TIME_MS_MEDIAN] == rec[M.TIME_MS_MEDIAN] and "time_ms" not in child.data.metrics
+        history = client.get_metric_history(child.info.run_id, "samples/time_ms")
+        assert [h.value for h in sorted(history, key=lambda h: h.step)] == rec[M.TIME_MS_SAMPLES]
+        if rec["method"] == "usp":
+            assert child.data.params["option.ulysses_degree"] == "2" and "options" not in child.data.params
+        assert child.data.params["causal"] in ("true", "false")
+    parent = parents[0]
+    assert parent.data.params["sweep.methods"] == "ring,usp" and parent.data.params["run.repeats"] == "3"
+    assert parent.data.params["sweep.method_options.usp.ulysses_degree"] == "2"
+    arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
+    assert "trials_table.json" in arts
+    table = json.loads(Path(client.download_artifacts(parent.info.run_id, "trials_table.json", str(tmp_path)))
+                       .read_text())
+    assert sorted(row[table["columns"].index("key")] for row in table["data"]) == sorted(records)
+
+
+def test_relog_updates_the_existing_parent_and_logging_twice_adds_nothing(stored, tmp_path):
+    from suite.tracking import relog
+    db = tmp_path / "m.db"
+    first = relog(stored, uri=f"sqlite:///{db}")
+    client = _client(db)
+    _, _, children = _runs(client)
+    lengths = {c.info.run_id: len(client.get_metric_history(c.info.run_id, "samples/time_ms")) for c in children}
+    second = relog(stored, uri=f"sqlite:///{db}")
+    assert second.parent_run_id == first.parent_run_id and second.counts["logged"] == 0
+    _, parents, again = _runs(client)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert {c.info.run_id for c in again} == set(lengths)
+    for c in again:
+        assert len(client.get_metric_history(c.info.run_id, "samples/time_ms")) == lengths[c.info.run_id]
+
+
+def test_reconcile_logs_missing_completes_half_logged_removes_duplicates_and_kills_stale(stored, tmp_path):
+    from suite.tracking import relog
+    db = tmp_path / "m.db"
+    first = relog(stored, uri=f"sqlite:///{db}")
+    client = _client(db)
+    exp, parents, children = _runs(client)
+    missing, half, dup_of = children[0], children[1], children[2]
+    client.delete_run(missing.info.run_id)                          # never logged
+    client.update_run(half.info.run_id, status="RUNNING")           # killed while logging
+    dup = client.create_run(exp.experiment_id, run_name="dup", tags={           # logged twice
+        "mlflow.parentRunId": first.parent_run_id, M.KEY: dup_of.data.tags[M.KEY]})
+    stale = client.create_run(exp.experiment_id, run_name="stale", tags={       # a trial that never finished
+        "mlflow.parentRunId": first.parent_run_id, M.KEY: "0" * 16})
+    client.update_run(first.parent_run_id, status="RUNNING")
+    tracker = relog(stored, uri=f"sqlite:///{db}")
+    assert tracker.counts == {"logged": 1, "completed": 1, "deleted": 1, "killed": 1}
+    _, parents, children = _runs(client)
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    live = [c for c in children if c.data.tags[M.KEY] != "0" * 16]
+    keys = {r[M.KEY] for r in ResultsStore.open(stored).iter_records()}
+    assert sorted(c.data.tags[M.KEY] for c in live) == sorted(keys)
+    assert all(c.info.status == "FINISHED" for c in live)
+    assert client.get_run(stale.info.run_id).info.status == "KILLED"
+    assert client.get_run(dup.info.run_id).info.lifecycle_stage == "deleted"
+
+
+@pytest.mark.slow
+def test_three_processes_creating_a_fresh_database_at_once(tmp_path):
+    """Each opens (migrates) the same new sqlite store and creates the experiment; without the lock
+    beside the database one of them fails or the schema is broken. MLflow's start-up log lines
+    (Alembic's INFO) are not printed."""
+    db = tmp_path / "fresh" / "mlflow.db"
+    code = textwrap.dedent(f"""
+        import time, sys
+        from suite.tracking import open_client
+        time.sleep(max(0.0, {time.time() + 8.0} - time.time()))  # start together, after the imports
+        client, exp = open_client("sqlite:///{db}", "race", None)
+        run = client.create_run(exp)
+        print(exp, run.info.run_id)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=240) for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        assert p.returncode == 0, err
+        assert "INFO" not in err and "alembic" not in err.lower(), err
+    assert len({out.split()[0] for out, _ in outs}) == 1  # one experiment
+    client = _client(db)
+    assert len(client.search_runs([client.get_experiment_by_name("race").experiment_id])) == 3
+
+
+def test_redact_uri_and_environment_allowlist(monkeypatch):
+    from suite.env import fingerprint, redact_uri
+    assert redact_uri("https://alice:s3cret@mlflow.example.org:5000/p?token=abc") == \
+        "https://***@mlflow.example.org:5000/p"
+    assert redact_uri("postgresql://u:pw@db/mlflow") == "postgresql://***@db/mlflow"
+    assert redact_uri("sqlite:////tmp/x/mlflow.db") == "sqlite:////tmp/x/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://alice:s3cret@mlflow.example.org")
+    monkeypatch.setenv("TORCH_HUB_TOKEN", "hunter2")
+    monkeypatch.setenv("CUDA_SECRET_PATH", "/secret")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    env = fingerprint("cpu")
+    text = json.dumps(env)
+    assert "s3cret" not in text and "hunter2" not in text and "/secret" not in text
+    assert env["env_vars"]["OMP_NUM_THREADS"] == "3"
+    assert env["env_vars"]["MLFLOW_TRACKING_URI"] == "https://***@mlflow.example.org"
+
+
+def test_credentials_never_reach_the_console_or_files(write_config, capsys):
+    path = write_config("""
+    name: creds
+    sweep: {methods: [ring], world_size: [2], seq_len: [32], heads: [2], kv_heads: [2], head_dim: [8],
+            causal: [true], passes: [fwd]}
+    run: {executor: threads, warmup: 1, repeats: 1}
+    tracking: {uri: "http://alice:s3cret@127.0.0.1:9"}
+    """)
+    cfg, text = load_config(path)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        res = run_sweep(cfg, text, progress=False)
+    out = capsys.readouterr()
+    assert res.mlflow_disabled and "s3cret" not in res.mlflow_disabled
+    assert "s3cret" not in out.out + out.err and not any("s3cret" in str(w.message) for w in caught)
+    for f in res.run_dir.iterdir():
+        if f.suffix in (".json", ".jsonl"):
+            assert "s3cret" not in f.read_text(), f
+
+
+def _descendants(pid: int) -> set[int]:
+    out, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        for task in Path(f"/proc/{p}/task").glob("*"):
+            try:
+                kids = [int(c) for c in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            out.update(kids)
+            todo.extend(kids)
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process tree from /proc (Linux)")
+def test_ui_stops_its_whole_server_on_sigterm(tmp_path):
+    import signal
+    import socket
+    import urllib.request
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "suite", "ui", "--results-root", str(tmp_path), "--port", str(port),
+                             "--workers", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, up = time.monotonic() + 150, False
+        while time.monotonic() < deadline and proc.poll() is None and not up:
+            try:
+                up = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200
+            except OSError:
+                time.sleep(1)
+        assert up, proc.stdout.read() if proc.poll() is not None else "server did not answer"
+        server = _descendants(proc.pid)
+        assert len(server) >= 2  # the MLflow CLI and its server/workers
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and any(_alive(p) for p in server):
+            time.sleep(0.2)
+        assert not [p for p in server if _alive(p)]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_ends_the_sweep_like_ctrl_c_and_its_parent_run_killed(write_config, tmp_path):
+    import signal
+    db = tmp_path / "m.db"
+    path = write_config(f"""
+    name: term
+    sweep: {{methods: [ring, hanging], world_size: [2], seq_len: [32], heads: [2], kv_heads: [2], head_dim: [8],
+            causal: [true], passes: [fwd]}}
+    run: {{warmup: 1, repeats: 2, timeout_s: 600, breakdown: false, plugins: [tests.plugins.faulty]}}
+    results: {{root: "{tmp_path / 'results'}"}}
+    tracking: {{uri: "sqlite:///{db}"}}
+    """)
+    proc = subprocess.Popen([sys.executable, "-m", "suite", "run", str(path), "--no-progress"], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and proc.poll() is None:
+            lines = list((tmp_path / "results" / "term").glob("*/trials.jsonl"))
+            if lines and lines[0].read_text().count("\n") >= 1 and list(lines[0].parent.glob("mlflow.json")):
+                break
+            time.sleep(0.5)
+        time.sleep(2.0)  # the hanging trial is in flight
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "interrupted (SIGTERM)" in err
+    _, parents, children = _runs(_client(db), "term")
+    assert [p.info.status for p in parents] == ["KILLED"]
+    assert [c.data.params["method"] for c in children] == ["ring"]
+
+
+def test_a_harness_error_ends_the_parent_run_failed(write_config, tmp_path, monkeypatch):
+    import errno
+    db = tmp_path / "m.db"
+    path = write_config(f"""
+    name: full
+    sweep: {{methods: [ring], world_size: [2], seq_len: [32], heads: [2], kv_heads: [2], head_dim: [8],
+            causal: [true], passes: [fwd]}}
+    run: {{executor: threads, warmup: 1, repeats: 1}}
+    results: {{root: "{tmp_path / 'results'}"}}
+    tracking: {{uri: "sqlite:///{db}"}}
+    """)
+
+    def disk_full(self, record):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(ResultsStore, "append", disk_full)
+    cfg, text = load_config(path)
+    with pytest.raises(OSError):
+        run_sweep(cfg, text, progress=False, out=open(os.devnull, "w"))
+    _, parents, _ = _runs(_client(db), "full")
+    assert [p.info.status for p in parents] == ["FAILED"]
+
+
+def test_progress_bar_names_the_running_trial(write_config, capsys):
+    path = write_config("""
+    name: bar
+    sweep: {methods: [ring, ulysses], world_size: [2], seq_len: [32], heads: [2], kv_heads: [2], head_dim: [8],
+            causal: [true], passes: [fwd]}
+    run: {executor: threads, warmup: 1, repeats: 1}
+    tracking: {mlflow: false}
+    """)
+    cfg, text = load_config(path)
+    res = run_sweep(cfg, text, progress=True, out=open(os.devnull, "w"))
+    frames = [f.strip() for f in capsys.readouterr().err.replace("\n", "\r").split("\r") if f.strip()]
+    first = next(r for r in res.records)
+    label = next(f for f in frames if f.startswith(first["method"]))
+    # the first trial's name is on the bar while nothing has finished yet (0 of 2)
+    assert any(f.startswith(label.split(":")[0]) and " 0/2 " in f for f in frames), frames
