@@ -161,9 +161,11 @@ B, D = 2, 8
 
 
 @pytest.mark.parametrize("name,options", OWN, ids=IDS)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 6, 8])
+# Two element sizes (2 and 8 bytes) pin every term of a formula that scales with the input dtype; the
+# float32 LSE and accumulators are in both. World sizes: one, even, odd, prime and the largest.
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
 @pytest.mark.parametrize("heads,kv_heads", [(8, 8), (8, 2), (12, 3)], ids=["mha", "gqa", "gqa3"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float64"])
 def test_counted_bytes_equal_the_declared_formula(name, options, world_size, heads, kv_heads, dtype):
     """Every rank's counted bytes, forward and backward, equal the method's `expected_rank_bytes`
     for that rank (its documented communication formula, as code), and `expected_bytes` is the
