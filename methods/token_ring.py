@@ -73,6 +73,18 @@ class _Results:
     def recvs(self, helper: int) -> list[P2P]:
         return [P2P("recv", t, helper) for _, tensors in self.blocks for t in tensors]
 
+    # (loops over the blocks live in these methods so that no loop variable of the caller keeps a
+    # received block alive into the next step's compute: one more block in flight per rank)
+    def merge_into(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Fold received (block out, block lse) results into the owner's accumulators."""
+        for rows, (block_out, block_lse) in self.blocks:
+            kernels.merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
+
+    def add_into(self, dq: torch.Tensor) -> None:
+        """Add received partial dQ blocks to the owner's fp32 dQ."""
+        for rows, (block_dq,) in self.blocks:
+            dq[:, rows] += block_dq
+
 
 @register
 class TokenRing(Method):
@@ -80,6 +92,10 @@ class TokenRing(Method):
     description = ("TokenRing: queries around the ring one way, partial outputs straight back to their owners "
                    "(K/V stay home), zigzag layout")
     layout_kind = "zigzag"
+    # A rank holds its largest blocks at once (all-row results going out, coming in and being
+    # computed while the queries hop) at step t only if src(t-1) and src(t) are later ranks and
+    # the helper an earlier one, with t <= P-2: 3 <= r <= P-4, so from P = 7 on.
+    memory_steady_from = 7
 
     def plan(self, causal: bool, rank: int, local_len: int) -> Plan:
         """Blocks (rows of the visiting queries of `src`, rows of this rank's keys) this rank computes."""
@@ -159,10 +175,9 @@ class TokenRing(Method):
                             out, lse = kernels.empty_accumulators(q)
                         kernels.merge_(out[:, blk.q_rows], lse[:, :, blk.q_rows], block_out, block_lse)
             work.wait()
-            for rows, (block_out, block_lse) in incoming.blocks:
-                if out is None:
-                    out, lse = kernels.empty_accumulators(q)
-                kernels.merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
+            if incoming.blocks and out is None:
+                out, lse = kernels.empty_accumulators(q)
+            incoming.merge_into(out, lse)
             if next_q is not None:
                 cur_q = next_q
         if out is None:  # nothing computed for any of our queries (no block in any plan)
@@ -214,8 +229,7 @@ class TokenRing(Method):
                     else:
                         done.blocks.append((blk.q_rows, [bdq.contiguous()]))
             work.wait()
-            for rows, (bdq,) in incoming.blocks:
-                dq[:, rows] += bdq
+            incoming.add_into(dq)
             if next_packet is not None:
                 packet = next_packet
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
