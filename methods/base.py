@@ -71,6 +71,12 @@ class Method:
     """True when a rank materialises the whole sequence's K/V, so its memory grows with the world
     size at a fixed local length (all-gather K/V, by design); every other method keeps a fixed
     number of blocks in flight, which a test checks."""
+    memory_steady_from: ClassVar[int] = 0
+    """The world size from which the blocks a rank holds at once, and their sizes, no longer change
+    as the world grows (0: from the sizes the memory test uses). Where blocks differ in size by
+    rank pair (token_ring's results: all rows or half of them, by the causal plan), the largest
+    combination first meets on one rank at some world size; below it the peak is smaller, which is
+    not growth."""
     supports_documents: ClassVar[bool] = True
     """Computes the document-causal mask of packed documents and padding exactly (the `docs`
     argument of `attention`); peer libraries without a varlen path say False, and why in

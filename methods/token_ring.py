@@ -62,16 +62,43 @@ def result_peers(rank: int, world_size: int, step: int) -> Optional[tuple[int, i
 
 class _Results:
     """The partial results a rank computed at one step for another rank's queries (one entry per
-    block: its query rows and its tensors), and the receive side of the same messages."""
+    block: its query rows and its tensors), or the receive buffers of the same messages.
 
-    def __init__(self):
-        self.blocks: list[tuple[slice, list[torch.Tensor]]] = []
+    Loops over blocks live in this class and in the method's step functions, so that no loop
+    variable of the step loop keeps a block alive into the next step's kernels (one more block in
+    flight per rank)."""
+
+    def __init__(self, blocks: Optional[list[tuple[slice, list[torch.Tensor]]]] = None):
+        self.blocks = blocks or []
 
     def sends(self, owner: int) -> list[P2P]:
         return [P2P("send", t, owner) for _, tensors in self.blocks for t in tensors]
 
     def recvs(self, helper: int) -> list[P2P]:
         return [P2P("recv", t, helper) for _, tensors in self.blocks for t in tensors]
+
+    def merge_into(self, out: torch.Tensor, lse: torch.Tensor) -> None:
+        """Fold (block out, block lse) results into the owner's accumulators (online softmax)."""
+        for rows, (block_out, block_lse) in self.blocks:
+            kernels.merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
+
+    def start_accumulators(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The owner's fp32 (out [B, L, H, D], lse [B, H, L]) from its own step-0 blocks: a block
+        covering every row starts them directly (no merge against nothing)."""
+        out = lse = None
+        for rows, (block_out, block_lse) in self.blocks:
+            if out is None and rows == ALL:
+                out, lse = block_out.to(kernels.acc_dtype(q.dtype)), block_lse.clone()
+                continue
+            if out is None:
+                out, lse = kernels.empty_accumulators(q)
+            kernels.merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
+        return (out, lse) if out is not None else kernels.empty_accumulators(q)
+
+    def add_into(self, dq: torch.Tensor) -> None:
+        """Add partial dQ blocks to the owner's fp32 dQ."""
+        for rows, (block_dq,) in self.blocks:
+            dq[:, rows] += block_dq
 
 
 @register
@@ -80,6 +107,10 @@ class TokenRing(Method):
     description = ("TokenRing: queries around the ring one way, partial outputs straight back to their owners "
                    "(K/V stay home), zigzag layout")
     layout_kind = "zigzag"
+    # A rank holds its largest blocks at once (all-row results going out, coming in and being
+    # computed while the queries hop) at step t only if src(t-1) and src(t) are later ranks and
+    # the helper an earlier one, with t <= P-2: 3 <= r <= P-4, so from P = 7 on.
+    memory_steady_from = 7
 
     def plan(self, causal: bool, rank: int, local_len: int) -> Plan:
         """Blocks (rows of the visiting queries of `src`, rows of this rank's keys) this rank computes."""
@@ -118,6 +149,18 @@ class TokenRing(Method):
             res.blocks.append((blk.q_rows, buffers(_rows(blk.q_rows, local_len))))
         return res
 
+    def _forward_blocks(self, q_vis, k, v, *, src: int, rank: int, plan: Plan, masks, scale) -> _Results:
+        """The visiting queries of `src` (q_vis [B, L, H, D]) against this rank's K/V: block out
+        [B, n, H, D] in the input dtype and block lse [B, H, n] fp32 for each block's n query rows."""
+        blocks = []
+        for blk in plan(src):
+            block_out, block_lse = kernels.block_forward(
+                q_vis[:, blk.q_rows], k[:, blk.k_rows], v[:, blk.k_rows], scale=scale,
+                causal_offset=blk.causal_offset, kernel=self.kernel,
+                mask=masks(src, blk.q_rows, rank, blk.k_rows) if masks else None)
+            blocks.append((blk.q_rows, [block_out, block_lse]))
+        return _Results(blocks)
+
     def forward(self, q, k, v, *, comm: Comm, causal, scale, return_lse, docs=None):
         p, rank, l = comm.world_size, comm.rank, q.shape[1]
         b, _, h, d = q.shape
@@ -128,7 +171,6 @@ class TokenRing(Method):
         def result_buffers(n: int) -> list[torch.Tensor]:     # block out [B, n, H, D], block lse [B, H, n]
             return [q.new_empty(b, n, h, d), torch.empty(b, h, n, dtype=acc, device=q.device)]
 
-        out = lse = None
         cur_q, done = q, _Results()                             # done: results of the previous step
         for step in range(p + 1):
             ops, next_q, incoming = [], None, _Results()
@@ -142,33 +184,36 @@ class TokenRing(Method):
                 ops += done.sends(owner) + incoming.recvs(helper)
             work = comm.exchange(ops) if ops else DoneWork()
             if step < p:
-                src = (rank - step) % p
-                done = _Results()
-                for blk in plan(src):
-                    block_out, block_lse = kernels.block_forward(
-                        cur_q[:, blk.q_rows], k[:, blk.k_rows], v[:, blk.k_rows], scale=scale,
-                        causal_offset=blk.causal_offset, kernel=self.kernel,
-                        mask=masks(src, blk.q_rows, rank, blk.k_rows) if masks else None)
-                    if step > 0:
-                        done.blocks.append((blk.q_rows, [block_out, block_lse]))
-                    elif out is None and blk.q_rows == ALL:
-                        # the own block covering every row starts the accumulators directly
-                        out, lse = block_out.to(acc), block_lse.clone()
-                    else:
-                        if out is None:
-                            out, lse = kernels.empty_accumulators(q)
-                        kernels.merge_(out[:, blk.q_rows], lse[:, :, blk.q_rows], block_out, block_lse)
+                computed = self._forward_blocks(cur_q, k, v, src=(rank - step) % p, rank=rank, plan=plan,
+                                                masks=masks, scale=scale)
+                if step == 0:                                   # our own queries: fp32 accumulators
+                    out, lse = computed.start_accumulators(q)
+                else:
+                    done = computed
             work.wait()
-            for rows, (block_out, block_lse) in incoming.blocks:
-                if out is None:
-                    out, lse = kernels.empty_accumulators(q)
-                kernels.merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
+            incoming.merge_into(out, lse)
             if next_q is not None:
                 cur_q = next_q
-        if out is None:  # nothing computed for any of our queries (no block in any plan)
-            out, lse = kernels.empty_accumulators(q)
         out = out.to(q.dtype)
         return out, lse, (q, k, v, out, lse, masks)
+
+    def _backward_blocks(self, packet, k, v, dk, dv, *, src: int, rank: int, plan: Plan, masks,
+                         scale) -> _Results:
+        """The block backwards of the visiting packet of `src` (Q, dO, D, lse of its queries) against
+        this rank's K/V, with their global lse and D: dK/dV added to this rank's fp32 `dk`, `dv`;
+        returns the partial dQ [B, n, H, D] (input dtype) of each block's n query rows."""
+        q_vis, dout_vis, delta_vis, lse_vis = packet
+        blocks = []
+        for blk in plan(src):
+            bdq, bdk, bdv = kernels.block_backward(
+                dout_vis[:, blk.q_rows], q_vis[:, blk.q_rows], k[:, blk.k_rows], v[:, blk.k_rows], None,
+                lse_vis[:, :, blk.q_rows], delta=delta_vis[:, :, blk.q_rows], scale=scale,
+                causal_offset=blk.causal_offset, kernel=self.kernel,
+                mask=masks(src, blk.q_rows, rank, blk.k_rows) if masks else None)
+            dk[:, blk.k_rows] += bdk
+            dv[:, blk.k_rows] += bdv
+            blocks.append((blk.q_rows, [bdq.contiguous()]))
+        return _Results(blocks)
 
     def backward(self, dout, residuals, *, comm: Comm, causal, scale, docs=None):
         q, k, v, out, lse, masks = residuals
@@ -198,25 +243,14 @@ class TokenRing(Method):
                 ops += done.sends(owner) + incoming.recvs(helper)
             work = comm.exchange(ops) if ops else DoneWork()
             if step < p:
-                src = (rank - step) % p
-                q_vis, dout_vis, delta_vis, lse_vis = packet
-                done = _Results()
-                for blk in plan(src):  # the visiting queries are src's rows; the keys are this rank's
-                    bdq, bdk, bdv = kernels.block_backward(
-                        dout_vis[:, blk.q_rows], q_vis[:, blk.q_rows], k[:, blk.k_rows], v[:, blk.k_rows], None,
-                        lse_vis[:, :, blk.q_rows], delta=delta_vis[:, :, blk.q_rows], scale=scale,
-                        causal_offset=blk.causal_offset, kernel=self.kernel,
-                        mask=masks(src, blk.q_rows, rank, blk.k_rows) if masks else None)
-                    dk[:, blk.k_rows] += bdk
-                    dv[:, blk.k_rows] += bdv
-                    if step == 0:
-                        dq[:, blk.q_rows] += bdq
-                    else:
-                        done.blocks.append((blk.q_rows, [bdq.contiguous()]))
+                computed = self._backward_blocks(packet, k, v, dk, dv, src=(rank - step) % p, rank=rank, plan=plan,
+                                                 masks=masks, scale=scale)
+                if step == 0:
+                    computed.add_into(dq)
+                else:
+                    done = computed
             work.wait()
-            for rows, (bdq,) in incoming.blocks:
-                dq[:, rows] += bdq
+            incoming.add_into(dq)
             if next_packet is not None:
                 packet = next_packet
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
