@@ -138,8 +138,10 @@ class AllGatherKV(DocumentSharding, Method):
                                                    causal_offset=offset, kernel=self.kernel,
                                                    mask=self._mask(masks, comm, rows, keys))
             dq[:, rows] = bdq
-            dk_full[:, :keys] += bdk
-            dv_full[:, :keys] += bdv
+            # add_ on the slice, not `+=` on an indexed tensor: Python's augmented assignment would
+            # write the sum back through __setitem__, a second full pass over the slice
+            dk_full[:, :keys].add_(bdk)
+            dv_full[:, :keys].add_(bdv)
         dk = _reduce_scatter_global(comm, dk_full, order)
         dv = _reduce_scatter_global(comm, dv_full, order)
         return dq, dk.to(k.dtype), dv.to(v.dtype)

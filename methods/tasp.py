@@ -34,8 +34,10 @@ float64):
               one to each cycle successor (with k = P-1: one to every other rank)
     backward: sent = received = (P-1) * 2*B*L*Hkv*D*e + P * 2*B*L*Hkv*D*a
 Multi-node: the same single complete graph over all ranks (one batched exchange per round).
-Memory beyond inputs and outputs: the units held and being received (two K/V blocks), plus the
-concatenated units of one kernel call.
+Memory beyond inputs and outputs: the units held and being received (two K/V buffers, allocated
+once and reused), plus, under the causal mask, the front halves gathered for one kernel call.
+Units live in one buffer [k, B, 2c, Hkv, D], each step's in the order its kernel calls read them,
+so a call's keys are a view (batch one; whole units) and its dK/dV are added back in one op.
 """
 from __future__ import annotations
 
@@ -47,7 +49,7 @@ from methods import kernels, layouts
 from methods.base import Case, Method
 from methods.comm.base import P2P, Comm
 from methods.hamilton import hamiltonian_cycles, predecessors, successors
-from methods.kv_ring import ALL, kv_ring_bytes
+from methods.kv_ring import ALL, DoubleBuffer, kv_ring_bytes
 from methods.registry import register
 
 
@@ -73,46 +75,77 @@ def origin(pred: tuple[int, ...], rank: int, steps: int) -> int:
 
 
 class _Units:
-    """Row indices of the k units inside a rank's local tokens [front k*c | back k*c]."""
+    """The k units of a rank's local tokens [front k*c | back k*c], held as one buffer
+    [k, B, 2c, ...] (unit j = buf[j], contiguous for any batch, so it is sent as it is).
+
+    Which slot of a buffer holds the unit of which cycle is chosen per step (`order`): the units a
+    kernel call needs sit next to each other, so the call's keys are a view of the buffer (with a
+    batch of one; one copy otherwise) and its dK/dV are added back with one op.
+    """
 
     def __init__(self, local_len: int, k: int, device):
         self.k, self.c = k, local_len // (2 * k)
         c = self.c
-        cpu_rows = [torch.cat([torch.arange(j * c, (j + 1) * c), torch.arange(k * c + j * c, k * c + (j + 1) * c)])
-                    for j in range(k)]
-        self.cpu_rows = cpu_rows          # for the packed documents' masks (host-side positions)
-        self.rows = [r.to(device) for r in cpu_rows]
+        self.cpu_rows = [torch.cat([torch.arange(j * c, (j + 1) * c), torch.arange(k * c + j * c, k * c + (j + 1) * c)])
+                         for j in range(k)]   # for the packed documents' masks (host-side positions)
 
-    def split(self, x: torch.Tensor) -> list[torch.Tensor]:
-        """Local [B, L, ...] -> k units [B, 2c, ...] (contiguous copies, ready to send)."""
-        return [x.index_select(1, r) for r in self.rows]
+    def _split_view(self, x: torch.Tensor) -> torch.Tensor:
+        b, _, *rest = x.shape
+        return x.view(b, 2, self.k, self.c, *rest).transpose(0, 2).transpose(1, 2)  # [k, B, 2, c, ...]
 
-    def join(self, units: list[torch.Tensor]) -> torch.Tensor:
-        """Inverse of split."""
-        b, _, *rest = units[0].shape
-        out = units[0].new_empty(b, self.k * 2 * self.c, *rest)
-        for r, u in zip(self.rows, units):
-            out.index_copy_(1, r, u)
+    def split(self, x: torch.Tensor, dtype=None) -> torch.Tensor:
+        """Local [B, L, ...] -> units [k, B, 2c, ...] in `dtype` (default x's): one copy."""
+        b, _, *rest = x.shape
+        buf = torch.empty(self.k, b, 2, self.c, *rest, dtype=dtype or x.dtype, device=x.device)
+        buf.copy_(self._split_view(x))
+        return buf.view(self.k, b, 2 * self.c, *rest)
+
+    def join(self, buf: torch.Tensor, dtype) -> torch.Tensor:
+        """Inverse of split (the units in cycle order), cast to `dtype`: one copy."""
+        k, b, _, *rest = buf.shape
+        out = torch.empty(b, 2 * k * self.c, *rest, dtype=dtype, device=buf.device)
+        self._split_view(out).copy_(buf.view(k, b, 2, self.c, *rest))
         return out
 
 
-def _exchange(comm: Comm, succ, pred, *unit_lists: list[torch.Tensor]):
-    """For every cycle j, send the j-th unit of each list (e.g. its K and its V) to the successor on
-    cycle j and receive the next ones from the predecessor; finish() returns the received lists.
+def _keys(buf: torch.Tensor, slots: slice, half: slice) -> torch.Tensor:
+    """The keys of units in `slots` (their rows `half`) as one sequence [B, n, ...]: a view when
+    the batch is one and the units are whole, else one copy."""
+    part = buf[slots, :, half]                       # [n, B, m, ...]
+    n, b, m, *rest = part.shape
+    return part.transpose(0, 1).reshape(b, n * m, *rest)
+
+
+def _add_keys_grad_(acc: torch.Tensor, slots: slice, half: slice, grad: torch.Tensor) -> None:
+    """acc[slots, :, half] += grad, the gradient [B, n*m, ...] of `_keys(acc-shaped, slots, half)`."""
+    part = acc[slots, :, half]                       # [n, B, m, ...]
+    n, b, m, *rest = part.shape
+    part.add_(grad.view(b, n, m, *rest).transpose(0, 1))
+
+
+def _exchange(comm: Comm, succ, pred, sends: list[torch.Tensor], send_order: list[int],
+              recvs: list[torch.Tensor], recv_order: list[int]):
+    """For every cycle j, send the unit of cycle j of each buffer in `sends` (e.g. K and V; at slot
+    send_order.index(j)) to the successor on cycle j, and receive the next ones from the predecessor
+    into `recvs` (at slot recv_order.index(j)); finish() returns `recvs`.
 
     The cycles are arc-disjoint, so each pair of ranks carries the units of exactly one cycle and
     the messages of a pair pair up in list order.
     """
     r = comm.rank
-    received = [[torch.empty_like(u) for u in units] for units in unit_lists]
-    ops = [P2P("send", units[j], succ[j][r]) for j in range(len(succ)) for units in unit_lists]
-    ops += [P2P("recv", units[j], pred[j][r]) for j in range(len(pred)) for units in received]
+    send_slot, recv_slot = _slots(send_order), _slots(recv_order)
+    ops = [P2P("send", buf[send_slot[j]], succ[j][r]) for j in range(len(succ)) for buf in sends]
+    ops += [P2P("recv", buf[recv_slot[j]], pred[j][r]) for j in range(len(pred)) for buf in recvs]
     work = comm.exchange(ops)
 
-    def finish() -> list[list[torch.Tensor]]:
+    def finish() -> list[torch.Tensor]:
         work.wait()
-        return received
+        return recvs
     return finish
+
+
+def _slots(order: list[int]) -> dict[int, int]:
+    return {j: i for i, j in enumerate(order)}
 
 
 def step_calls(causal: bool, rank: int, pred, step: int, k: int, c: int):
@@ -132,15 +165,26 @@ def step_calls(causal: bool, rank: int, pred, step: int, k: int, c: int):
     return calls
 
 
-def _gather_calls(causal, rank, pred, step, units: _Units, held_k, held_v):
-    """The step's kernel calls with their keys and values concatenated:
-    [(query rows, k [B, n, Hkv, D], v, [(unit j, unit rows, n_j)])]."""
-    out = []
-    for rows, parts in step_calls(causal, rank, pred, step, units.k, units.c):
-        kk = torch.cat([held_k[j][:, sl] for j, sl in parts], dim=1)
-        vv = torch.cat([held_v[j][:, sl] for j, sl in parts], dim=1)
-        out.append((rows, kk, vv, [(j, sl, held_k[j][:, sl].shape[1]) for j, sl in parts]))
-    return out
+def step_order(causal: bool, rank: int, pred, step: int, k: int) -> list[int]:
+    """The cycles of the units held at `step`, slot by slot: with the causal mask the units from
+    earlier ranks first, then those from later ones (each group one kernel call); own units and
+    unmasked steps in cycle order."""
+    if not causal or step == 0 or step >= len(pred[0]):
+        return list(range(k))
+    before = [j for j in range(k) if origin(pred[j], rank, step) < rank]
+    return before + [j for j in range(k) if j not in before]
+
+
+def slot_calls(causal: bool, rank: int, pred, step: int, k: int, c: int) -> list[tuple[slice, slice, slice]]:
+    """The kernel calls of step s >= 1 as (query rows, slots, rows of each unit) in the step's slot
+    order (`step_order`), the call over every query row last (it can end the forward with the fused
+    final merge). The same calls as `step_calls`."""
+    calls = []
+    for rows, parts in step_calls(causal, rank, pred, step, k, c):
+        n = len(parts)
+        start = 0 if parts[0][1] == slice(0, c) or not causal else k - n  # earlier ranks' units come first
+        calls.append((rows, slice(start, start + n), parts[0][1]))
+    return sorted(calls, key=lambda call: call[0] == ALL)
 
 
 @register
@@ -176,26 +220,41 @@ class TASP(Method):
     def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         p, r = comm.world_size, comm.rank
         succ, pred = cycle_tables(p)
-        units = _Units(q.shape[1], len(succ), q.device)
+        n_units = len(succ)
+        units = _Units(q.shape[1], n_units, q.device)
         held_k, held_v = units.split(k), units.split(v)
+        buffers = DoubleBuffer()
         masks = self.block_masks(q, k, comm, causal, docs)
         out = lse = None
         for step in range(p):
+            order = step_order(causal, r, pred, step, n_units)
             if step + 1 < p:  # units move on while this step computes (double buffering)
-                finish = _exchange(comm, succ, pred, held_k, held_v)
+                finish = _exchange(comm, succ, pred, [held_k, held_v], order, buffers(step, [held_k, held_v]),
+                                   step_order(causal, r, pred, step + 1, n_units))
             if step == 0:  # our own tokens: one aligned causal block
-                out, lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=0 if causal else None,
-                                                 kernel=self.kernel, mask=masks(r, ALL, r, ALL) if masks else None)
-                out, lse = out.to(kernels.acc_dtype(q.dtype)), lse.clone()
-            elif masks is not None:
-                for rows, j, sl, mask in self._unit_calls(masks, causal, r, pred, step, units):
-                    bo, bl = kernels.block_forward(q[:, rows], held_k[j][:, sl], held_v[j][:, sl], scale=scale,
-                                                   causal_offset=None, kernel=self.kernel, mask=mask)
-                    kernels.merge_(out[:, rows], lse[:, :, rows], bo, bl)
-            for rows, kk, vv, _ in ([] if masks is not None else
-                                    _gather_calls(causal, r, pred, step, units, held_k, held_v)):
-                bo, bl = kernels.block_forward(q[:, rows], kk, vv, scale=scale, causal_offset=None, kernel=self.kernel)
-                kernels.merge_(out[:, rows], lse[:, :, rows], bo, bl)
+                block_out, block_lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=0 if causal else None,
+                                                             kernel=self.kernel,
+                                                             mask=masks(r, ALL, r, ALL) if masks else None)
+                if p == 1:
+                    return block_out, block_lse, (q, k, v, block_out, block_lse, masks)
+                out, lse = kernels.start_accumulators(block_out, block_lse)
+                calls = []
+            elif masks is not None:  # one call per unit, each with its documents' mask
+                slot = _slots(order)
+                calls = [(rows, slice(slot[j], slot[j] + 1), sl, mask)
+                         for rows, j, sl, mask in self._unit_calls(masks, causal, r, pred, step, units)]
+                calls.sort(key=lambda call: call[0] == ALL)
+            else:
+                calls = [(rows, slots, sl, None) for rows, slots, sl in
+                         slot_calls(causal, r, pred, step, n_units, units.c)]
+            for i, (rows, slots, sl, mask) in enumerate(calls):
+                block_out, block_lse = kernels.block_forward(q[:, rows], _keys(held_k, slots, sl),
+                                                             _keys(held_v, slots, sl), scale=scale,
+                                                             causal_offset=None, kernel=self.kernel, mask=mask)
+                if step == p - 1 and i == len(calls) - 1 and rows == ALL:  # the cast fused into the last merge
+                    out = kernels.merge_final(out, lse, block_out, block_lse, q.dtype)
+                else:
+                    kernels.merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
             if step + 1 < p:
                 held_k, held_v = finish()
         out = out.to(q.dtype)
@@ -205,46 +264,54 @@ class TASP(Method):
         q, k, v, out, lse, masks = residuals
         p, r = comm.world_size, comm.rank
         succ, pred = cycle_tables(p)
-        units = _Units(q.shape[1], len(succ), q.device)
+        n_units = len(succ)
+        units = _Units(q.shape[1], n_units, q.device)
         acc = kernels.acc_dtype(q.dtype)
         held_k, held_v = units.split(k), units.split(v)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        kv_buffers, acc_buffers = DoubleBuffer(), DoubleBuffer()
         finish_acc = None
         for step in range(p):
+            order = step_order(causal, r, pred, step, n_units)
+            next_order = step_order(causal, r, pred, step + 1, n_units)  # after the last step: home, cycle order
             if step + 1 < p:
-                finish_kv = _exchange(comm, succ, pred, held_k, held_v)
+                finish_kv = _exchange(comm, succ, pred, [held_k, held_v], order, kv_buffers(step, [held_k, held_v]),
+                                      next_order)
             if step == 0:
                 gq, gk, gv = kernels.block_backward(dout, q, k, v, out, lse, scale=scale,
                                                     causal_offset=0 if causal else None, kernel=self.kernel,
                                                     mask=masks(r, ALL, r, ALL) if masks else None)
-                dq += gq
-                dk_acc, dv_acc = units.split(gk.to(acc)), units.split(gv.to(acc))  # own units' accumulators
+                if p == 1:
+                    return gq, gk, gv
+                dq = kernels.accumulate_(None, ALL, gq)
+                dk_acc, dv_acc = units.split(gk, acc), units.split(gv, acc)  # own units' accumulators
             else:
+                if masks is not None:
+                    slot = _slots(order)
+                    calls = [(rows, slice(slot[j], slot[j] + 1), sl, mask)
+                             for rows, j, sl, mask in self._unit_calls(masks, causal, r, pred, step, units)]
+                else:
+                    calls = [(rows, slots, sl, None) for rows, slots, sl in
+                             slot_calls(causal, r, pred, step, n_units, units.c)]
                 pending = []  # contributions, added once the units' accumulators have arrived
-                for rows, j, sl, mask in (self._unit_calls(masks, causal, r, pred, step, units) if masks else []):
-                    gq, gk, gv = kernels.block_backward(dout[:, rows], q[:, rows], held_k[j][:, sl], held_v[j][:, sl],
-                                                        out[:, rows], lse[:, :, rows], scale=scale, causal_offset=None,
-                                                        kernel=self.kernel, mask=mask)
-                    dq[:, rows] += gq
-                    pending.append(([(j, sl, gk.shape[1])], gk, gv))
-                for rows, kk, vv, parts in ([] if masks is not None else
-                                            _gather_calls(causal, r, pred, step, units, held_k, held_v)):
-                    gq, gk, gv = kernels.block_backward(dout[:, rows], q[:, rows], kk, vv, out[:, rows],
-                                                        lse[:, :, rows], scale=scale, causal_offset=None,
-                                                        kernel=self.kernel)
-                    dq[:, rows] += gq
-                    pending.append((parts, gk, gv))
+                for i, (rows, slots, sl, mask) in enumerate(calls):
+                    gq, gk, gv = kernels.block_backward(dout[:, rows], q[:, rows], _keys(held_k, slots, sl),
+                                                        _keys(held_v, slots, sl), out[:, rows], lse[:, :, rows],
+                                                        scale=scale, causal_offset=None, kernel=self.kernel,
+                                                        mask=mask)
+                    if step == p - 1 and i == len(calls) - 1 and rows == ALL:
+                        dq = kernels.accumulate_final(dq, gq, q.dtype)  # the cast fused into the last sum
+                    else:
+                        dq = kernels.accumulate_(dq, rows, gq)
+                    pending.append((slots, sl, gk, gv))
                 dk_acc, dv_acc = finish_acc()  # accumulators of the units we hold, from their last holders
-                for parts, gk, gv in pending:
-                    start = 0
-                    for j, sl, n in parts:  # split the concatenated dK/dV back into the units
-                        dk_acc[j][:, sl] += gk[:, start:start + n]
-                        dv_acc[j][:, sl] += gv[:, start:start + n]
-                        start += n
-            if p > 1:  # accumulators follow their units one round behind; after the last step the
-                finish_acc = _exchange(comm, succ, pred, dk_acc, dv_acc)  # hop reaches each owner
+                for slots, sl, gk, gv in pending:
+                    _add_keys_grad_(dk_acc, slots, sl, gk)
+                    _add_keys_grad_(dv_acc, slots, sl, gv)
+            # accumulators follow their units one round behind; after the last step the hop
+            # reaches each owner
+            finish_acc = _exchange(comm, succ, pred, [dk_acc, dv_acc], order, acc_buffers(step, [dk_acc, dv_acc]),
+                                   next_order)
             if step + 1 < p:
                 held_k, held_v = finish_kv()
-        if p > 1:
-            dk_acc, dv_acc = finish_acc()
-        return dq.to(q.dtype), units.join(dk_acc).to(k.dtype), units.join(dv_acc).to(v.dtype)
+        dk_acc, dv_acc = finish_acc()
+        return dq.to(q.dtype), units.join(dk_acc, k.dtype), units.join(dv_acc, v.dtype)

@@ -121,3 +121,63 @@ def test_backward_from_delta_equals_backward_from_out(kernel, dtype):
         torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=tol)
     with pytest.raises(ValueError, match="exactly one"):
         kernels.block_backward(dout, q, k, v, out, lse, scale=0.25, causal_offset=0, delta=delta)
+
+
+def _merge_reference(out, lse, block_out, block_lse):
+    """The online-softmax merge in float64 by its definition (separate ops, no fusion)."""
+    out, lse, block_out, block_lse = (x.double() for x in (out, lse, block_out, block_lse))
+    new = torch.logaddexp(lse, block_lse)
+    ref = torch.where(torch.isfinite(new), new, torch.zeros_like(new))
+    w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
+    return out * w_old + block_out * w_new, new
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_fused_merge_and_final_merge_equal_the_definition(dtype):
+    """The registered merge (in place, on a view of the accumulator) and the final merge (cast
+    fused in) give the float64 merge, with empty rows on either side; the final merge leaves the
+    accumulator untouched."""
+    torch.manual_seed(0)
+    acc = kernels.acc_dtype(dtype)
+    out = torch.randn(2, 9, 3, 4, dtype=acc)
+    lse = torch.randn(2, 3, 9, dtype=acc)
+    block_out = torch.randn(2, 5, 3, 4).to(dtype)
+    block_lse = torch.randn(2, 3, 5, dtype=acc)
+    lse[0, 0, 2] = float("-inf")
+    out[0, 2, 0] = 0
+    block_lse[0, 0, 1] = float("-inf")           # row 4 of the view: nothing new
+    block_out[0, 1, 0] = 0
+    block_lse[1, 2, 0] = lse[1, 2, 4] = float("-inf")  # nothing on either side
+    block_out[1, 0, 2] = out[1, 4, 2] = 0
+    want_out, want_lse = _merge_reference(out[:, 4:], lse[:, :, 4:], block_out, block_lse)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    o, l = out.clone(), lse.clone()
+    kernels.merge_(o[:, 4:], l[:, :, 4:], block_out, block_lse)
+    assert torch.equal(o[:, :4], out[:, :4]) and torch.equal(l[:, :, :4], lse[:, :, :4])
+    assert (o[:, 4:].double() - want_out).abs().max() < tol
+    assert torch.equal(torch.isinf(l[:, :, 4:]), torch.isinf(want_lse))
+    finite = torch.isfinite(want_lse)
+    assert (l[:, :, 4:].double()[finite] - want_lse[finite]).abs().max() < tol
+    o, l = out[:, 4:].clone(), lse[:, :, 4:].clone()
+    before = o.clone()
+    result = kernels.merge_final(o, l, block_out, block_lse, dtype)
+    assert result.dtype == dtype and torch.equal(o, before)
+    assert (result.double() - want_out.to(dtype).double()).abs().max() <= (tol if dtype == torch.float64 else 2 ** -7)
+    assert not torch.isnan(result).any()
+
+
+def test_fused_merge_is_traced_as_one_op_with_its_bytes():
+    """On meta tensors (the simulator's tracer) the merge is one operator that reads the accumulator
+    and the block and writes the accumulator: what one fused kernel moves."""
+    from suite.sim.trace import Memory, TraceLedger, _Bookkeeping
+
+    ledger = TraceLedger()
+    meta = dict(device="meta")
+    out, lse = torch.empty(1, 64, 4, 32, **meta), torch.empty(1, 4, 64, **meta)
+    block_out, block_lse = torch.empty(1, 64, 4, 32, dtype=torch.bfloat16, **meta), torch.empty(1, 4, 64, **meta)
+    with _Bookkeeping(ledger):
+        kernels.merge_(out, lse, block_out, block_lse)
+    ledger.flush()
+    acc, blk, row = 64 * 4 * 32 * 4, 64 * 4 * 32 * 2, 4 * 64 * 4
+    assert ledger.events == [Memory(2 * acc + blk + 3 * row, 1)]
