@@ -369,7 +369,8 @@ def build_config(q: Question, kept: list[Candidate], *, executor: str = "sim", n
 
 def ideal_ms(q: Question) -> float:
     """The problem on one device of the topology's compute model, divided by the GPUs (the
-    percent-of-ideal convention of the reports: single-device time / P)."""
+    percent-of-ideal convention of the reports: single-device time / P; on a host whose ranks share
+    its cores, divided by the cores' worth of ranks instead)."""
     compute = ComputeModel(q.topology)
     docs = q.documents()
     causal_offset = 0 if q.causal else None
@@ -380,7 +381,9 @@ def ideal_ms(q: Question) -> float:
     for op in ("fwd",) + (("bwd",) if q.pass_ == "fwd_bwd" else ()):
         t += compute.time(Compute(op, q.batch, q.seq_len, q.seq_len, q.model.heads, q.model.kv_heads,
                                   q.model.head_dim, causal_offset, q.dtype, doc_pairs))
-    return t * 1e3 / q.world_size
+    # ranks that share a host's cores (a calibrated CPU host) cannot compute more than the cores do
+    cores = q.topology.compute.get("shared_cores")
+    return t * 1e3 / (min(q.world_size, float(cores)) if cores else q.world_size)
 
 
 def main_cost(row: dict, ideal: Optional[float] = None) -> str:

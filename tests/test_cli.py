@@ -21,7 +21,7 @@ def test_list_runs_without_a_gpu_and_says_what_is_unavailable(capsys):
         assert " no " in flash_line
 
 
-@pytest.mark.parametrize("cmd", [[], ["run"], ["list"], ["ui"], ["relog"]])
+@pytest.mark.parametrize("cmd", [[], ["run"], ["list"], ["ui"], ["relog"], ["advise"]])
 def test_help_for_every_command(cmd):
     out = subprocess.run([sys.executable, "-m", "suite", *cmd, "--help"], cwd=ROOT, capture_output=True, text=True)
     assert out.returncode == 0 and "usage: python -m suite" in out.stdout
