@@ -238,3 +238,89 @@ def test_cuda_without_a_gpu_is_one_line(write_config, capsys):
     assert main(["run", str(path), "run.device=cuda", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "no CUDA device" in err and "Traceback" not in err
+
+
+# -- workers and the rendezvous ---------------------------------------------------------------------
+PARENT_DIES_IN_STARTUP = """
+import sys, time
+from suite.executors import local
+from suite.executors.worker import WorkerSettings
+from suite.plan import RunSettings
+
+def hold(self, timeout_s):  # the parent is killed while its workers connect
+    print(" ".join(str(p.pid) for p in self._procs), flush=True)
+    time.sleep(3600)
+local.LocalGroup._wait_ready = hold
+run = RunSettings(warmup=0, repeats=1, check=False, check_max_seq_len=1, seed=0)
+local.LocalGroup(WorkerSettings(world_size=2, device="cpu", backend="gloo", threads=1, plugins=(),
+                                comm_timeout_s=600, run=run), startup_timeout_s=600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
+def test_workers_exit_when_the_parent_dies_during_start_up():
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_DIES_IN_STARTUP], cwd=root, stdout=subprocess.PIPE,
+                              text=True)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2
+    os.kill(parent.pid, signal.SIGKILL)  # workers are spawned, importing or connecting
+    parent.wait()
+    deadline = time.monotonic() + 60  # generous for a loaded machine; before, they waited 10 minutes
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their parent"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net (Linux)")
+def test_the_rendezvous_store_listens_on_loopback_only():
+    from suite.executors import local
+    from suite.executors.worker import WorkerSettings
+    from suite.plan import RunSettings
+
+    group = object.__new__(local.LocalGroup)  # only the store: no workers
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def no_workers(*a, **k):
+        raise Stop
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    orig = ctx.Process
+    try:
+        ctx.Process = no_workers  # type: ignore[method-assign]
+        run = RunSettings(warmup=0, repeats=1, check=False, check_max_seq_len=1, seed=0)
+        with pytest.raises(Stop):
+            local.LocalGroup.__init__(group, WorkerSettings(world_size=2, device="cpu", backend="gloo", threads=1,
+                                                            plugins=(), comm_timeout_s=5, run=run), 5)
+    finally:
+        ctx.Process = orig  # type: ignore[method-assign]
+    port = group._store.port
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            for line in open(table).read().splitlines()[1:]:
+                f = line.split()
+                if f[1].endswith(f":{port:04X}") and f[3] == "0A":  # 0A: LISTEN
+                    seen[table] = f[1].split(":")[0]
+    group._listener.close() if hasattr(group, "_listener") else None
+    assert seen == {"/proc/net/tcp": "0100007F"}, seen  # 127.0.0.1, and no [::] or 0.0.0.0 listener
