@@ -324,3 +324,31 @@ def test_the_rendezvous_store_listens_on_loopback_only():
                     seen[table] = f[1].split(":")[0]
     group._listener.close() if hasattr(group, "_listener") else None
     assert seen == {"/proc/net/tcp": "0100007F"}, seen  # 127.0.0.1, and no [::] or 0.0.0.0 listener
+
+
+# -- checks -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seq_len", [40, 130])
+def test_float64_tolerance_grows_with_the_reduction_length(seq_len):
+    """The CPU flash kernel in float64 rounds 15-30 eps at these lengths (D = 80): correct, and
+    recorded `incorrect` by a fixed 8-eps floor. A real error (one key dropped) still fails."""
+    import torch
+
+    import methods
+    from methods.comm.threads import run_threads
+    from suite.check import ProblemCache, build_problem
+    from suite.plan import RunSettings, TrialSpec
+    from suite.trial import run_trial
+
+    spec = TrialSpec(method="reference", impl="own", executor="threads", hardware="cpu", topology="", world_size=1,
+                     nodes=1, ulysses_degree=1, ring_degree=1, batch=3, seq_len=seq_len, heads=12, kv_heads=3,
+                     head_dim=80, dtype="float64", causal=False, pass_="fwd_bwd", kernel="cpu_flash")
+    settings = RunSettings(warmup=0, repeats=1, check=True, check_max_seq_len=1 << 20, seed=0, breakdown=False)
+    if not methods.kernels.kernel_status("cpu_flash")[0]:
+        pytest.skip("no CPU flash kernel in this torch")
+    (report,) = run_threads(1, lambda comm: run_trial(spec, settings, comm, torch.device("cpu"), ProblemCache()))
+    assert report.ok, report.error
+    assert len(report.errors) == 5 and all(report.errors[n] <= report.tol[n] for n in report.errors), report.errors
+    problem = build_problem(*spec.problem_key(), seed=0, device=torch.device("cpu"), with_reference=True)
+    out = problem.ref["out"].clone()
+    out[:, -1] += 1e-12  # an error far below any real bug, far above the float64 roundings
+    assert float((out - problem.ref["out"]).abs().max()) > problem.tolerance("out", 1)
