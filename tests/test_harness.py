@@ -78,6 +78,21 @@ def test_usp_at_ring_degree_one_takes_any_length_ulysses_takes():
     assert methods.get_method("ulysses").supports(case) == (True, "")
     usp = methods.get_method("usp", ulysses_degree=3)
     assert usp.degrees(case) == (3, 1) and usp.supports(case) == (True, "") and usp.padded_len(case) == 777
+    import torch
+
+    from methods.comm.threads import run_threads
+    from suite.check import ProblemCache
+    from suite.plan import RunSettings, TrialSpec
+    from suite.trial import run_trial
+
+    spec = TrialSpec(method="usp", impl="own", executor="threads", hardware="cpu", topology="", world_size=3, nodes=1,
+                     ulysses_degree=3, ring_degree=1, batch=1, seq_len=777, heads=6, kv_heads=3, head_dim=8,
+                     dtype="float64", causal=True, pass_="fwd_bwd", kernel="math", options='{"ulysses_degree": 3}')
+    settings = RunSettings(warmup=0, repeats=1, check=True, check_max_seq_len=1 << 20, seed=0, breakdown=False)
+    cache = ProblemCache()
+    reports = run_threads(3, lambda comm: run_trial(spec, settings, comm, torch.device("cpu"), cache))
+    for rep in reports:  # checked against float64 on the unsharded input
+        assert rep.ok and len(rep.errors) == 5 and all(rep.errors[n] <= rep.tol[n] for n in rep.errors), rep
 
 
 # -- one writer per folder --------------------------------------------------------------------------
