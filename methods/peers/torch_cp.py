@@ -80,8 +80,10 @@ class _TorchCP(PeerMethod):
                            "raises NotImplementedError for aten._scaled_dot_product_flash_attention_for_cpu")
         if case.heads != case.kv_heads:
             return False, "torch context_parallel's SDPA path takes equal query and KV heads (no GQA)"
-        why = _real_import_error()
-        return (False, why) if why else super().supports(case)
+        ok, why = super().supports(case)  # first: no CUDA here ends it without importing DTensor
+        if ok and (why := _real_import_error()):
+            return False, why
+        return ok, why
 
     def kernel_used(self, device, dtype, head_dim) -> str:
         return "torch sdpa (cuda)"
