@@ -51,6 +51,21 @@ def git_info() -> dict:
     return {"commit": commit, "dirty": bool(dirty) if commit else None}
 
 
+# The environment variables a fingerprint records: named ones that change how a trial runs, never a
+# prefix. Prefixes recorded whatever a site puts under them (tokens, passwords in URIs such as
+# MLFLOW_TRACKING_URI=https://user:password@host, which the tracker records itself, redacted).
+RECORDED_ENV_VARS = frozenset({
+    "OMP_NUM_THREADS", "MKL_NUM_THREADS", "OMP_PROC_BIND", "OMP_PLACES",
+    "CUDA_VISIBLE_DEVICES", "CUDA_LAUNCH_BLOCKING", "CUDA_DEVICE_MAX_CONNECTIONS", "CUDA_MODULE_LOADING",
+    "PYTORCH_CUDA_ALLOC_CONF", "TORCH_DISTRIBUTED_DEBUG", "TORCH_NCCL_BLOCKING_WAIT",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "TORCH_NCCL_AVOID_RECORD_STREAMS", "TORCH_NCCL_HIGH_PRIORITY",
+    "NCCL_ALGO", "NCCL_PROTO", "NCCL_DEBUG", "NCCL_IB_DISABLE", "NCCL_IB_HCA", "NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL",
+    "NCCL_SHM_DISABLE", "NCCL_NET_GDR_LEVEL", "NCCL_SOCKET_IFNAME", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS",
+    "NCCL_BUFFSIZE", "NCCL_NVLS_ENABLE", "NCCL_CUMEM_ENABLE", "NCCL_CROSS_NIC", "NCCL_TOPO_FILE",
+    "SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_PARTITION",
+})
+
+
 def fingerprint(device: str) -> dict:
     """Everything needed to interpret a number later. Cheap (< 1 s), best effort."""
     versions = {}
@@ -72,8 +87,7 @@ def fingerprint(device: str) -> dict:
         "cuda_available": torch.cuda.is_available(),
         "packages": versions,
         "git": git_info(),
-        "env_vars": {k: os.environ[k] for k in sorted(os.environ)
-                     if k.startswith(("NCCL_", "CUDA_", "OMP_", "TORCH_", "MLFLOW_TRACKING_URI", "SLURM_JOB"))},
+        "env_vars": {k: os.environ[k] for k in sorted(os.environ) if k in RECORDED_ENV_VARS},
     }
     if torch.cuda.is_available():
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

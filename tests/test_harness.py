@@ -367,3 +367,16 @@ def test_float64_tolerance_grows_with_the_reduction_length(seq_len):
     out = problem.ref["out"].clone()
     out[:, -1] += 1e-12  # an error far below any real bug, far above the float64 roundings
     assert float((out - problem.ref["out"]).abs().max()) > problem.tolerance("out", 1)
+
+
+def test_the_environment_fingerprint_records_an_allowlist_not_prefixes(monkeypatch):
+    from suite.env import fingerprint
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    monkeypatch.setenv("TORCH_HUB_TOKEN", "secret-token")
+    monkeypatch.setenv("CUDA_SECRET_KEY", "secret-key")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://user:password@mlflow.example/")
+    recorded = fingerprint("cpu")["env_vars"]
+    assert recorded["OMP_NUM_THREADS"] == "3" and recorded["NCCL_ALGO"] == "Ring"
+    assert "secret" not in json.dumps(recorded) and "password" not in json.dumps(recorded)
