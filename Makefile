@@ -5,6 +5,12 @@ PY     := $(VENV)/bin/python
 # CPU machines get torch 2.13.0 (a local CPU build here; an unpinned torch would pull several GB of
 # CUDA packages). On GPU nodes pass the build you want, e.g. `make install TORCH=torch==2.13.0`.
 TORCH  ?= torch==2.13.0
+# pip (the default) or uv: `make install INSTALLER=uv` installs uv with pip, then the same packages
+# with uv (measured: reports/recorded/install_speed.md). uv reads no pip configuration, so pip's
+# find-links (where a local CPU torch build lies) are passed on to it.
+INSTALLER  ?= pip
+FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
+UV_FLAGS   := $(foreach d,$(FIND_LINKS),--find-links $(d))
 
 .PHONY: install quickstart test test-fast lint list ui clean sim-check simulate gpu-check
 
@@ -12,8 +18,16 @@ install: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
+ifeq ($(INSTALLER),uv)
+	$(PY) -m pip install --quiet uv
+	$(VENV)/bin/uv pip install --quiet --python $(PY) $(UV_FLAGS) "$(TORCH)"
+	$(VENV)/bin/uv pip install --quiet --python $(PY) $(UV_FLAGS) -e ".[test]"
+else ifeq ($(INSTALLER),pip)
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e ".[test]"
+else
+	@echo "INSTALLER must be pip or uv, got $(INSTALLER)" >&2; exit 2
+endif
 	touch $@
 
 quickstart: install

@@ -27,7 +27,9 @@ ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "CUDA_
             "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE", "NCCL_NET_GDR_LEVEL",
             "NCCL_SOCKET_IFNAME", "NCCL_NVLS_ENABLE", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS",
             "NCCL_BUFFSIZE", "NCCL_CROSS_NIC", "SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_PARTITION",
-            "MLFLOW_TRACKING_URI")
+            "MLFLOW_TRACKING_URI", "OMP_PROC_BIND", "OMP_PLACES", "CUDA_MODULE_LOADING",
+            "TORCH_NCCL_AVOID_RECORD_STREAMS", "TORCH_NCCL_HIGH_PRIORITY", "NCCL_IB_HCA", "NCCL_CUMEM_ENABLE",
+            "NCCL_TOPO_FILE")
 _URI_VARS = ("MLFLOW_TRACKING_URI",)
 
 
@@ -92,6 +94,8 @@ def git_info() -> dict:
     commit = _run(["git", "-C", str(root), "rev-parse", "HEAD"])
     dirty = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
     return {"commit": commit, "dirty": bool(dirty) if commit else None}
+
+
 
 
 def fingerprint(device: str) -> dict:

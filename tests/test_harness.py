@@ -78,6 +78,21 @@ def test_usp_at_ring_degree_one_takes_any_length_ulysses_takes():
     assert methods.get_method("ulysses").supports(case) == (True, "")
     usp = methods.get_method("usp", ulysses_degree=3)
     assert usp.degrees(case) == (3, 1) and usp.supports(case) == (True, "") and usp.padded_len(case) == 777
+    import torch
+
+    from methods.comm.threads import run_threads
+    from suite.check import ProblemCache
+    from suite.plan import RunSettings, TrialSpec
+    from suite.trial import run_trial
+
+    spec = TrialSpec(method="usp", impl="own", executor="threads", hardware="cpu", topology="", world_size=3, nodes=1,
+                     ulysses_degree=3, ring_degree=1, batch=1, seq_len=777, heads=6, kv_heads=3, head_dim=8,
+                     dtype="float64", causal=True, pass_="fwd_bwd", kernel="math", options='{"ulysses_degree": 3}')
+    settings = RunSettings(warmup=0, repeats=1, check=True, check_max_seq_len=1 << 20, seed=0, breakdown=False)
+    cache = ProblemCache()
+    reports = run_threads(3, lambda comm: run_trial(spec, settings, comm, torch.device("cpu"), cache))
+    for rep in reports:  # checked against float64 on the unsharded input
+        assert rep.ok and len(rep.errors) == 5 and all(rep.errors[n] <= rep.tol[n] for n in rep.errors), rep
 
 
 # -- one writer per folder --------------------------------------------------------------------------
@@ -238,3 +253,130 @@ def test_cuda_without_a_gpu_is_one_line(write_config, capsys):
     assert main(["run", str(path), "run.device=cuda", "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert "no CUDA device" in err and "Traceback" not in err
+
+
+# -- workers and the rendezvous ---------------------------------------------------------------------
+PARENT_DIES_IN_STARTUP = """
+import sys, time
+from suite.executors import local
+from suite.executors.worker import WorkerSettings
+from suite.plan import RunSettings
+
+def hold(self, timeout_s):  # the parent is killed while its workers connect
+    print(" ".join(str(p.pid) for p in self._procs), flush=True)
+    time.sleep(3600)
+local.LocalGroup._wait_ready = hold
+run = RunSettings(warmup=0, repeats=1, check=False, check_max_seq_len=1, seed=0)
+local.LocalGroup(WorkerSettings(world_size=2, device="cpu", backend="gloo", threads=1, plugins=(),
+                                comm_timeout_s=600, run=run), startup_timeout_s=600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="reads /proc (Linux)")
+def test_workers_exit_when_the_parent_dies_during_start_up():
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    parent = subprocess.Popen([sys.executable, "-c", PARENT_DIES_IN_STARTUP], cwd=root, stdout=subprocess.PIPE,
+                              text=True)
+    pids = [int(p) for p in parent.stdout.readline().split()]
+    assert len(pids) == 2
+    os.kill(parent.pid, signal.SIGKILL)  # workers are spawned, importing or connecting
+    parent.wait()
+    deadline = time.monotonic() + 60  # generous for a loaded machine; before, they waited 10 minutes
+    while any(map(_alive, pids)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p for p in pids if _alive(p)]
+    for p in left:
+        os.kill(p, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their parent"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="reads /proc/net (Linux)")
+def test_the_rendezvous_store_listens_on_loopback_only():
+    from suite.executors import local
+    from suite.executors.worker import WorkerSettings
+    from suite.plan import RunSettings
+
+    group = object.__new__(local.LocalGroup)  # only the store: no workers
+    seen = {}
+
+    class Stop(Exception):
+        pass
+
+    def no_workers(*a, **k):
+        raise Stop
+    import multiprocessing
+    ctx = multiprocessing.get_context("spawn")
+    orig = ctx.Process
+    try:
+        ctx.Process = no_workers  # type: ignore[method-assign]
+        run = RunSettings(warmup=0, repeats=1, check=False, check_max_seq_len=1, seed=0)
+        with pytest.raises(Stop):
+            local.LocalGroup.__init__(group, WorkerSettings(world_size=2, device="cpu", backend="gloo", threads=1,
+                                                            plugins=(), comm_timeout_s=5, run=run), 5)
+    finally:
+        ctx.Process = orig  # type: ignore[method-assign]
+    port = group._store.port
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        if os.path.exists(table):
+            for line in open(table).read().splitlines()[1:]:
+                f = line.split()
+                if f[1].endswith(f":{port:04X}") and f[3] == "0A":  # 0A: LISTEN
+                    seen[table] = f[1].split(":")[0]
+    group._listener.close() if hasattr(group, "_listener") else None
+    assert seen == {"/proc/net/tcp": "0100007F"}, seen  # 127.0.0.1, and no [::] or 0.0.0.0 listener
+
+
+# -- checks -----------------------------------------------------------------------------------------
+@pytest.mark.parametrize("seq_len", [40, 130])
+def test_float64_tolerance_grows_with_the_reduction_length(seq_len):
+    """The CPU flash kernel in float64 rounds 15-30 eps at these lengths (D = 80): correct, and
+    recorded `incorrect` by a fixed 8-eps floor. A real error (one key dropped) still fails."""
+    import torch
+
+    import methods
+    from methods.comm.threads import run_threads
+    from suite.check import ProblemCache, build_problem
+    from suite.plan import RunSettings, TrialSpec
+    from suite.trial import run_trial
+
+    spec = TrialSpec(method="reference", impl="own", executor="threads", hardware="cpu", topology="", world_size=1,
+                     nodes=1, ulysses_degree=1, ring_degree=1, batch=3, seq_len=seq_len, heads=12, kv_heads=3,
+                     head_dim=80, dtype="float64", causal=False, pass_="fwd_bwd", kernel="cpu_flash")
+    settings = RunSettings(warmup=0, repeats=1, check=True, check_max_seq_len=1 << 20, seed=0, breakdown=False)
+    if not methods.kernels.kernel_status("cpu_flash")[0]:
+        pytest.skip("no CPU flash kernel in this torch")
+    (report,) = run_threads(1, lambda comm: run_trial(spec, settings, comm, torch.device("cpu"), ProblemCache()))
+    assert report.ok, report.error
+    assert len(report.errors) == 5 and all(report.errors[n] <= report.tol[n] for n in report.errors), report.errors
+    problem = build_problem(*spec.problem_key(), seed=0, device=torch.device("cpu"), with_reference=True)
+    out = problem.ref["out"].clone()
+    out[:, -1] += 1e-12  # an error far below any real bug, far above the float64 roundings
+    assert float((out - problem.ref["out"]).abs().max()) > problem.tolerance("out", 1)
+
+
+def test_the_environment_fingerprint_records_an_allowlist_not_prefixes(monkeypatch):
+    from suite.env import fingerprint
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
+    monkeypatch.setenv("TORCH_HUB_TOKEN", "secret-token")
+    monkeypatch.setenv("CUDA_SECRET_KEY", "secret-key")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://user:password@mlflow.example/")
+    recorded = fingerprint("cpu")["env_vars"]
+    assert recorded["OMP_NUM_THREADS"] == "3" and recorded["NCCL_ALGO"] == "Ring"
+    assert "secret" not in json.dumps(recorded) and "password" not in json.dumps(recorded)

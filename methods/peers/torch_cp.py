@@ -22,12 +22,37 @@ _MESHES: dict[int, object] = {}
 
 
 def _import_error() -> str | None:
+    """Why this torch cannot give context_parallel, or None. Read from torch's source tree: importing
+    torch.distributed.tensor (DTensor, sympy) took a fifth of every `suite` command's start-up,
+    planning included, on machines (CPU ones) where these methods never run. The import itself
+    happens where they run (`_call`), and `available_here` checks it on CUDA machines."""
+    import os
+
+    root = os.path.join(os.path.dirname(torch.__file__), "distributed", "tensor", "experimental")
     try:
-        from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
-        from torch.distributed.tensor.experimental._attention import set_rotate_method  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
-        return f"this torch ({torch.__version__}) has no context_parallel ({type(exc).__name__}: {exc})"
+        with open(os.path.join(root, "__init__.py"), encoding="utf-8") as f:
+            ok = "context_parallel" in f.read()
+    except OSError:
+        ok = False
+    has_attention = any(os.path.exists(os.path.join(root, n)) for n in ("_attention.py", "_attention"))
+    if not (ok and has_attention):
+        return f"this torch ({torch.__version__}) has no context_parallel (torch.distributed.tensor.experimental)"
     return None
+
+
+_IMPORTED: list = []  # the real import's error message ("" when it worked), once per process
+
+
+def _real_import_error() -> str:
+    if not _IMPORTED:
+        try:
+            from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
+            from torch.distributed.tensor.experimental._attention import set_rotate_method  # noqa: F401
+            _IMPORTED.append("")
+        except Exception as exc:  # noqa: BLE001
+            _IMPORTED.append(f"this torch ({torch.__version__}) has no context_parallel ({type(exc).__name__}: "
+                             f"{exc})")
+    return _IMPORTED[0]
 
 
 class _TorchCP(PeerMethod):
@@ -42,7 +67,8 @@ class _TorchCP(PeerMethod):
         if not torch.cuda.is_available():
             return False, ("CUDA only: torch context_parallel has no sharding rule for the CPU SDPA kernel "
                            "(NotImplementedError for aten._scaled_dot_product_flash_attention_for_cpu)")
-        return True, ""
+        why = _real_import_error()
+        return (False, why) if why else (True, "")
 
     def layout(self, case: Case):
         from methods import layouts
@@ -54,7 +80,10 @@ class _TorchCP(PeerMethod):
                            "raises NotImplementedError for aten._scaled_dot_product_flash_attention_for_cpu")
         if case.heads != case.kv_heads:
             return False, "torch context_parallel's SDPA path takes equal query and KV heads (no GQA)"
-        return super().supports(case)
+        ok, why = super().supports(case)  # first: no CUDA here ends it without importing DTensor
+        if ok and (why := _real_import_error()):
+            return False, why
+        return ok, why
 
     def kernel_used(self, device, dtype, head_dim) -> str:
         return "torch sdpa (cuda)"

@@ -10,6 +10,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import socket
 import time
 from datetime import timedelta
 from typing import Optional
@@ -46,9 +47,16 @@ class LocalGroup:
 
         self.world_size = settings.world_size
         ctx = mp.get_context("spawn")
-        # The parent hosts the rendezvous store on a free port (port 0): no port race.
-        self._store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=startup_timeout_s))
+        # The parent hosts the rendezvous store on a free port (port 0: no port race), on loopback
+        # only: TCPStore's own server listens on every interface, which would let any host on the
+        # network reach an unauthenticated key-value store that steers the workers. The socket is
+        # bound here and handed over.
+        self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(max(64, 2 * self.world_size))
+        self._store = dist.TCPStore("127.0.0.1", self._listener.getsockname()[1], None, True, wait_for_workers=False,
+                                    timeout=timedelta(seconds=startup_timeout_s),
+                                    master_listen_fd=self._listener.fileno(), use_libuv=True)
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
         self._procs = [ctx.Process(target=worker_main, name=f"suite-worker-{r}", daemon=True,
@@ -150,6 +158,7 @@ class LocalGroup:
         for q in self._tasks + [self._results]:
             q.cancel_join_thread()
             q.close()
+        self._listener.close()
 
 
 class LocalDistExecutor(Executor):

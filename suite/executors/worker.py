@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import queue
+import threading
+import time
 import traceback
 from dataclasses import dataclass
 from datetime import timedelta
@@ -31,8 +33,30 @@ class WorkerSettings:
     run: RunSettings
 
 
+def watch_parent(parent_pid: int, every_s: float = 0.5) -> None:
+    """End this process as soon as its parent is gone, whatever the main thread is doing: a worker
+    blocked connecting to a dead parent's rendezvous waited for its whole timeout (minutes). The
+    kernel's parent-death signal (Linux) covers it at once; a thread polling the parent pid covers
+    the rest, and the case where the parent died before the signal was set."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGKILL))  # 1 = PR_SET_PDEATHSIG
+    except (OSError, AttributeError, TypeError):  # not Linux
+        pass
+
+    def watch() -> None:
+        while True:
+            if os.getppid() != parent_pid:
+                os._exit(3)
+            time.sleep(every_s)
+    threading.Thread(target=watch, name="suite-parent-watch", daemon=True).start()
+
+
 def worker_main(rank: int, store_port: int, settings: WorkerSettings, tasks, results, parent_pid: int) -> None:
     """Entry point of one worker process (spawned by suite.executors.local.LocalGroup)."""
+    watch_parent(parent_pid)
     try:
         torch.set_num_threads(settings.threads)
         import torch.distributed as dist
