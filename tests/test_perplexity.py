@@ -231,6 +231,11 @@ def test_perplexity_sweep_records_baseline_curves_and_mlflow_and_resumes(write_c
     history = client.get_metric_history(child.info.run_id, "train_loss")
     assert sorted(m.step for m in history) == list(range(8))
     assert {"perplexity", "perplexity_rel_diff", "loss_max_rel_diff"} <= set(child.data.metrics)
+    # every setting of the model and its training is a param to compare runs by
+    assert child.data.params["workload.train.steps"] == "8" and "workload.model.layers" in child.data.params
+    assert {"workload.train.lr", "workload.data.max_bytes"} <= set(child.data.params)
+    parent = client.get_run(child.data.tags["mlflow.parentRunId"])
+    assert parent.data.params["perplexity.steps"] == "8" and "perplexity.lr" in parent.data.params
     # resume with one more method: the stored baseline is reused, not trained again
     res2 = _sweep(path, "sweep.methods=[ring,zigzag_ring,ulysses,tasp]", resume=str(res.run_dir))
     assert len(res2.records) == 5 and sum(r["method"] == "baseline" for r in res2.records) == 1
