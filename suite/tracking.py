@@ -53,7 +53,8 @@ _VIEW_COLUMNS = (["params.`method`", "params.`world_size`", "params.`seq_len`", 
                   "params.`causal`", "params.`pass`", "tags.`status`"]
                  + [f"metrics.`{m}`" for m in (M.TIME_MS_MEDIAN, M.TFLOPS_PER_GPU, M.BYTES_SENT, M.ERR["out"],
                                                M.PPL_REL_DIFF)])
-_VIEW_STATE = json.dumps({"searchFilter": f"tags.{M.STATUS} LIKE '%'", "orderByKey": "attributes.start_time",
+# Ordered by a metric: ordered by start time, MLflow nests the children under their parent again.
+_VIEW_STATE = json.dumps({"searchFilter": f"tags.{M.STATUS} LIKE '%'", "orderByKey": f"metrics.`{M.TFLOPS_PER_GPU}`",
                           "orderByAsc": False, "selectedColumns": _VIEW_COLUMNS})
 _VIEW_TAG = f"mlflow.sharedViewState.{VIEW}"
 
@@ -319,10 +320,11 @@ class MlflowTracker:
         if self._thread is not None:
             self._queue.put((self._log_trial, (dict(record),), {}))
 
-    def finish(self, store: ResultsStore, status: str = "FINISHED") -> None:
+    def finish(self, store: ResultsStore, status: str = "FINISHED", end_ms: Optional[int] = None) -> None:
+        """end_ms: when the sweep ended (default: now; `relog` gives its last trial's end)."""
         if self._thread is None:
             return
-        self._queue.put((self._finish, (store, status), {}))
+        self._queue.put((self._finish, (store, status, end_ms), {}))
         self._queue.put(None)
         self._thread.join(timeout=self.finish_timeout_s)
         if self._thread.is_alive():
@@ -472,7 +474,7 @@ class MlflowTracker:
             self._disable(f"could not log trial {record.get(M.KEY)}", exc)
 
     @_timed
-    def _finish(self, store: ResultsStore, status: str = "FINISHED") -> None:
+    def _finish(self, store: ResultsStore, status: str = "FINISHED", end_ms: Optional[int] = None) -> None:
         if self.parent_run_id is None:
             return
         try:
@@ -481,7 +483,7 @@ class MlflowTracker:
                 if path.exists():
                     self._client.log_artifact(self.parent_run_id, str(path), artifact_path="results")
             self._log_table(store)
-            self._client.set_terminated(self.parent_run_id, status)
+            self._client.set_terminated(self.parent_run_id, status, end_time=end_ms)
         except Exception as exc:  # noqa: BLE001
             self._disable("could not finish the sweep's run", exc)
 
@@ -528,7 +530,8 @@ def relog(run_dir: str | Path, uri: Optional[str] = None, experiment: Optional[s
     env = store.read_json(ENVIRONMENT) or {}
     tracker.start(store, sweep=name, params=config_params(cfg), environment=env,
                   description=str(cfg.get("description") or ""), resume=True, started_ms=_ms(env.get("timestamp")))
-    tracker.finish(store)
+    ends = [trial_times(r)[1] for r in store.iter_records()]
+    tracker.finish(store, end_ms=max(ends) if ends else None)  # the parent's Duration: the sweep's, not now
     return tracker
 
 

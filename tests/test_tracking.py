@@ -64,6 +64,7 @@ def test_runs_open_on_the_answer(stored, tmp_path):
     exp, parents, children = _runs(client)
     records = {r[M.KEY]: r for r in ResultsStore.open(stored).iter_records()}
     assert len(parents) == 1 and len(children) == 4
+    assert parents[0].info.end_time == max(c.info.end_time for c in children)  # relog: the sweep's end, not now
     # the experiment opens on the machine-learning runs table, and the link says so
     assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
     assert f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=trials" in \
