@@ -346,3 +346,31 @@ def test_hf_perplexity_command(capsys):
     for ln in lines:
         ppl, eager = float(ln.split()[2]), float(ln.split()[3])
         assert ppl == pytest.approx(eager, rel=1e-5) and 100 < ppl < 1000  # random model: near uniform
+
+
+def test_training_the_baseline_prints_a_line_when_it_starts_and_ends(write_config, monkeypatch):
+    """The baseline trains before the first trial's bar moves (tens of seconds): the user is told."""
+    from suite.config import load_config
+    from suite.tracking import NullTracker
+    from suite.workloads import perplexity as P
+    from tests.helpers import plan_for
+
+    cfg, _ = load_config(write_config(PPL_SWEEP.format(db="unused.db")), ["tracking.mlflow=false"])
+    spec = plan_for(cfg, hardware="cpu:test")[0]
+    appended, lines = [], []
+
+    class Store:
+        def iter_records(self):
+            return iter(())
+
+        def append(self, row):
+            appended.append(row)
+
+    monkeypatch.setattr(P, "run_baseline", lambda bspec, ctx: {M.KEY: bspec.key, "method": P.BASELINE,
+                                                                M.STATUS: M.OK, M.DURATION_S: 1.5, M.PPL: 12.25})
+    baselines = P.Baselines(Store(), NullTracker(), None, say=lines.append)
+    baselines.get(spec)
+    baselines.get(spec)  # trained once
+    assert len(appended) == 1 and len(lines) == 2
+    assert lines[0].startswith("training the single-device baseline (baseline P=1")
+    assert lines[1] == "baseline ok in 1.5s: perplexity 12.2500"
