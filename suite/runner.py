@@ -240,8 +240,8 @@ def _print_footer(records: list[dict], this_run: list[dict], wall: float, store:
     trial_s = sum(r.get(M.DURATION_S) or 0.0 for r in this_run)
     print(f"\n{len(records)} trials: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), file=out)
     print(f"wall time {wall:.1f}s = trials {trial_s:.1f}s + worker start-up {startup_s:.1f}s ({groups} groups) "
-          f"+ other {wall - trial_s - startup_s:.1f}s (MLflow logging took {tracker.seconds:.1f}s, "
-          f"{getattr(tracker, 'cpu_seconds', 0.0):.1f}s CPU, in the background); results in {store.run_dir}", file=out)
+          f"+ other {wall - trial_s - startup_s:.1f}s (MLflow logging used "
+          f"{getattr(tracker, 'cpu_seconds', 0.0):.1f}s CPU in the background); results in {store.run_dir}", file=out)
     if tracker.enabled:
         print(f"MLflow: {redact_uri(tracker.uri)} (experiment {tracker.experiment!r}); browse with "
               f"`python -m suite ui`, then open {tracker.link}", file=out)

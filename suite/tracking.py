@@ -40,10 +40,23 @@ _MAX_TAG = 4000
 _MAX_PARAM = 6000
 SAMPLES = "samples/time_ms"      # the per-iteration times of a trial, as a step series
 TRAIN_LOSS = "train_loss"        # the per-step training loss of a perplexity trial, as a step series
+TABLE = "trials_table.json"     # the parent run's table of its trials
 UI_URL = "http://127.0.0.1:5000"  # where `python -m suite ui` serves by default
 # MLflow 3 opens an experiment without this tag on its GenAI (traces) pages; this kind opens the
 # classic machine-learning runs table.
 _EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+# A saved view of the runs table (MLflow's "shared view": an experiment tag the page reads when the
+# link names it): the trials as flat rows (the filter leaves out the parent runs, under which the
+# children are otherwise collapsed) with their identity, status and headline numbers as columns.
+VIEW = "trials"
+_VIEW_COLUMNS = (["params.`method`", "params.`world_size`", "params.`seq_len`", "params.`heads`", "params.`kv_heads`",
+                  "params.`causal`", "params.`pass`", "tags.`status`"]
+                 + [f"metrics.`{m}`" for m in (M.TIME_MS_MEDIAN, M.TFLOPS_PER_GPU, M.BYTES_SENT, M.ERR["out"],
+                                               M.PPL_REL_DIFF)])
+# Ordered by a metric: ordered by start time, MLflow nests the children under their parent again.
+_VIEW_STATE = json.dumps({"searchFilter": f"tags.{M.STATUS} LIKE '%'", "orderByKey": f"metrics.`{M.TFLOPS_PER_GPU}`",
+                          "orderByAsc": False, "selectedColumns": _VIEW_COLUMNS})
+_VIEW_TAG = f"mlflow.sharedViewState.{VIEW}"
 
 
 def default_uri(results_root: str | Path) -> str:
@@ -58,7 +71,8 @@ def runs_link(uri: str, experiment_id: str, ui_url: str = UI_URL) -> str:
     """The browser link to an experiment's machine-learning runs view: the tracking server itself
     for an http(s) URI, else the address `python -m suite ui` serves on."""
     base = redact_uri(uri) if uri.startswith(("http://", "https://")) else ui_url
-    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+    return (f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
+            f"&viewStateShareKey={VIEW}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -223,12 +237,13 @@ def open_client(uri: str, experiment: str, artifact_root: Optional[Path] = None)
             artifacts = None
             if uri.startswith("sqlite:") and artifact_root is not None:  # beside the local store, explicitly
                 artifacts = (artifact_root / "mlartifacts" / experiment).as_uri()
-            exp_id = client.create_experiment(experiment, artifact_location=artifacts)
-            client.set_experiment_tag(exp_id, *_EXPERIMENT_KIND)
+            exp_id, tags = client.create_experiment(experiment, artifact_location=artifacts), {}
         else:
-            exp_id = exp.experiment_id
-            if exp.tags.get(_EXPERIMENT_KIND[0]) is None:
-                client.set_experiment_tag(exp_id, *_EXPERIMENT_KIND)
+            exp_id, tags = exp.experiment_id, exp.tags
+        if tags.get(_EXPERIMENT_KIND[0]) is None:
+            client.set_experiment_tag(exp_id, *_EXPERIMENT_KIND)
+        if tags.get(_VIEW_TAG) != _VIEW_STATE:
+            client.set_experiment_tag(exp_id, _VIEW_TAG, _VIEW_STATE)
     return client, exp_id
 
 
@@ -305,10 +320,11 @@ class MlflowTracker:
         if self._thread is not None:
             self._queue.put((self._log_trial, (dict(record),), {}))
 
-    def finish(self, store: ResultsStore, status: str = "FINISHED") -> None:
+    def finish(self, store: ResultsStore, status: str = "FINISHED", end_ms: Optional[int] = None) -> None:
+        """end_ms: when the sweep ended (default: now; `relog` gives its last trial's end)."""
         if self._thread is None:
             return
-        self._queue.put((self._finish, (store, status), {}))
+        self._queue.put((self._finish, (store, status, end_ms), {}))
         self._queue.put(None)
         self._thread.join(timeout=self.finish_timeout_s)
         if self._thread.is_alive():
@@ -458,7 +474,7 @@ class MlflowTracker:
             self._disable(f"could not log trial {record.get(M.KEY)}", exc)
 
     @_timed
-    def _finish(self, store: ResultsStore, status: str = "FINISHED") -> None:
+    def _finish(self, store: ResultsStore, status: str = "FINISHED", end_ms: Optional[int] = None) -> None:
         if self.parent_run_id is None:
             return
         try:
@@ -467,7 +483,7 @@ class MlflowTracker:
                 if path.exists():
                     self._client.log_artifact(self.parent_run_id, str(path), artifact_path="results")
             self._log_table(store)
-            self._client.set_terminated(self.parent_run_id, status)
+            self._client.set_terminated(self.parent_run_id, status, end_time=end_ms)
         except Exception as exc:  # noqa: BLE001
             self._disable("could not finish the sweep's run", exc)
 
@@ -478,8 +494,19 @@ class MlflowTracker:
         cols = (M.KEY,) + IDENTITY + (M.STATUS, M.TIME_MS_MEDIAN, M.TIME_MS_MIN, M.TIME_MS_MAX, M.TFLOPS_PER_GPU,
                                       M.BYTES_SENT, M.ERR["out"], M.PPL, M.REASON)
         rows = [{c: r.get(c) for c in cols} for r in store.iter_records()]
-        if rows:
-            self._client.log_table(self.parent_run_id, pd.DataFrame(rows), "trials_table.json")
+        if not rows:
+            return
+        # written here and logged as a file, in log_table's format and with its tag: log_table
+        # itself appends to a table already there, which would repeat every row on each relog
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / TABLE
+            pd.DataFrame(rows).to_json(path, orient="split", index=False, date_format="iso")
+            self._client.log_artifact(self.parent_run_id, str(path))
+        logged = json.loads(self._client.get_run(self.parent_run_id).data.tags.get("mlflow.loggedArtifacts", "[]"))
+        if {"path": TABLE, "type": "table"} not in logged:
+            self._client.set_tag(self.parent_run_id, "mlflow.loggedArtifacts",
+                                 json.dumps(logged + [{"path": TABLE, "type": "table"}]))
 
 
 def make_tracker(enabled: bool, uri: Optional[str], experiment: str, results_root: str):
@@ -503,7 +530,8 @@ def relog(run_dir: str | Path, uri: Optional[str] = None, experiment: Optional[s
     env = store.read_json(ENVIRONMENT) or {}
     tracker.start(store, sweep=name, params=config_params(cfg), environment=env,
                   description=str(cfg.get("description") or ""), resume=True, started_ms=_ms(env.get("timestamp")))
-    tracker.finish(store)
+    ends = [trial_times(r)[1] for r in store.iter_records()]
+    tracker.finish(store, end_ms=max(ends) if ends else None)  # the parent's Duration: the sweep's, not now
     return tracker
 
 

@@ -28,7 +28,7 @@ LAYERS = [
     ["suite.trial"],
     ["suite.executors", "suite.executors.*", "suite.sim.executor"],
     ["suite.runner", "suite.sim.calibrate", "suite.advise"],
-    ["suite.cli", "suite.__main__", "suite"],
+    ["suite.cli", "suite.__main__", "suite", "suite.hydra_app"],
 ]
 # Reports read stored rows only: the store and the column names, nothing that runs trials.
 REPORTS_MAY_IMPORT = ("suite.metrics", "suite.results", "suite.reports", "suite.reports.*")

@@ -231,6 +231,11 @@ def test_perplexity_sweep_records_baseline_curves_and_mlflow_and_resumes(write_c
     history = client.get_metric_history(child.info.run_id, "train_loss")
     assert sorted(m.step for m in history) == list(range(8))
     assert {"perplexity", "perplexity_rel_diff", "loss_max_rel_diff"} <= set(child.data.metrics)
+    # every setting of the model and its training is a param to compare runs by
+    assert child.data.params["workload.train.steps"] == "8" and "workload.model.layers" in child.data.params
+    assert {"workload.train.lr", "workload.data.max_bytes"} <= set(child.data.params)
+    parent = client.get_run(child.data.tags["mlflow.parentRunId"])
+    assert parent.data.params["perplexity.steps"] == "8" and "perplexity.lr" in parent.data.params
     # resume with one more method: the stored baseline is reused, not trained again
     res2 = _sweep(path, "sweep.methods=[ring,zigzag_ring,ulysses,tasp]", resume=str(res.run_dir))
     assert len(res2.records) == 5 and sum(r["method"] == "baseline" for r in res2.records) == 1
@@ -341,3 +346,31 @@ def test_hf_perplexity_command(capsys):
     for ln in lines:
         ppl, eager = float(ln.split()[2]), float(ln.split()[3])
         assert ppl == pytest.approx(eager, rel=1e-5) and 100 < ppl < 1000  # random model: near uniform
+
+
+def test_training_the_baseline_prints_a_line_when_it_starts_and_ends(write_config, monkeypatch):
+    """The baseline trains before the first trial's bar moves (tens of seconds): the user is told."""
+    from suite.config import load_config
+    from suite.tracking import NullTracker
+    from suite.workloads import perplexity as P
+    from tests.helpers import plan_for
+
+    cfg, _ = load_config(write_config(PPL_SWEEP.format(db="unused.db")), ["tracking.mlflow=false"])
+    spec = plan_for(cfg, hardware="cpu:test")[0]
+    appended, lines = [], []
+
+    class Store:
+        def iter_records(self):
+            return iter(())
+
+        def append(self, row):
+            appended.append(row)
+
+    monkeypatch.setattr(P, "run_baseline", lambda bspec, ctx: {M.KEY: bspec.key, "method": P.BASELINE,
+                                                                M.STATUS: M.OK, M.DURATION_S: 1.5, M.PPL: 12.25})
+    baselines = P.Baselines(Store(), NullTracker(), None, say=lines.append)
+    baselines.get(spec)
+    baselines.get(spec)  # trained once
+    assert len(appended) == 1 and len(lines) == 2
+    assert lines[0].startswith("training the single-device baseline (baseline P=1")
+    assert lines[1] == "baseline ok in 1.5s: perplexity 12.2500"

@@ -64,9 +64,14 @@ def test_runs_open_on_the_answer(stored, tmp_path):
     exp, parents, children = _runs(client)
     records = {r[M.KEY]: r for r in ResultsStore.open(stored).iter_records()}
     assert len(parents) == 1 and len(children) == 4
+    assert parents[0].info.end_time == max(c.info.end_time for c in children)  # relog: the sweep's end, not now
     # the experiment opens on the machine-learning runs table, and the link says so
     assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
-    assert tracker.link.endswith(f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning")
+    assert f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=trials" in \
+        tracker.link
+    view = json.loads(exp.tags["mlflow.sharedViewState.trials"])  # the saved view the link opens
+    assert "metrics.`time_ms_median`" in view["selectedColumns"]
+    assert len(client.search_runs([exp.experiment_id], view["searchFilter"])) == 4  # the trials, not the parent
     assert len({c.info.run_name for c in children}) == 4
     for child in children:
         rec = records[child.data.tags[M.KEY]]
@@ -108,6 +113,9 @@ def test_relog_updates_the_existing_parent_and_logging_twice_adds_nothing(stored
     assert {c.info.run_id for c in again} == set(lengths)
     for c in again:
         assert len(client.get_metric_history(c.info.run_id, "samples/time_ms")) == lengths[c.info.run_id]
+    table = json.loads(Path(client.download_artifacts(first.parent_run_id, "trials_table.json", str(tmp_path)))
+                       .read_text())
+    assert len(table["data"]) == 4  # replaced, not appended to
 
 
 def test_reconcile_logs_missing_completes_half_logged_removes_duplicates_and_kills_stale(stored, tmp_path):
