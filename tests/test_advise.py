@@ -146,3 +146,18 @@ def test_packed_workload_weighs_document_sharding_and_plans_packed_trials():
     assert sorted(M.method_label(s.method, s.method_options) for s in plan) == sorted(c.label for c in kept)
     lengths = q.documents().lengths
     assert all(s.document_lengths() == lengths for s in plan)  # the advisor's documents are the sweep's
+
+
+def test_memory_budget_prunes_by_the_layers_kept_for_backward():
+    """Llama-3-70B, 2x8 H100, 256K tokens, 60 GB: without recomputation the Ulysses variants keep
+    head-scattered copies in all 80 layers and do not fit; with recomputation every one fits."""
+    from suite.advise import enumerate_candidates, prune
+    kept = {}
+    for recompute in (False, True):
+        q = make_question(model="llama3_70b", topology="h100_sxm", nodes=2, seq_len=262144, memory_gb=60,
+                          recompute=recompute)
+        cands = enumerate_candidates(q)
+        kept[recompute] = {c.label for c in prune(q, cands)}
+        assert all(c.memory_bytes > 60e9 for c in cands if c.pruned)
+    assert "ulysses" not in kept[False] and "zigzag_ring(sharding=sequence)" in kept[False]
+    assert kept[True] == {c.label for c in cands}
