@@ -139,6 +139,7 @@ class Question:
     causal: bool = True
     ulysses_degrees: Optional[list[int]] = None   # restrict the Ulysses degrees weighed
     seed: int = 0
+    recompute: bool = False        # activation recomputation: other layers keep only their inputs
 
     @property
     def nodes(self) -> int:
@@ -161,7 +162,7 @@ class Question:
 def make_question(*, model: str, topology: str, nodes: Optional[int] = None, gpus: Optional[int] = None,
                   seq_len: Optional[int] = None, workload: Optional[str] = None, memory_gb: Optional[float] = None,
                   pass_: str = "fwd_bwd", dtype: str = "auto", causal: bool = True, batch: int = 1,
-                  ulysses_degree: Optional[list[int]] = None) -> Question:
+                  ulysses_degree: Optional[list[int]] = None, recompute: bool = False) -> Question:
     """Validate a question; every problem raises AdviceError naming the option."""
     shape = load_model(model)
     try:
@@ -208,7 +209,7 @@ def make_question(*, model: str, topology: str, nodes: Optional[int] = None, gpu
             raise AdviceError("--ulysses-degree", f"{u} cannot split the heads of {shape.name}: {reason}")
     dist = load_workload(workload)
     q = Question(shape, topo, topology, gpus, seq_len, batch, dist, memory_gb, pass_, dtype, causal,
-                 list(ulysses_degree) if ulysses_degree else None)
+                 list(ulysses_degree) if ulysses_degree else None, recompute=recompute)
     if dist is not None:
         try:
             q.documents()
@@ -315,7 +316,14 @@ def prune(q: Question, candidates: list[Candidate]) -> list[Candidate]:
             c.pruned = why
             continue
         c.memory = estimate(m, case, q.pass_)
-        c.memory_bytes = c.memory.total(q.model.layers if q.pass_ == "fwd_bwd" else 1)
+        c.memory_bytes = c.memory.inputs + c.memory.working
+        if q.pass_ == "fwd_bwd" and q.model.layers > 1:
+            # what every other layer keeps for its backward: its attention tensors, or with
+            # activation recomputation only its input hidden states [B, L, hidden]
+            hidden = q.model.hidden or q.model.heads * q.model.head_dim
+            per_layer = (q.batch * (case.seq_len // q.world_size) * hidden * case.torch_dtype.itemsize
+                         if q.recompute else c.memory.saved)
+            c.memory_bytes += (q.model.layers - 1) * per_layer
         if q.memory_gb is not None and c.memory_bytes > q.memory_gb * GB:
             c.pruned = f"needs ~{c.memory_bytes / GB:.1f} GB per GPU, over --memory-gb {q.memory_gb:g}"
             continue
@@ -475,7 +483,8 @@ def header(advice: Advice) -> str:
             f"{q.model.head_dim}, {q.model.layers} layers) on {q.world_size} x {q.topology.gpu} "
             f"({q.nodes} node(s), topology {q.topology.name}), {q.seq_len} tokens x batch {q.batch}, {mix}, "
             f"{q.dtype}, {'causal' if q.causal else 'full'}, {q.pass_}. Simulated (executor=sim), not measured. "
-            f"Memory: one attention call's peak plus what the other layers keep for backward (no recomputation); "
+            f"Memory: one attention call's peak plus what the other layers keep for backward "
+            f"({'their inputs only: activation recomputation' if q.recompute else 'no recomputation'}); "
             f"ideal: the whole problem as one kernel call on one GPU of the same compute model / P.")
 
 
@@ -594,7 +603,7 @@ def run_command(args) -> int:
         q = make_question(model=args.model, topology=args.topology, nodes=args.nodes, gpus=args.gpus,
                           seq_len=args.seq_len, workload=args.workload, memory_gb=args.memory_gb, pass_=args.pass_,
                           dtype=args.dtype, causal=not args.no_causal, batch=args.batch,
-                          ulysses_degree=args.ulysses_degree)
+                          ulysses_degree=args.ulysses_degree, recompute=args.recompute)
         if args.compare and not Path(args.compare).exists():
             raise AdviceError("--compare", f"no such folder: {args.compare}")
         advice = advise(q, results_root=args.results_root, mlflow=not args.no_mlflow)

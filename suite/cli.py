@@ -65,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
                                                       "(stdlib_files) or a file, or lognormal:median=M,sigma=S")
     adv.add_argument("--batch", type=int, default=1)
     adv.add_argument("--memory-gb", type=float, default=None, help="memory budget per GPU for attention (GB)")
+    adv.add_argument("--recompute", action="store_true", help="activation recomputation: the other layers keep only "
+                                                               "their input hidden states for backward (memory)")
     adv.add_argument("--pass", dest="pass_", default="fwd_bwd", choices=["fwd", "fwd_bwd"])
     adv.add_argument("--dtype", default="auto", help="auto: bfloat16 where the topology has a rate for it, "
                                                     "else float32")

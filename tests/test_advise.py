@@ -44,6 +44,9 @@ def no_tracing(monkeypatch):
     (["--model", "llama3_8b", "--topology", "h100_sxm", "--memory-gb", "0.001"], "--memory-gb", "nothing fits"),
     (["--model", "llama3_8b", "--topology", "h100_sxm", "--workload", "nope"], "--workload", "stdlib_files"),
     (["--model", "llama3_8b", "--topology", "h100_sxm", "--dtype", "float64"], "--dtype", "float64"),
+    (["--model", "llama3_8b", "--topology", "h100_sxm", "--workload", "lognormal:median=100,sigma=0"], "--workload",
+     "sigma"),
+    (["--model", "llama3_8b", "--topology", "h100_sxm", "--top", "0"], "--top", ">= 1"),
 ])
 def test_bad_input_exits_2_naming_the_option(args, option, mentions, capsys, no_tracing, tmp_path):
     assert main(["advise", *args, "--no-mlflow", "--results-root", str(tmp_path)]) == 2
@@ -128,3 +131,33 @@ def test_main_cost_reads_the_time_split():
     row = {M.TIME_MS_MEDIAN: 10.0, M.COMPUTE_ONLY_MS: 10.0, M.IMBALANCE: 1.0}
     assert main_cost(row, 4.0).startswith("compute overhead (60%)")
     assert main_cost(row, 9.5).startswith("compute-bound")
+
+
+def test_packed_workload_weighs_document_sharding_and_plans_packed_trials():
+    from suite.advise import build_config, enumerate_candidates, prune
+    from suite.plan import Place, expand
+    from suite.workloads import make_workload
+
+    q = make_question(model="8/8/64", topology="h100_sxm", seq_len=4096, workload="lognormal:median=512,sigma=1.0")
+    kept = prune(q, enumerate_candidates(q))
+    assert {"zigzag_ring", "allgather_kv"} <= {c.method for c in kept if c.options.get("sharding") == "documents"}
+    cfg = build_config(q, kept, mlflow=False)
+    plan = expand(cfg, make_workload(cfg.kind, cfg), [Place("H100", "h100_sxm", lambda w: 1)], "cpu")
+    assert sorted(M.method_label(s.method, s.method_options) for s in plan) == sorted(c.label for c in kept)
+    lengths = q.documents().lengths
+    assert all(s.document_lengths() == lengths for s in plan)  # the advisor's documents are the sweep's
+
+
+def test_memory_budget_prunes_by_the_layers_kept_for_backward():
+    """Llama-3-70B, 2x8 H100, 256K tokens, 60 GB: without recomputation the Ulysses variants keep
+    head-scattered copies in all 80 layers and do not fit; with recomputation every one fits."""
+    from suite.advise import enumerate_candidates, prune
+    kept = {}
+    for recompute in (False, True):
+        q = make_question(model="llama3_70b", topology="h100_sxm", nodes=2, seq_len=262144, memory_gb=60,
+                          recompute=recompute)
+        cands = enumerate_candidates(q)
+        kept[recompute] = {c.label for c in prune(q, cands)}
+        assert all(c.memory_bytes > 60e9 for c in cands if c.pruned)
+    assert "ulysses" not in kept[False] and "zigzag_ring(sharding=sequence)" in kept[False]
+    assert kept[True] == {c.label for c in cands}

@@ -9,11 +9,13 @@ accumulator element):
 - inputs: the local q [B, L, H, D], k and v [B, L, Hkv, D] (and dout for forward+backward);
 - forward working set: out and its fp32 accumulator, the LSE, one block result being merged;
   Ulysses (degree > 1): the head-scattered q, k, v (KV heads replicated up to the degree) and a
-  send buffer of the largest of them; a ring (degree > 1): the K/V block held and the next one
-  arriving (double buffering); a method that gathers the whole sequence: the whole K/V and the
-  all-gather's receive buffer;
-- backward adds dq, dk, dv, their fp32 accumulators, and, on a ring, two dK/dV accumulators in
-  flight (or the whole sequence's dK/dV for a gathering method);
+  send buffer of the largest of them; a ring (degree > 1): the block held and the next one
+  arriving (double buffering), each as large as what one ring step sends by the method's own
+  byte formula (`expected_bytes`: K/V for a K/V ring, queries and results where those travel);
+  a method that gathers the whole sequence: the whole K/V and the all-gather's receive buffer;
+- backward adds dq, dk, dv, their fp32 accumulators, and, on a ring, two of what one backward
+  step sends (K/V with dK/dV accumulators, or query packets), or the whole sequence's dK/dV for a
+  gathering method;
 - saved per layer (forward+backward of a model): what each attention layer keeps for its backward
   (q, k, v, out, LSE, and the head-scattered copies under Ulysses).
 
@@ -26,7 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from methods.base import Case, Method, element_bytes
-from methods.common import kv_replication
+from methods.common import kv_replication, ulysses_bytes
 
 
 @dataclass(frozen=True)
@@ -62,10 +64,11 @@ def estimate(method: Method, case: Case, pass_: str) -> MemoryEstimate:
     if u > 1:
         scattered = q + 2 * kv * rep                       # every token of the group for this rank's heads
         fwd += scattered + max(q, kv * rep)                # ... and the all-to-all's send buffer
+    fwd_step, bwd_step = _ring_step_bytes(method, case, pass_, u, r, kv * rep, kv_acc * rep)
     if method.gathers_whole_sequence:
         fwd += 2 * 2 * kv * p                              # whole K/V and the all-gather's buffer
     elif r > 1:
-        fwd += 2 * 2 * kv * rep                            # the K/V block held and the next one arriving
+        fwd += 2 * fwd_step                                # the block held and the next one arriving
     if pass_ == "fwd_bwd":
         bwd += q + 2 * kv + q_acc + 2 * kv_acc * rep       # dq, dk, dv and their fp32 accumulators
         if u > 1:
@@ -73,8 +76,33 @@ def estimate(method: Method, case: Case, pass_: str) -> MemoryEstimate:
         if method.gathers_whole_sequence:
             bwd += 2 * kv_acc * p                          # the whole sequence's dK/dV
         elif r > 1:
-            bwd += 2 * 2 * kv_acc * rep + 2 * 2 * kv * rep  # dK/dV accumulators and K/V blocks in flight
+            bwd += 2 * bwd_step                            # what circulates: K/V and dK/dV, or query packets
     saved = 0
     if pass_ == "fwd_bwd":
         saved = q + 2 * kv + q + lse + scattered + (q if u > 1 else 0)
     return MemoryEstimate(inputs=q + 2 * kv + bwd_inputs, working=fwd + bwd, saved=saved)
+
+
+def _ring_step_bytes(method: Method, case: Case, pass_: str, u: int, r: int, kv: int, kv_acc: int
+                     ) -> tuple[int, int]:
+    """(forward, backward) bytes one ring step moves per rank: the size of the block in flight.
+
+    Read from the method's own communication formula (`expected_bytes`, less the Ulysses
+    all-to-alls): the forward sends its circulating block r-1 times, the backward r times (one
+    more hop brings accumulators home). So a method that circulates queries and partial results
+    instead of K/V (BurstAttention's backward, TokenRing) is sized by what it really sends.
+    Without a formula: a K/V block, and K/V with its dK/dV accumulators in the backward."""
+    default = (2 * kv, 2 * kv + 2 * kv_acc)
+    if r <= 1:
+        return default
+    try:
+        fwd_b = method.expected_bytes(case, "fwd")
+        both_b = method.expected_bytes(case, "fwd_bwd") if pass_ == "fwd_bwd" else None
+    except (NotImplementedError, ValueError):
+        return default
+    if fwd_b is None:
+        return default
+    a2a = ulysses_bytes(case, u) if u > 1 else 0
+    fwd_step = max(0, fwd_b[0] - a2a) // (r - 1)
+    bwd_step = default[1] if both_b is None else max(0, both_b[0] - fwd_b[0] - a2a) // r
+    return fwd_step, bwd_step
