@@ -10,7 +10,7 @@ PY=${PY:-.venv/bin/python}
 OUT=${1:-reports/recorded/fault_table.md}
 WORK=$(mktemp -d)
 trap 'umount "$WORK/tiny" 2>/dev/null; rm -rf "$WORK"' EXIT
-# 8 trials of ~1 s each: ring attention that sleeps 0.3 s per call (tests/plugins/faulty.py), at P = 2
+# 8 trials of ~1 s each (more under load): ring attention that sleeps 0.3 s per call (tests/plugins/faulty.py), at P = 2
 cat > "$WORK/fault.yaml" <<YAML
 name: fault
 sweep: {methods: [slow], world_size: [2], seq_len: [64, 96, 128, 160], heads: [2], kv_heads: [2], head_dim: [8],
@@ -39,12 +39,19 @@ workers_left() { # worker processes of a killed parent still alive after 15 s
   for p in $1; do [ -e /proc/$p ] && ! grep -q '^[0-9]* ([^)]*) Z' /proc/$p/stat && n=$((n + 1)); done; echo $n
 }
 children() { ps -o pid= --ppid "$1" | tr '\n' ' '; }
+wait_rows() { # until the running sweep has stored $1 rows (the fault then lands mid-sweep)
+  for _ in $(seq 600); do
+    local f; f=$(ls "$WORK"/results/fault/*/trials.jsonl 2>/dev/null | tail -1)
+    [ -n "$f" ] && [ "$(grep -c '' "$f")" -ge "$1" ] && return
+    sleep 0.5
+  done
+}
 table=()
 add() { table+=("| $1 | $2 | $3 |"); echo "$1: $2 -> $3" >&2; }
 
 # 1. kill -9 mid-sweep, then --resume
 rm -rf "$WORK/results"; $RUN > "$WORK/log1" 2>&1 & pid=$!
-sleep 25; kids=$(children $pid); kill -9 $pid; wait $pid 2>/dev/null
+wait_rows 2; sleep 0.5; kids=$(children $pid); kill -9 $pid; wait $pid 2>/dev/null
 read -r n1 k1 d1 < <(rows); left=$(workers_left "$kids")
 $RUN --resume > "$WORK/log1r" 2>&1; rc=$?
 read -r n2 k2 d2 < <(rows)
@@ -52,7 +59,7 @@ add "kill -9 mid-sweep, then --resume" "$n1 rows kept at the kill ($d1 damaged l
 
 # 2. SIGTERM mid-sweep, then --resume
 rm -rf "$WORK/results"; $RUN > "$WORK/log2" 2>&1 & pid=$!
-sleep 25; kids=$(children $pid); kill -TERM $pid; wait $pid; rc0=$?
+wait_rows 2; sleep 0.5; kids=$(children $pid); kill -TERM $pid; wait $pid; rc0=$?
 read -r n1 k1 d1 < <(rows); left=$(workers_left "$kids")
 $RUN --resume > "$WORK/log2r" 2>&1; rc=$?
 read -r n2 k2 d2 < <(rows)
@@ -69,16 +76,16 @@ add "4 damaged lines appended to trials.jsonl" "--resume exit $rc with $warned f
 
 # 4. a second writer while the sweep runs
 rm -rf "$WORK/results"; $RUN > "$WORK/log4" 2>&1 & pid=$!
-sleep 20; $RUN --resume > "$WORK/log4b" 2>&1; rc=$?
+wait_rows 1; $RUN --resume > "$WORK/log4b" 2>&1; rc=$?
 msg=$(grep -o "being written by another sweep (pid [0-9]*)" "$WORK/log4b")
 wait $pid; rc0=$?
 read -r n2 k2 d2 < <(rows)
 add "second writer (--resume while the sweep runs)" "refused, exit $rc: \"$msg\" (the sweep's pid: $pid); the sweep ended with exit $rc0, $n2 rows, $k2 distinct keys" "$((8 - k2))"
 
-# 5. disk full: the results on a 40 KB tmpfs
+# 5. disk full: the results on a 16 KB tmpfs
 mkdir -p "$WORK/tiny"
-if mount -t tmpfs -o size=40k tmpfs "$WORK/tiny" 2>/dev/null; then
-  how="a 40 KB tmpfs"
+if mount -t tmpfs -o size=16k tmpfs "$WORK/tiny" 2>/dev/null; then
+  how="a 16 KB tmpfs"
   $RUN "results.root=$WORK/tiny" > "$WORK/log5" 2>&1; rc=$?
   run=$(ls -d "$WORK"/tiny/fault/* | tail -1)
 else

@@ -52,6 +52,7 @@ class ResultsStore:
         self.damaged: list[str] = []       # "file:line: why" of each row the last read skipped
         self._lock_fd: Optional[int] = None
         self._synced = 0.0                 # when trials.jsonl was last fsync'ed
+        self._warned: set[str] = set()
 
     # -- one writer per folder ----------------------------------------------------------------------
     def lock(self) -> "ResultsStore":
@@ -226,7 +227,9 @@ class ResultsStore:
     def _skip(self, number: int, why: str) -> None:
         note = f"{self.trials_path}:{number}: {why}; the line is skipped"
         self.damaged.append(note)
-        warnings.warn(note, RuntimeWarning, stacklevel=3)
+        if note not in self._warned:  # once per line, however often this handle reads the file
+            self._warned.add(note)
+            warnings.warn(note, RuntimeWarning, stacklevel=3)
 
     def completed_keys(self) -> set[str]:
         return {r["key"] for r in self.iter_records()}
