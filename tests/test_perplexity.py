@@ -240,6 +240,12 @@ def test_perplexity_sweep_records_baseline_curves_and_mlflow_and_resumes(write_c
     res2 = _sweep(path, "sweep.methods=[ring,zigzag_ring,ulysses,tasp]", resume=str(res.run_dir))
     assert len(res2.records) == 5 and sum(r["method"] == "baseline" for r in res2.records) == 1
     assert res2.mlflow_disabled is None  # a setting changed on resume is no MLflow error
+    # the resumed sweep continues the same parent run: one child per stored row, nothing twice
+    runs = client.search_runs([exp.experiment_id])
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert sorted(r.data.tags["key"] for r in runs if r not in parents) == sorted(r[M.KEY] for r in res2.records)
+    assert parents[0].data.tags["resumed_with.sweep.methods"] == "ring,zigzag_ring,ulysses,tasp"
     assert next(r for r in res2.records if r["method"] == "tasp")[M.STATUS] == M.OK
     # the report: a perplexity table and the loss-curve figure, no attention tables
     from suite.reports import build_report

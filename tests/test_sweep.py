@@ -135,7 +135,6 @@ def test_killed_sweep_resumes_without_rerunning_or_losing_trials(write_config, t
       causal: [true, false]
       passes: [fwd, fwd_bwd]
     run: {warmup: 1, repeats: 1, breakdown: false, plugins: [tests.plugins.faulty]}
-    tracking: {mlflow: false}
     """)
     proc = subprocess.Popen([sys.executable, "-m", "suite", "run", str(path), "--no-progress"], cwd=ROOT,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
@@ -164,6 +163,16 @@ def test_killed_sweep_resumes_without_rerunning_or_losing_trials(write_config, t
     keys = [json.loads(line)["key"] for line in after]
     assert len(keys) == 12 and len(set(keys)) == 12
     assert all(json.loads(line)[M.STATUS] == M.OK for line in after)
+    # MLflow, behind the store when the parent died, is reconciled by the resume: the same parent
+    # run, one finished child per stored row
+    from mlflow.tracking import MlflowClient
+    client = MlflowClient(f"sqlite:///{tmp_path / 'results' / 'mlflow.db'}")
+    runs = client.search_runs([client.get_experiment_by_name("killme").experiment_id], max_results=100)
+    parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert [p.info.status for p in parents] == ["FINISHED"]
+    assert sorted(c.data.tags[M.KEY] for c in children) == sorted(keys)
+    assert {c.info.status for c in children} == {"FINISHED"}
 
 
 def test_threads_executor_and_unreachable_mlflow(write_config):
