@@ -111,9 +111,15 @@ class _Units:
 def _keys(buf: torch.Tensor, slots: slice, half: slice) -> torch.Tensor:
     """The keys of units in `slots` (their rows `half`) as one sequence [B, n, ...]: a view when
     the batch is one and the units are whole, else one copy."""
-    part = buf[slots, :, half]                       # [n, B, m, ...]
-    n, b, m, *rest = part.shape
-    return part.transpose(0, 1).reshape(b, n * m, *rest)
+    part = buf[slots, :, half].transpose(0, 1)      # [B, n, m, ...]
+    b, n, m, *rest = part.shape
+    if part.is_contiguous():
+        return part.view(b, n * m, *rest)
+    # one explicit copy (not reshape's, which with one-token halves returns a strided view where
+    # longer halves get a copy: the schedule, and its trace, must keep one shape at every length)
+    keys = torch.empty(b, n * m, *rest, dtype=buf.dtype, device=buf.device)
+    keys.view(b, n, m, *rest).copy_(part)
+    return keys
 
 
 def _add_keys_grad_(acc: torch.Tensor, slots: slice, half: slice, grad: torch.Tensor) -> None:
