@@ -224,10 +224,13 @@ def circulate(steps: int, block: list[torch.Tensor], *, move: Callable, compute:
         pending = compute(step, block)
         if follow is not None:
             acc = add(step, finish_acc() if step else None, pending)
+            pending = finish_acc = None
             if steps > 1:
                 finish_acc = follow(step, acc)
         if step + 1 < steps:
-            block = finish_block()
+            # drop the finished exchange, which holds the block just sent: it is freed now, not
+            # when the next step's exchange replaces it (after that step's buffers exist)
+            block, finish_block = finish_block(), None
     if follow is not None and steps > 1:
         acc = finish_acc()  # the last hop brings our own block's accumulator home
     return acc
