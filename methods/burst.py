@@ -35,7 +35,7 @@ import torch
 
 from methods import kernels
 from methods.base import Case, Method, element_bytes
-from methods.kv_ring import ALL, DoubleBuffer, Plan, kv_ring_forward, make_route
+from methods.kv_ring import ALL, DoubleBuffer, Plan, circulate, kv_ring_forward, make_route
 from methods.registry import register
 from methods.zigzag_ring import zigzag_plan
 
@@ -94,13 +94,11 @@ class Burst(Method):
         plan = query_ring_plan(causal, comm.rank, q.shape[1])
         delta = kernels.softmax_delta(dout, out)           # D: [B, H, L]
         packet = [q, dout, delta, lse]                     # the visiting query block (own, at step 0)
-        dk = dv = None  # fp32, started by the first block (the own block: every key row)
+        grads = {"dk": None, "dv": None}  # fp32, started by the first block (the own block: every key row)
         packets, dq_buffers = DoubleBuffer(), DoubleBuffer()
-        finish_dq = None
-        for step in range(p):
-            if step + 1 < p:
-                finish_packet = route.start_move(step, packet, into=packets(step, packet))
-            q_vis, dout_vis, delta_vis, lse_vis = packet
+
+        def compute(step, block):
+            q_vis, dout_vis, delta_vis, lse_vis = block
             pending = []  # partial dQ of the visiting block, added once its accumulator has arrived
             src = route.src(step)
             for blk in plan(src):  # the visiting queries are src's rows; the keys are this rank's
@@ -109,24 +107,27 @@ class Burst(Method):
                     lse_vis[:, :, blk.q_rows], delta=delta_vis[:, :, blk.q_rows], scale=scale,
                     causal_offset=blk.causal_offset, kernel=self.kernel,
                     mask=masks(src, blk.q_rows, comm.rank, blk.k_rows) if masks else None)
-                if dk is None and blk.k_rows != ALL:
-                    dk, dv = (torch.zeros(x.shape, dtype=kernels.acc_dtype(x.dtype), device=x.device) for x in (k, v))
-                dk = kernels.accumulate_(dk, blk.k_rows, bdk)
-                dv = kernels.accumulate_(dv, blk.k_rows, bdv)
+                if grads["dk"] is None and blk.k_rows != ALL:
+                    grads["dk"], grads["dv"] = (torch.zeros(x.shape, dtype=kernels.acc_dtype(x.dtype), device=x.device)
+                                                for x in (k, v))
+                grads["dk"] = kernels.accumulate_(grads["dk"], blk.k_rows, bdk)
+                grads["dv"] = kernels.accumulate_(grads["dv"], blk.k_rows, bdv)
                 pending.append((blk.q_rows, bdq))
-            if step == 0:  # our own block's dQ accumulator starts from our contribution
-                dq_acc = None
+            return pending
+
+        def add(step, dq_acc, pending):
+            if dq_acc is None:  # our own block's dQ accumulator starts from our contribution
+                dq_acc = [None]
                 if not (len(pending) == 1 and pending[0][0] == ALL):
-                    dq_acc = torch.zeros(q.shape, dtype=kernels.acc_dtype(q.dtype), device=q.device)
-            else:
-                dq_acc = finish_dq()[0]
+                    dq_acc = [torch.zeros(q.shape, dtype=kernels.acc_dtype(q.dtype), device=q.device)]
             for rows, bdq in pending:
-                dq_acc = kernels.accumulate_(dq_acc, rows, bdq)
-            if p > 1:
-                finish_dq = route.start_follow(step, [dq_acc], into=dq_buffers(step, [dq_acc]))
-            if step + 1 < p:
-                packet = finish_packet()
-        dq = finish_dq()[0] if p > 1 else dq_acc  # the last hop brings our own block's dQ home
+                dq_acc = [kernels.accumulate_(dq_acc[0], rows, bdq)]
+            return dq_acc
+
+        dq = circulate(p, packet, move=lambda step, block: route.start_move(step, block, into=packets(step, packet)),
+                       compute=compute, add=add,
+                       follow=lambda step, dq_acc: route.start_follow(step, dq_acc, into=dq_buffers(step, dq_acc)))[0]
+        dk, dv = grads["dk"], grads["dv"]
         if dk is None:  # a plan that skipped everything
             dk, dv = torch.zeros_like(k), torch.zeros_like(v)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

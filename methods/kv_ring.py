@@ -202,6 +202,40 @@ def full_plan(src: int) -> list[Block]:
     return [Block(ALL, ALL, None)]
 
 
+def circulate(steps: int, block: list[torch.Tensor], *, move: Callable, compute: Callable,
+              follow: Optional[Callable] = None, add: Optional[Callable] = None):
+    """The loop every circulating method runs, written once (kv_ring, burst, tasp).
+
+    At step t this rank holds `block` (at step 0 its own: K/V, or BurstAttention's query packet).
+    `move(step, block)` starts passing it on (and receiving the next) *before* the step computes,
+    so that the transfer overlaps the step's kernels, and returns finish() giving the block of
+    step + 1. `compute(step, block)` runs the step's kernels and returns this rank's contributions
+    to the held block's accumulator (e.g. its dK/dV); with `follow`, the accumulator travels one
+    step behind its block: `add(step, acc, pending)` adds them to the accumulator that arrived from
+    the block's previous holder (acc None at step 0: this rank's own block starts it) and returns
+    it, and `follow(step, acc)` sends it to the block's next holder, returning finish(); after the
+    last step that hop brings every accumulator home. Returns the own block's accumulator (None
+    without `follow`).
+    """
+    acc = finish_acc = None
+    for step in range(steps):
+        if step + 1 < steps:
+            finish_block = move(step, block)
+        pending = compute(step, block)
+        if follow is not None:
+            acc = add(step, finish_acc() if step else None, pending)
+            pending = finish_acc = None
+            if steps > 1:
+                finish_acc = follow(step, acc)
+        if step + 1 < steps:
+            # drop the finished exchange, which holds the block just sent: it is freed now, not
+            # when the next step's exchange replaces it (after that step's buffers exist)
+            block, finish_block = finish_block(), None
+    if follow is not None and steps > 1:
+        acc = finish_acc()  # the last hop brings our own block's accumulator home
+    return acc
+
+
 def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Comm, plan: Plan,
                     scale: float, kernel: str, route: Optional[Route] = None,
                     masks: Optional[BlockMasks] = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,12 +247,11 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: 
     """
     route = route or RingRoute(comm)
     p = comm.world_size
-    out = lse = None
-    cur_k, cur_v = k, v
     buffers = DoubleBuffer()
-    for step in range(p):
-        if step + 1 < p:
-            finish = route.start_move(step, [cur_k, cur_v], into=buffers(step, [k, v]))
+    state = {}  # out, lse: the accumulators; result: the output in q's dtype once written
+
+    def compute(step, block):
+        cur_k, cur_v = block
         src = route.src(step)
         blocks = plan(src)
         for i, blk in enumerate(blocks):
@@ -227,39 +260,42 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: 
                 causal_offset=blk.causal_offset, kernel=kernel,
                 mask=masks(comm.rank, blk.q_rows, src, blk.k_rows) if masks else None)
             last = step == p - 1 and i == len(blocks) - 1
-            if out is None and blk.q_rows == ALL:
+            if "out" not in state and blk.q_rows == ALL:
                 if last:  # the only block: it is the result
-                    return block_out, block_lse
-                # The first block covering every row starts the accumulators.
-                out, lse = kernels.start_accumulators(block_out, block_lse)
+                    state.update(result=block_out, lse=block_lse)
+                else:     # the first block covering every row starts the accumulators
+                    state["out"], state["lse"] = kernels.start_accumulators(block_out, block_lse)
                 continue
-            if out is None:
-                out, lse = kernels.empty_accumulators(q)
+            if "out" not in state:
+                state["out"], state["lse"] = kernels.empty_accumulators(q)
             if last and blk.q_rows == ALL:  # the cast to q's dtype fused into the last merge
-                return kernels.merge_final(out, lse, block_out, block_lse, q.dtype), lse
-            kernels.merge_(out[:, blk.q_rows], lse[:, :, blk.q_rows], block_out, block_lse)
-        if step + 1 < p:
-            cur_k, cur_v = finish()
-    if out is None:  # a plan that skipped everything: no query saw a key
-        out, lse = kernels.empty_accumulators(q)
-    return out.to(q.dtype), lse
+                state["result"] = kernels.merge_final(state["out"], state["lse"], block_out, block_lse, q.dtype)
+            else:
+                kernels.merge_(state["out"][:, blk.q_rows], state["lse"][:, :, blk.q_rows], block_out, block_lse)
+
+    circulate(p, [k, v], move=lambda step, block: route.start_move(step, block, into=buffers(step, [k, v])),
+              compute=compute)
+    if "result" in state:
+        return state["result"], state["lse"]
+    if "out" not in state:  # a plan that skipped everything: no query saw a key
+        state["out"], state["lse"] = kernels.empty_accumulators(q)
+    return state["out"].to(q.dtype), state["lse"]
 
 
 def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                      lse: torch.Tensor, *, comm: Comm, plan: Plan, scale: float, kernel: str,
                      route: Optional[Route] = None, masks: Optional[BlockMasks] = None
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `kv_ring_forward` (same plan and route), given the forward's global out and lse."""
+    """Gradients of `kv_ring_forward` (same plan and route), given the forward's global out and lse.
+    The dK/dV accumulator of each K/V block follows it around the ring (`circulate`)."""
     route = route or RingRoute(comm)
     p = comm.world_size
     acc = kernels.acc_dtype(q.dtype)
-    dq = None  # fp32, started by the first block's dQ (every plan's first block covers every row)
-    cur_k, cur_v = k, v
     kv_buffers, acc_buffers = DoubleBuffer(), DoubleBuffer()
-    finish_acc = None
-    for step in range(p):
-        if step + 1 < p:
-            finish_kv = route.start_move(step, [cur_k, cur_v], into=kv_buffers(step, [k, v]))
+    grads = {"dq": None}  # fp32 dQ, started by the first block's (every plan's first block covers every row)
+
+    def compute(step, block):
+        cur_k, cur_v = block
         pending = []  # this rank's dK/dV contributions, added once the accumulator has arrived
         src = route.src(step)
         blocks = plan(src)
@@ -269,30 +305,28 @@ def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                 out[:, blk.q_rows], lse[:, :, blk.q_rows], scale=scale, causal_offset=blk.causal_offset,
                 kernel=kernel, mask=masks(comm.rank, blk.q_rows, src, blk.k_rows) if masks else None)
             if step == p - 1 and i == len(blocks) - 1 and blk.q_rows == ALL:
-                dq = kernels.accumulate_final(dq, bdq, q.dtype)   # the cast fused into the last sum
+                grads["dq"] = kernels.accumulate_final(grads["dq"], bdq, q.dtype)  # the cast fused into the last sum
             else:
-                if dq is None and blk.q_rows != ALL:
-                    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-                dq = kernels.accumulate_(dq, blk.q_rows, bdq)
+                if grads["dq"] is None and blk.q_rows != ALL:
+                    grads["dq"] = torch.zeros(q.shape, dtype=acc, device=q.device)
+                grads["dq"] = kernels.accumulate_(grads["dq"], blk.q_rows, bdq)
             pending.append((blk.k_rows, bdk, bdv))
-        if step == 0:  # our own block's accumulator starts from our contribution
-            dk_acc = dv_acc = None
+        return pending
+
+    def add(step, dkv, pending):
+        if dkv is None:  # our own block's accumulator starts from our contribution
+            dkv = [None, None]
             if not (len(pending) == 1 and pending[0][0] == ALL):
-                dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
-                dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
-        else:  # the accumulator of the block we hold, sent by its previous holder last step
-            dk_acc, dv_acc = finish_acc()
+                dkv = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v)]
         for rows, bdk, bdv in pending:
-            dk_acc = kernels.accumulate_(dk_acc, rows, bdk)
-            dv_acc = kernels.accumulate_(dv_acc, rows, bdv)
-        if p > 1:
-            finish_acc = route.start_follow(step, [dk_acc, dv_acc], into=acc_buffers(step, [dk_acc, dv_acc]))
-        if step + 1 < p:
-            cur_k, cur_v = finish_kv()
-    if p > 1:
-        dk_acc, dv_acc = finish_acc()  # the last hop brings our own block's accumulator home
-    if dq is None:  # a plan that skipped everything
-        dq = torch.zeros_like(q)
+            dkv = [kernels.accumulate_(dkv[0], rows, bdk), kernels.accumulate_(dkv[1], rows, bdv)]
+        return dkv
+
+    dk_acc, dv_acc = circulate(
+        p, [k, v], move=lambda step, block: route.start_move(step, block, into=kv_buffers(step, [k, v])),
+        compute=compute, add=add,
+        follow=lambda step, dkv: route.start_follow(step, dkv, into=acc_buffers(step, dkv)))
+    dq = grads["dq"] if grads["dq"] is not None else torch.zeros_like(q)  # None: a plan that skipped everything
     return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
 

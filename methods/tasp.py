@@ -49,7 +49,7 @@ from methods import kernels, layouts
 from methods.base import Case, Method
 from methods.comm.base import P2P, Comm
 from methods.hamilton import hamiltonian_cycles, predecessors, successors
-from methods.kv_ring import ALL, DoubleBuffer, kv_ring_bytes
+from methods.kv_ring import ALL, DoubleBuffer, circulate, kv_ring_bytes
 from methods.registry import register
 
 
@@ -111,9 +111,15 @@ class _Units:
 def _keys(buf: torch.Tensor, slots: slice, half: slice) -> torch.Tensor:
     """The keys of units in `slots` (their rows `half`) as one sequence [B, n, ...]: a view when
     the batch is one and the units are whole, else one copy."""
-    part = buf[slots, :, half]                       # [n, B, m, ...]
-    n, b, m, *rest = part.shape
-    return part.transpose(0, 1).reshape(b, n * m, *rest)
+    part = buf[slots, :, half].transpose(0, 1)      # [B, n, m, ...]
+    b, n, m, *rest = part.shape
+    if part.is_contiguous():
+        return part.view(b, n * m, *rest)
+    # one explicit copy (not reshape's, which with one-token halves returns a strided view where
+    # longer halves get a copy: the schedule, and its trace, must keep one shape at every length)
+    keys = torch.empty(b, n * m, *rest, dtype=buf.dtype, device=buf.device)
+    keys.view(b, n, m, *rest).copy_(part)
+    return keys
 
 
 def _add_keys_grad_(acc: torch.Tensor, slots: slice, half: slice, grad: torch.Tensor) -> None:
@@ -217,101 +223,99 @@ class TASP(Method):
                 calls.append((rows, j, sl, masks(r, rows, o, units.cpu_rows[j][sl])))
         return calls
 
+    def _calls(self, masks, causal, r, pred, step, units: _Units):
+        """Step s >= 1's kernel calls as (query rows, slots, unit rows, documents' mask or None), the
+        call over every query row last."""
+        if masks is None:
+            return [(rows, slots, sl, None) for rows, slots, sl in slot_calls(causal, r, pred, step, units.k, units.c)]
+        slot = _slots(step_order(causal, r, pred, step, units.k))  # one call per unit, each with its mask
+        calls = [(rows, slice(slot[j], slot[j] + 1), sl, mask)
+                 for rows, j, sl, mask in self._unit_calls(masks, causal, r, pred, step, units)]
+        return sorted(calls, key=lambda call: call[0] == ALL)
+
     def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         p, r = comm.world_size, comm.rank
         succ, pred = cycle_tables(p)
-        n_units = len(succ)
-        units = _Units(q.shape[1], n_units, q.device)
-        held_k, held_v = units.split(k), units.split(v)
+        units = _Units(q.shape[1], len(succ), q.device)
         buffers = DoubleBuffer()
         masks = self.block_masks(q, k, comm, causal, docs)
-        out = lse = None
-        for step in range(p):
-            order = step_order(causal, r, pred, step, n_units)
-            if step + 1 < p:  # units move on while this step computes (double buffering)
-                finish = _exchange(comm, succ, pred, [held_k, held_v], order, buffers(step, [held_k, held_v]),
-                                   step_order(causal, r, pred, step + 1, n_units))
+        state = {}  # out, lse: the accumulators; result: the output in q's dtype once written
+
+        def move(step, block):  # units move on while this step computes (double buffering)
+            return _exchange(comm, succ, pred, block, step_order(causal, r, pred, step, units.k),
+                             buffers(step, block), step_order(causal, r, pred, step + 1, units.k))
+
+        def compute(step, block):
+            held_k, held_v = block
             if step == 0:  # our own tokens: one aligned causal block
                 block_out, block_lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=0 if causal else None,
                                                              kernel=self.kernel,
                                                              mask=masks(r, ALL, r, ALL) if masks else None)
                 if p == 1:
-                    return block_out, block_lse, (q, k, v, block_out, block_lse, masks)
-                out, lse = kernels.start_accumulators(block_out, block_lse)
-                calls = []
-            elif masks is not None:  # one call per unit, each with its documents' mask
-                slot = _slots(order)
-                calls = [(rows, slice(slot[j], slot[j] + 1), sl, mask)
-                         for rows, j, sl, mask in self._unit_calls(masks, causal, r, pred, step, units)]
-                calls.sort(key=lambda call: call[0] == ALL)
-            else:
-                calls = [(rows, slots, sl, None) for rows, slots, sl in
-                         slot_calls(causal, r, pred, step, n_units, units.c)]
+                    state.update(result=block_out, lse=block_lse)
+                else:
+                    state["out"], state["lse"] = kernels.start_accumulators(block_out, block_lse)
+                return
+            calls = self._calls(masks, causal, r, pred, step, units)
             for i, (rows, slots, sl, mask) in enumerate(calls):
                 block_out, block_lse = kernels.block_forward(q[:, rows], _keys(held_k, slots, sl),
                                                              _keys(held_v, slots, sl), scale=scale,
                                                              causal_offset=None, kernel=self.kernel, mask=mask)
                 if step == p - 1 and i == len(calls) - 1 and rows == ALL:  # the cast fused into the last merge
-                    out = kernels.merge_final(out, lse, block_out, block_lse, q.dtype)
+                    state["result"] = kernels.merge_final(state["out"], state["lse"], block_out, block_lse, q.dtype)
                 else:
-                    kernels.merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
-            if step + 1 < p:
-                held_k, held_v = finish()
-        out = out.to(q.dtype)
-        return out, lse, (q, k, v, out, lse, masks)
+                    kernels.merge_(state["out"][:, rows], state["lse"][:, :, rows], block_out, block_lse)
+
+        circulate(p, [units.split(k), units.split(v)], move=move, compute=compute)
+        out = state["result"] if "result" in state else state["out"].to(q.dtype)
+        return out, state["lse"], (q, k, v, out, state["lse"], masks)
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
         q, k, v, out, lse, masks = residuals
         p, r = comm.world_size, comm.rank
         succ, pred = cycle_tables(p)
-        n_units = len(succ)
-        units = _Units(q.shape[1], n_units, q.device)
+        units = _Units(q.shape[1], len(succ), q.device)
         acc = kernels.acc_dtype(q.dtype)
-        held_k, held_v = units.split(k), units.split(v)
         kv_buffers, acc_buffers = DoubleBuffer(), DoubleBuffer()
-        finish_acc = None
-        for step in range(p):
-            order = step_order(causal, r, pred, step, n_units)
-            next_order = step_order(causal, r, pred, step + 1, n_units)  # after the last step: home, cycle order
-            if step + 1 < p:
-                finish_kv = _exchange(comm, succ, pred, [held_k, held_v], order, kv_buffers(step, [held_k, held_v]),
-                                      next_order)
+        grads = {}
+
+        def exchange(buffers):  # the units (or their accumulators) of `step` go on along their cycles
+            return lambda step, block: _exchange(comm, succ, pred, block, step_order(causal, r, pred, step, units.k),
+                                                 buffers(step, block), step_order(causal, r, pred, step + 1, units.k))
+
+        def compute(step, block):
+            held_k, held_v = block
             if step == 0:
                 gq, gk, gv = kernels.block_backward(dout, q, k, v, out, lse, scale=scale,
                                                     causal_offset=0 if causal else None, kernel=self.kernel,
                                                     mask=masks(r, ALL, r, ALL) if masks else None)
-                if p == 1:
-                    return gq, gk, gv
-                dq = kernels.accumulate_(None, ALL, gq)
-                dk_acc, dv_acc = units.split(gk, acc), units.split(gv, acc)  # own units' accumulators
-            else:
-                if masks is not None:
-                    slot = _slots(order)
-                    calls = [(rows, slice(slot[j], slot[j] + 1), sl, mask)
-                             for rows, j, sl, mask in self._unit_calls(masks, causal, r, pred, step, units)]
+                grads["dq"] = gq if p == 1 else kernels.accumulate_(None, ALL, gq)
+                return [(None, None, gk, gv)]
+            calls = self._calls(masks, causal, r, pred, step, units)
+            pending = []  # contributions, added once the units' accumulators have arrived
+            for i, (rows, slots, sl, mask) in enumerate(calls):
+                gq, gk, gv = kernels.block_backward(dout[:, rows], q[:, rows], _keys(held_k, slots, sl),
+                                                    _keys(held_v, slots, sl), out[:, rows], lse[:, :, rows],
+                                                    scale=scale, causal_offset=None, kernel=self.kernel, mask=mask)
+                if step == p - 1 and i == len(calls) - 1 and rows == ALL:
+                    grads["dq"] = kernels.accumulate_final(grads["dq"], gq, q.dtype)  # the cast fused into the last sum
                 else:
-                    calls = [(rows, slots, sl, None) for rows, slots, sl in
-                             slot_calls(causal, r, pred, step, n_units, units.c)]
-                pending = []  # contributions, added once the units' accumulators have arrived
-                for i, (rows, slots, sl, mask) in enumerate(calls):
-                    gq, gk, gv = kernels.block_backward(dout[:, rows], q[:, rows], _keys(held_k, slots, sl),
-                                                        _keys(held_v, slots, sl), out[:, rows], lse[:, :, rows],
-                                                        scale=scale, causal_offset=None, kernel=self.kernel,
-                                                        mask=mask)
-                    if step == p - 1 and i == len(calls) - 1 and rows == ALL:
-                        dq = kernels.accumulate_final(dq, gq, q.dtype)  # the cast fused into the last sum
-                    else:
-                        dq = kernels.accumulate_(dq, rows, gq)
-                    pending.append((slots, sl, gk, gv))
-                dk_acc, dv_acc = finish_acc()  # accumulators of the units we hold, from their last holders
-                for slots, sl, gk, gv in pending:
-                    _add_keys_grad_(dk_acc, slots, sl, gk)
-                    _add_keys_grad_(dv_acc, slots, sl, gv)
-            # accumulators follow their units one round behind; after the last step the hop
-            # reaches each owner
-            finish_acc = _exchange(comm, succ, pred, [dk_acc, dv_acc], order, acc_buffers(step, [dk_acc, dv_acc]),
-                                   next_order)
-            if step + 1 < p:
-                held_k, held_v = finish_kv()
-        dk_acc, dv_acc = finish_acc()
-        return dq.to(q.dtype), units.join(dk_acc, k.dtype), units.join(dv_acc, v.dtype)
+                    grads["dq"] = kernels.accumulate_(grads["dq"], rows, gq)
+                pending.append((slots, sl, gk, gv))
+            return pending
+
+        def add(step, dkv, pending):
+            if dkv is None:  # own units' accumulators, from our own block's dK/dV
+                (_, _, gk, gv), = pending
+                return [gk, gv] if p == 1 else [units.split(gk, acc), units.split(gv, acc)]
+            for slots, sl, gk, gv in pending:
+                _add_keys_grad_(dkv[0], slots, sl, gk)
+                _add_keys_grad_(dkv[1], slots, sl, gv)
+            return dkv
+
+        # accumulators follow their units one round behind; after the last step the hop reaches each owner
+        dk_acc, dv_acc = circulate(p, [units.split(k), units.split(v)], move=exchange(kv_buffers), compute=compute,
+                                   add=add, follow=exchange(acc_buffers))
+        if p == 1:
+            return grads["dq"], dk_acc, dv_acc
+        return grads["dq"].to(q.dtype), units.join(dk_acc, k.dtype), units.join(dv_acc, v.dtype)
