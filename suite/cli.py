@@ -329,6 +329,8 @@ def _report(args) -> int:
     print(f"  {rep.html}")
     print(f"  {len(rep.tables)} tables (md, tex, csv) in {rep.out_dir / 'tables'}")
     print(f"  {len(rep.figures)} figure files (png, pdf) in {rep.out_dir / 'figures'}")
+    for note in rep.read_notes:
+        print(f"  read: {note}")
     for note in rep.notes:
         print(f"  not drawn: {note}")
     if rep.logged_to:

@@ -380,3 +380,13 @@ def test_the_environment_fingerprint_records_an_allowlist_not_prefixes(monkeypat
     recorded = fingerprint("cpu")["env_vars"]
     assert recorded["OMP_NUM_THREADS"] == "3" and recorded["NCCL_ALGO"] == "Ring"
     assert "secret" not in json.dumps(recorded) and "password" not in json.dumps(recorded)
+
+
+def test_the_report_command_says_what_reading_dropped(write_config, tmp_path, capsys):
+    rc, path, runs = _sweep(write_config, tmp_path)
+    with open(runs[0] / "trials.jsonl", "ab") as f:
+        f.write(b"\x00garbage\n")
+    capsys.readouterr()
+    assert main(["report", str(runs[0]), "--out", str(tmp_path / "rep"), "--no-mlflow"]) == 0
+    out = capsys.readouterr().out
+    assert f"read: {runs[0] / 'trials.jsonl'}:5: not a JSON row" in out and "report of 4 trial rows" in out

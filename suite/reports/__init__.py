@@ -35,6 +35,7 @@ class Report:
     seconds: float = 0.0
     logged_to: list = field(default_factory=list)   # MLflow parent runs the HTML was attached to
     redrawn: int = 0                                # figures drawn (the others were unchanged)
+    read_notes: list = field(default_factory=list)  # what reading the store skipped or de-duplicated
 
 
 def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = None, baseline: Optional[str] = None,
@@ -94,7 +95,8 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
     _remove_stale(out_dir / "figures", {Path(p).name for p in figures} | {f".{j.name}.key" for j in jobs},
                   (".png", ".pdf", ".key"))
     say(f"wrote {html} ({time.perf_counter() - t0:.1f}s)")
-    report = Report(out_dir, html, written, figures, notes, len(df), redrawn=drawn)
+    report = Report(out_dir, html, written, figures, notes[len(data.notes):], len(df), redrawn=drawn,
+                    read_notes=list(data.notes))
     if log_to_mlflow:
         report.logged_to = _log_html(html, data.sources, [Path(p) for p in figures if str(p).endswith(".png")])
     report.seconds = time.perf_counter() - t0
