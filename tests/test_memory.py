@@ -5,10 +5,11 @@ forward+backward (suite.memtrack, which sees every allocation on CPU) must be th
 ranks for every method that circulates blocks, and must grow for a method that materialises the
 whole sequence (`gathers_whole_sequence`: all-gather K/V). 6 and 12 ranks keep each method's
 structure (two-level rings of 2-rank nodes with more than two nodes, USP's fixed Ulysses degree with
-an inner ring longer than two, TASP's full decompositions); at 4 ranks those rings have two members
+an inner ring longer than two); at 4 ranks those rings have two members
 and hold fewer blocks, which would hide growth. 12 heads divide both sizes for Ulysses. A method
 whose blocks reach their largest sizes together only from more ranks says from how many
-(`memory_steady_from`: token_ring from 7), and is compared from there. Virtual ranks (ThreadComm)
+(`memory_steady_from`: token_ring from 7; tasp from 7, its first full Hamiltonian decomposition),
+and is compared from there. Virtual ranks (ThreadComm)
 complete a send only when the peer has taken it, as a real transport does, so no rank runs ahead
 piling up messages; the copies it makes of messages are not the rank's tensors (`OwnTensorsOnly`).
 """
