@@ -37,7 +37,9 @@ def run_cases(comm, world_size):
     return results
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4, 8])
+# Eight ranks run on virtual ranks (tests/test_methods.py, the same method code); over gloo eight
+# processes on two cores took a minute of the suite's budget for no path the smaller groups miss.
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_methods_over_gloo_match_float64(world_size):
     per_rank = run_dist(world_size, run_cases, world_size)
     cases = _cases(world_size)
