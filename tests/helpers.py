@@ -131,3 +131,46 @@ def seq_len_for(name: str, world_size: int, options: dict | None = None, heads: 
 
     m = methods.get_method(name, **(options or {}))
     return factor * m.granule(Case(1, 0, heads, kv_heads, 8, "float32", True, world_size))
+
+
+def counted(name: str, case, **options) -> list:
+    """Per rank of `name` on virtual ranks under a counting comm: (forward (sent, recv), backward
+    (sent, recv), forward p2p records)."""
+    import methods
+    from methods.comm import CommLedger, CountingComm, run_threads
+
+    m = methods.get_method(name, **options)
+    prob = problem_for(case)
+    lay = m.layout(case)
+
+    def fn(comm):
+        led = CommLedger()
+        c = CountingComm(comm, led)
+        q, k, v = (lay.shard(x, comm.rank).requires_grad_() for x in (prob.q, prob.k, prob.v))
+        out = m.attention(q, k, v, causal=case.causal, comm=c)
+        fwd = (led.bytes_sent, led.bytes_recv)
+        fwd_records = list(led.records)
+        torch.autograd.grad(out, (q, k, v), lay.shard(prob.dout, comm.rank))
+        return fwd, (led.bytes_sent - fwd[0], led.bytes_recv - fwd[1]), fwd_records
+    return run_threads(case.world_size, fn)
+
+
+def peak_bytes(method, case, wrap=None) -> list[tuple[int, int]]:
+    """Per rank: peak bytes of the rank's own tensors (suite.memtrack) in one causal forward and in
+    one forward+backward, on virtual ranks; `wrap(comm)` may hide what a comm allocates."""
+    from methods.comm import run_threads
+    from suite.memtrack import TensorMemoryTracker
+
+    prob = problem_for(case)
+    lay = method.layout(case)
+
+    def rank(comm):
+        comm = wrap(comm) if wrap else comm
+        q, k, v, do = (lay.shard(x, comm.rank) for x in (prob.q, prob.k, prob.v, prob.dout))
+        with torch.no_grad(), TensorMemoryTracker() as fwd:
+            method.attention(q, k, v, causal=True, comm=comm)
+        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
+        with TensorMemoryTracker() as both:
+            torch.autograd.grad(method.attention(qg, kg, vg, causal=True, comm=comm), (qg, kg, vg), do)
+        return fwd.peak_bytes, both.peak_bytes
+    return run_threads(case.world_size, rank)

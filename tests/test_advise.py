@@ -2,19 +2,16 @@
 import math
 
 import pytest
-import torch
 
 import methods
 import suite.sim.trace as trace_mod
 from methods import Case
-from methods.comm import run_threads
 from suite import metrics as M
 from suite.advise import advise, candidate_methods, emit_config, make_question, spearman
 from suite.cli import main
 from suite.config import load_config
-from suite.memtrack import TensorMemoryTracker
 from suite.sim.memory import estimate
-from tests.helpers import own_variants, problem_for
+from tests.helpers import own_variants, peak_bytes
 
 
 def test_spearman_known_values():
@@ -103,19 +100,7 @@ def test_memory_estimate_within_2x_of_measured(name, options):
     m = methods.get_method(name, **options)
     ok, why = m.supports(case)
     assert ok, why
-    prob = problem_for(case)
-    lay = m.layout(case)
-
-    def rank(comm):
-        q, k, v, do = (lay.shard(x, comm.rank) for x in (prob.q, prob.k, prob.v, prob.dout))
-        with torch.no_grad(), TensorMemoryTracker() as fwd:
-            m.attention(q, k, v, causal=True, comm=comm)
-        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-        with TensorMemoryTracker() as both:
-            torch.autograd.grad(m.attention(qg, kg, vg, causal=True, comm=comm), (qg, kg, vg), do)
-        return fwd.peak_bytes, both.peak_bytes
-
-    per_rank = run_threads(case.world_size, rank)
+    per_rank = peak_bytes(m, case)
     measured = {"fwd": max(f for f, _ in per_rank), "fwd_bwd": max(b for _, b in per_rank)}
     for pass_, peak in measured.items():
         est = estimate(m, case, pass_).working

@@ -16,15 +16,12 @@ piling up messages; the copies it makes of messages are not the rank's tensors (
 import math
 
 import pytest
-import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
 import methods
 from methods import Case
-from methods.comm import run_threads
 from methods.comm.base import WrappedComm
-from suite.memtrack import TensorMemoryTracker
-from tests.helpers import own_variants, problem_for, seq_len_for, variant_id
+from tests.helpers import own_variants, peak_bytes, seq_len_for, variant_id
 
 B, H, HKV, D = 1, 12, 12, 4
 
@@ -80,20 +77,8 @@ def peaks(name, options, world_size, local):
     m = methods.get_method(name, **options)
     ok, why = m.supports(case)
     assert ok, why
-    prob = problem_for(case)
-    lay = m.layout(case)
-
-    def rank(comm):
-        comm = OwnTensorsOnly(comm)
-        q, k, v, do = (lay.shard(x, comm.rank) for x in (prob.q, prob.k, prob.v, prob.dout))
-        with torch.no_grad(), TensorMemoryTracker() as fwd:
-            m.attention(q, k, v, causal=True, comm=comm)
-        qg, kg, vg = (x.clone().requires_grad_() for x in (q, k, v))
-        with TensorMemoryTracker() as both:
-            torch.autograd.grad(m.attention(qg, kg, vg, causal=True, comm=comm), (qg, kg, vg), do)
-        return fwd.peak_bytes, both.peak_bytes
     kv_block = 2 * B * local * HKV * D * 4
-    per_rank = run_threads(world_size, rank)
+    per_rank = peak_bytes(m, case, wrap=OwnTensorsOnly)
     return max(f for f, _ in per_rank) / kv_block, max(b for _, b in per_rank) / kv_block
 
 

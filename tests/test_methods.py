@@ -8,10 +8,11 @@ import torch
 
 import methods
 from methods import Case
-from methods.comm import CommLedger, CountingComm, run_threads
+from methods.comm import run_threads
 from methods.kernels import is_full
 from tests.helpers import (
     TENSORS,
+    counted,
     errors_vs_reference,
     own_methods,
     own_variants,
@@ -139,22 +140,6 @@ def test_direct_forward_backward_equals_autograd(name, world_size):
 
 
 # -- communication volume: counted bytes equal each method's documented formula ----------------------
-def counted(name, case, **options):
-    """Per rank: (forward (sent, recv), backward (sent, recv), forward p2p records)."""
-    m = methods.get_method(name, **options)
-    prob = problem_for(case)
-    lay = m.layout(case)
-
-    def fn(comm):
-        led = CommLedger()
-        c = CountingComm(comm, led)
-        q, k, v = (lay.shard(x, comm.rank).requires_grad_() for x in (prob.q, prob.k, prob.v))
-        out = m.attention(q, k, v, causal=case.causal, comm=c)
-        fwd = (led.bytes_sent, led.bytes_recv)
-        fwd_records = list(led.records)
-        torch.autograd.grad(out, (q, k, v), lay.shard(prob.dout, comm.rank))
-        return fwd, (led.bytes_sent - fwd[0], led.bytes_recv - fwd[1]), fwd_records
-    return run_threads(case.world_size, fn)
 
 
 B, D = 2, 8

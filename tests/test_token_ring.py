@@ -9,12 +9,12 @@ import torch
 
 import methods
 from methods import Case
-from methods.comm import CommLedger, CountingComm, run_threads
+from methods.comm import run_threads
 from methods.comm.base import WrappedComm
 from methods.comm.counting import CommRecord
 from methods.token_ring import result_peers
 from suite.sim.trace import Compute, Wait, trace
-from tests.helpers import problem_for
+from tests.helpers import counted, problem_for
 from tests.test_varlen import check_documents, random_documents
 
 B, D = 2, 8
@@ -152,20 +152,9 @@ def test_counted_bytes_of_each_rank_equal_its_formula_at_odd_world_size():
     """The generic byte test, here at P = 7 with 5 heads (odd everything)."""
     case = Case(1, 14 * 7, 5, 5, D, "float32", True, 7)
     m = methods.get_method("token_ring")
-    prob = problem_for(case)
-    lay = m.layout(case)
-
-    def rank(comm):
-        led = CommLedger()
-        c = CountingComm(comm, led)
-        q, k, v = (lay.shard(x, comm.rank).requires_grad_() for x in (prob.q, prob.k, prob.v))
-        out = m.attention(q, k, v, causal=True, comm=c)
-        fwd = (led.bytes_sent, led.bytes_recv)
-        torch.autograd.grad(out, (q, k, v), lay.shard(prob.dout, comm.rank))
-        return fwd, (led.bytes_sent, led.bytes_recv)
-    for r, (fwd, both) in enumerate(run_threads(7, rank)):
+    for r, (fwd, bwd, _) in enumerate(counted("token_ring", case)):
         assert fwd == m.expected_rank_bytes(case, "fwd", r)
-        assert both == m.expected_rank_bytes(case, "fwd_bwd", r)
+        assert (fwd[0] + bwd[0], fwd[1] + bwd[1]) == m.expected_rank_bytes(case, "fwd_bwd", r)
 
 
 @pytest.mark.parametrize("world_size", [4, 5])
