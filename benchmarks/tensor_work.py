@@ -22,17 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import methods  # noqa: E402
 from methods.base import Case  # noqa: E402
+from suite.advise import candidate_methods  # noqa: E402
 from suite.sim.trace import Memory, trace  # noqa: E402
-
-
-def own_methods(world_size: int) -> list[str]:
-    """Registered methods whose schedule can be traced (own code, distributed)."""
-    names = []
-    for name in methods.available():
-        m = methods.get_method(name)
-        if m.impl == "own" and not m.single_device and not m.needs_processes:
-            names.append(name)
-    return names
 
 
 def worst_rank(tr) -> tuple[int, int]:
@@ -68,7 +59,7 @@ def main(argv=None) -> int:
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args(argv)
     rows = []
-    for name in args.methods or own_methods(args.world_size):
+    for name in args.methods or candidate_methods():
         for causal, pass_ in ((False, "fwd"), (True, "fwd_bwd")):
             case = Case(args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim, args.dtype, causal,
                         args.world_size)
