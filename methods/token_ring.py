@@ -44,7 +44,7 @@ from methods import kernels
 from methods.base import Case, Method, element_bytes
 from methods.burst import query_ring_plan
 from methods.comm.base import P2P, Comm, DoneWork
-from methods.kv_ring import ALL, Plan
+from methods.kv_ring import ALL, DoubleBuffer, Plan
 from methods.registry import register
 
 
@@ -88,7 +88,7 @@ class _Results:
         out = lse = None
         for rows, (block_out, block_lse) in self.blocks:
             if out is None and rows == ALL:
-                out, lse = block_out.to(kernels.acc_dtype(q.dtype)), block_lse.clone()
+                out, lse = kernels.start_accumulators(block_out, block_lse)
                 continue
             if out is None:
                 out, lse = kernels.empty_accumulators(q)
@@ -98,7 +98,7 @@ class _Results:
     def add_into(self, dq: torch.Tensor) -> None:
         """Add partial dQ blocks to the owner's fp32 dQ."""
         for rows, (block_dq,) in self.blocks:
-            dq[:, rows] += block_dq
+            kernels.accumulate_(dq, rows, block_dq)
 
 
 @register
@@ -172,10 +172,11 @@ class TokenRing(Method):
             return [q.new_empty(b, n, h, d), torch.empty(b, h, n, dtype=acc, device=q.device)]
 
         cur_q, done = q, _Results()                             # done: results of the previous step
+        q_buffers = DoubleBuffer()
         for step in range(p + 1):
             ops, next_q, incoming = [], None, _Results()
             if step + 1 < p:                                    # the query hop, double-buffered
-                next_q = torch.empty_like(q)
+                next_q, = q_buffers(step, [q])
                 ops += [P2P("send", cur_q, (rank + 1) % p), P2P("recv", next_q, (rank - 1) % p)]
             peers = result_peers(rank, p, step)                 # none at steps 0, 1: step 0's were our own
             if peers:
@@ -210,8 +211,8 @@ class TokenRing(Method):
                 lse_vis[:, :, blk.q_rows], delta=delta_vis[:, :, blk.q_rows], scale=scale,
                 causal_offset=blk.causal_offset, kernel=self.kernel,
                 mask=masks(src, blk.q_rows, rank, blk.k_rows) if masks else None)
-            dk[:, blk.k_rows] += bdk
-            dv[:, blk.k_rows] += bdv
+            kernels.accumulate_(dk, blk.k_rows, bdk)
+            kernels.accumulate_(dv, blk.k_rows, bdv)
             blocks.append((blk.q_rows, [bdq.contiguous()]))
         return _Results(blocks)
 
@@ -221,7 +222,7 @@ class TokenRing(Method):
         b, _, h, d = q.shape
         acc = kernels.acc_dtype(q.dtype)
         plan = self.plan(causal, rank, l)
-        delta = (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()   # D: [B, H, L]
+        delta = kernels.softmax_delta(dout, out)                                   # D: [B, H, L]
 
         def dq_buffers(n: int) -> list[torch.Tensor]:         # partial dQ [B, n, H, D], input dtype
             return [q.new_empty(b, n, h, d)]
@@ -230,10 +231,11 @@ class TokenRing(Method):
         dk = torch.zeros(k.shape, dtype=acc, device=k.device)
         dv = torch.zeros(v.shape, dtype=acc, device=v.device)
         packet, done = [q, dout, delta, lse], _Results()       # the visiting query block (own at step 0)
+        packet_buffers = DoubleBuffer()
         for step in range(p + 1):
             ops, next_packet, incoming = [], None, _Results()
             if step + 1 < p:
-                next_packet = [torch.empty_like(t) for t in packet]
+                next_packet = packet_buffers(step, packet)
                 ops += [P2P("send", t, (rank + 1) % p) for t in packet]
                 ops += [P2P("recv", t, (rank - 1) % p) for t in next_packet]
             peers = result_peers(rank, p, step)
