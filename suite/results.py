@@ -73,11 +73,8 @@ class ResultsStore:
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._lock_fd = fd
-        return self
-
-    def _adopt_lock(self, other: "ResultsStore") -> "ResultsStore":
-        """Take over the lock `other` (a handle on the same folder) holds."""
-        self._lock_fd, other._lock_fd = other._lock_fd, None
+        if self.trials_path.exists():
+            self._drop_torn_tail()  # only the writer cuts, under the lock: a live writer may be mid-line
         return self
 
     def unlock(self) -> None:
@@ -117,11 +114,11 @@ class ResultsStore:
         store = cls(Path(run_dir))
         if not store.trials_path.exists():
             raise FileNotFoundError(f"{run_dir} is not a results folder (no {TRIALS})")
-        store._drop_torn_tail()
         return store
 
     def _drop_torn_tail(self) -> None:
-        """A sweep killed mid-write can leave a partial last line; cut it off before appending.
+        """A sweep killed mid-write can leave a partial last line; the next writer cuts it off before
+        appending (readers skip it).
         Reads backwards from the end (the store can hold tens of thousands of rows)."""
         with open(self.trials_path, "r+b") as f:
             end = f.seek(0, os.SEEK_END)

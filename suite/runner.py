@@ -128,9 +128,8 @@ def open_store(cfg: SuiteConfig, config_yaml: str, device: str, resume: Optional
                  else ResultsStore.open(resume))
         if store is None:
             raise FileNotFoundError(f"--resume: no earlier run of {cfg.name!r} under {cfg.results.root}/")
-        store = ResultsStore(store.run_dir).lock()  # before the torn tail is cut: a live writer may be mid-line
+        store = ResultsStore(store.run_dir).lock()
         try:
-            store = ResultsStore.open(store.run_dir)._adopt_lock(store)
             config_path = store.run_dir / CONFIG
             changes = resume_changes(config_path.read_text() if config_path.exists() else "", cfg)
             if changes and not force:

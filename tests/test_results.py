@@ -14,7 +14,10 @@ def test_append_is_durable_and_torn_tails_are_dropped(tmp_path):
         f.write('{"key": "c", "v"')
     assert [r["key"] for r in store.records()] == ["a", "b"]
     assert math.isnan(store.records()[0]["nan"])  # NaN stays a number: not confused with "not checked"
-    reopened = ResultsStore.open(store.run_dir)
+    torn = store.trials_path.read_bytes()
+    assert ResultsStore.open(store.run_dir).records() and store.trials_path.read_bytes() == torn  # readers cut nothing
+    store.unlock()
+    reopened = ResultsStore.open(store.run_dir).lock()  # the next writer cuts the torn tail, under the lock
     reopened.append({"key": "d"})
     assert reopened.completed_keys() == {"a", "b", "d"}
     assert store.trials_path.read_text().count("\n") == 3
