@@ -191,7 +191,7 @@ def _drive_locked(cfg: SuiteConfig, plan: list[TrialSpec], executor: Executor, w
                 wall = time.perf_counter() - t0 - (executor.startup_s - startup0)
                 record = workload.row(spec, outcome, ctx, started, wall)
             store.append(record)
-            tracker.log_trial(record, spec.label())
+            tracker.log_trial(record)
             bar.update(1)
             if record[M.STATUS] in (M.FAILED, M.TIMEOUT, M.INCORRECT):
                 bar.write(f"  {record[M.STATUS]}: {spec.label()}: {str(record[M.REASON])[:300]}")
@@ -240,7 +240,7 @@ def _print_footer(records: list[dict], this_run: list[dict], wall: float, store:
     print(f"\n{len(records)} trials: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), file=out)
     print(f"wall time {wall:.1f}s = trials {trial_s:.1f}s + worker start-up {startup_s:.1f}s ({groups} groups) "
           f"+ other {wall - trial_s - startup_s:.1f}s (MLflow logging used "
-          f"{getattr(tracker, 'cpu_seconds', 0.0):.1f}s CPU in the background); results in {store.run_dir}", file=out)
+          f"{tracker.cpu_seconds:.1f}s CPU in the background); results in {store.run_dir}", file=out)
     if tracker.enabled:
         print(f"MLflow: {redact_uri(tracker.uri)} (experiment {tracker.experiment!r}); browse with "
               f"`python -m suite ui`, then open {tracker.link}", file=out)

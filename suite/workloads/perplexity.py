@@ -220,7 +220,7 @@ class Baselines:
                       + (f": perplexity {row[M.PPL]:.4f}" if row.get(M.PPL) is not None else
                          f": {str(row.get(M.REASON))[:200]}"))
             self._store.append(row)
-            self._tracker.log_trial(row, f"baseline (single device, torch SDPA) {bspec.label()}")
+            self._tracker.log_trial(row)
             self.created.append(row)
             self._rows[bspec.key] = row
         return self._rows[bspec.key]
