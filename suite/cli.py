@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
@@ -224,10 +225,6 @@ def _calibrate(args) -> int:
 
 
 def _run(args) -> int:
-    from suite.config import ConfigError
-    from suite.results import StoreError
-    from suite.runner import run_sweep
-
     if args.force and not args.resume:
         print("error: --force only applies to --resume", file=sys.stderr)
         return 2
@@ -235,10 +232,21 @@ def _run(args) -> int:
     if loaded is None:
         return 2
     cfg, yaml_text = loaded
+    return sweep_exit_code(cfg, yaml_text, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress,
+                           force=args.force)
+
+
+def sweep_exit_code(cfg, yaml_text: str, *, resume: Optional[str], dry_run: bool, progress: bool,
+                    force: bool = False) -> int:
+    """Run a loaded sweep as a command does (`suite run`, the Hydra app): SIGTERM/SIGHUP stop it like
+    Ctrl-C, and each way it can end is one line and an exit code."""
+    from suite.config import ConfigError
+    from suite.results import StoreError
+    from suite.runner import run_sweep
+
     try:
         with _signals_interrupt():
-            run_sweep(cfg, yaml_text, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress,
-                      force=args.force)
+            run_sweep(cfg, yaml_text, resume=resume, dry_run=dry_run, progress=progress, force=force)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2
@@ -380,7 +388,6 @@ def _ui(args) -> int:
     """Serve the MLflow UI until Ctrl-C, SIGTERM or SIGHUP. The server (MLflow's CLI, which starts
     uvicorn or gunicorn and their workers) runs in its own process group, and every way of stopping
     this command stops that whole group, so no server or worker outlives it."""
-    import time
 
     from suite.env import redact_uri
     from suite.tracking import default_uri
@@ -399,26 +406,18 @@ def _ui(args) -> int:
         print(f"  {line}", flush=True)
     env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY=os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true"))
     server = subprocess.Popen(cmd, start_new_session=True, env=env)
-    old = {}
-
-    def stop(signum, frame):
-        raise Terminated(signum)
-    for sig in _signals_interrupt.SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:
-            old[sig] = signal.signal(sig, stop)
     code = 0
     try:
-        code = server.wait()
+        with _signals_interrupt():
+            code = server.wait()
     except KeyboardInterrupt as exc:
         code = 128 + getattr(exc, "signum", signal.SIGINT)
     finally:
-        for sig, handler in old.items():
-            signal.signal(sig, handler)
-        _stop_group(server, time)
+        _stop_group(server)
     return code if code != 128 + signal.SIGINT else 0
 
 
-def _stop_group(server: subprocess.Popen, time) -> None:
+def _stop_group(server: subprocess.Popen) -> None:
     """SIGTERM to the server's whole process group, SIGKILL to what is left after 10 s."""
     try:
         pgid = os.getpgid(server.pid)

@@ -8,14 +8,16 @@ combination: `-m config=quickstart,perplexity` or `-m sweep.seq_len=256,512`), i
 (`hydra/launcher=submitit_slurm` submits each sweep as a SLURM job through
 hydra-submitit-launcher, `pip install -e '.[slurm]'`) and its output folders (outputs/ or
 multirun/, with the composed config and the job's log). Results go to the results store exactly
-as with `suite run`; `cli.dry_run=true`, `cli.resume=latest` and `cli.progress=false` stand for
-its options.
+as with `suite run`, and the run ends the same way (signals, one-line errors, exit codes);
+`cli.dry_run=true`, `cli.resume=latest`, `cli.force=true` and `cli.progress=false` stand for its
+options.
 
 The composed config is validated by the same schema as `suite run` (suite/config.py), so errors
 name the key. Hydra runs in this parent process only; the workers get the validated dataclasses.
 """
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -28,17 +30,16 @@ from suite.config import ConfigError, SuiteConfig, config_from_node
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GROUP = "config"
-# subfolders of configs/ that hold pieces, not sweeps
-_NOT_SWEEPS = ("documents", "topologies")
 
 
 def sweep_files(root: Path = CONFIGS) -> dict[str, Path]:
-    """Option name -> sweep file: configs/<name>.yaml and configs/<folder>/<name>.yaml."""
+    """Option name -> sweep file: configs/<name>.yaml and configs/<folder>/<name>.yaml whose top
+    level has a `sweep` section (the pieces beside them, topologies, models, length distributions,
+    have none)."""
     out = {}
     for path in sorted(root.rglob("*.yaml")):
-        rel = path.relative_to(root).with_suffix("")
-        if rel.parts[0] not in _NOT_SWEEPS:
-            out[rel.as_posix()] = path
+        if re.search(r"^sweep:", path.read_text(), re.MULTILINE):
+            out[path.relative_to(root).with_suffix("").as_posix()] = path
     return out
 
 
@@ -55,7 +56,7 @@ def register(root: Path = CONFIGS) -> None:
     defaults = OmegaConf.to_container(OmegaConf.structured(SuiteConfig))
     defaults.pop("name")  # required: it comes from the sweep file
     cs.store(name="suite", node={"defaults": ["_self_", {GROUP: "quickstart"}], **defaults,
-                                 "cli": {"dry_run": False, "resume": None, "progress": True}})
+                                 "cli": {"dry_run": False, "resume": None, "progress": True, "force": False}})
 
 
 register()
@@ -63,7 +64,7 @@ register()
 
 @hydra.main(version_base="1.3", config_path=None, config_name="suite")
 def main(cfg: DictConfig) -> None:
-    from suite.runner import run_sweep
+    from suite.cli import sweep_exit_code
 
     choice = HydraConfig.get().runtime.choices.get(GROUP, "?")
     cli = cfg.get("cli") or {}
@@ -73,8 +74,10 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    run_sweep(suite_cfg, text, resume=cli.get("resume"), dry_run=bool(cli.get("dry_run")),
-              progress=bool(cli.get("progress", True)))
+    code = sweep_exit_code(suite_cfg, text, resume=cli.get("resume"), dry_run=bool(cli.get("dry_run")),
+                           progress=bool(cli.get("progress", True)), force=bool(cli.get("force")))
+    if code:
+        raise SystemExit(code)
 
 
 if __name__ == "__main__":

@@ -52,3 +52,12 @@ def test_multirun_over_axes_through_the_submitit_local_launcher(tmp_path):
         rows = [json.loads(line) for line in (run / "trials.jsonl").open()]
         assert len(rows) == 2 and all(r["status"] == "ok" for r in rows)
     assert len(list((tmp_path / "multirun" / ".submitit").glob("*/*_log.out"))) == 2
+
+
+def test_only_sweep_files_are_config_options():
+    """Topologies, model shapes and length distributions beside the sweeps are pieces, not options."""
+    from suite.hydra_app import sweep_files
+
+    names = sweep_files()
+    assert "quickstart" in names and "paper/usp_grid" in names
+    assert not [n for n in names if n.split("/")[0] in ("models", "topologies", "documents")], names
