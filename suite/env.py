@@ -134,10 +134,12 @@ def fingerprint(device: str) -> dict:
 
 
 def tags(env: dict) -> dict[str, str]:
-    """The fingerprint flattened into MLflow tags."""
-    t = {"hostname": env["hostname"], "cpu": env["cpu"], "torch": env["torch"], "python": env["python"],
-         "device": env["device"], "git_commit": str(env["git"]["commit"]), "git_dirty": str(env["git"]["dirty"])}
-    for pkg, ver in env["packages"].items():
+    """The fingerprint flattened into MLflow tags (whatever of it a run folder has: relog reads
+    folders written by older versions, or with environment.json missing)."""
+    git = env.get("git") or {}
+    t = {k: str(env[k]) for k in ("hostname", "cpu", "torch", "python", "device") if env.get(k) is not None}
+    t.update({f"git_{k}": str(git[k]) for k in ("commit", "dirty") if k in git})
+    for pkg, ver in (env.get("packages") or {}).items():
         if ver:
             t[f"pkg.{pkg}"] = ver
     for k in ("gpus", "nccl", "driver", "torch_cuda"):

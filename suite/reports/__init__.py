@@ -64,8 +64,6 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
     data = combine(sets)
     df = with_series(data.frame)
     say(f"read {len(df)} rows from {len(data.sources)} run(s) in {time.perf_counter() - t0:.1f}s")
-    for note in data.notes:
-        say(note)
     base = _baseline(df, baseline)
     name = "+".join(dict.fromkeys(s.sweep for s in data.sources)) or "report"
     out_dir = Path(out) if out else Path("reports") / name
@@ -76,7 +74,6 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
     say(f"wrote {len(written)} tables (md, tex, csv) in {time.perf_counter() - t0:.1f}s")
     palette = palette_for(df)
     jobs, notes = plan_figures(df, base) if not df.empty else ([], ["no rows"])
-    notes = data.notes + notes
     if baseline is None and base is None and not df.empty:
         notes.append(f"speedup: no {DEFAULT_BASELINE} rows; name a baseline with --baseline")
 
@@ -89,13 +86,13 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
         say(f"{len(jobs) - drawn} of {len(jobs)} figures unchanged since the last report in {out_dir} (not redrawn)")
     figures = [p for job in jobs for p in files[job.name]]
     html = write_html(out_dir / "report.html", title=f"Sequence-parallel attention: {name}", tables=tables,
-                      jobs=jobs, files=files, sources=data.sources, notes=notes, df=df)
+                      jobs=jobs, files=files, sources=data.sources, notes=data.notes + notes, df=df)
     _remove_stale(out_dir / "tables", {Path(p).name for paths in written.values() for p in paths.values()},
                   (".md", ".tex", ".csv"))
     _remove_stale(out_dir / "figures", {Path(p).name for p in figures} | {f".{j.name}.key" for j in jobs},
                   (".png", ".pdf", ".key"))
     say(f"wrote {html} ({time.perf_counter() - t0:.1f}s)")
-    report = Report(out_dir, html, written, figures, notes[len(data.notes):], len(df), redrawn=drawn,
+    report = Report(out_dir, html, written, figures, notes, len(df), redrawn=drawn,
                     read_notes=list(data.notes))
     if log_to_mlflow:
         report.logged_to = _log_html(html, data.sources, [Path(p) for p in figures if str(p).endswith(".png")])
