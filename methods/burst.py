@@ -35,7 +35,7 @@ import torch
 
 from methods import kernels
 from methods.base import Case, Method, element_bytes
-from methods.kv_ring import ALL, DoubleBuffer, Plan, circulate, kv_ring_forward, make_route
+from methods.kv_ring import ALL, Plan, circulate, kv_ring_forward, make_route
 from methods.registry import register
 from methods.zigzag_ring import zigzag_plan
 
@@ -95,7 +95,6 @@ class Burst(Method):
         delta = kernels.softmax_delta(dout, out)           # D: [B, H, L]
         packet = [q, dout, delta, lse]                     # the visiting query block (own, at step 0)
         grads = {"dk": None, "dv": None}  # fp32, started by the first block (the own block: every key row)
-        packets, dq_buffers = DoubleBuffer(), DoubleBuffer()
 
         def compute(step, block):
             q_vis, dout_vis, delta_vis, lse_vis = block
@@ -124,9 +123,7 @@ class Burst(Method):
                 dq_acc = [kernels.accumulate_(dq_acc[0], rows, bdq)]
             return dq_acc
 
-        dq = circulate(p, packet, move=lambda step, block: route.start_move(step, block, into=packets(step, packet)),
-                       compute=compute, add=add,
-                       follow=lambda step, dq_acc: route.start_follow(step, dq_acc, into=dq_buffers(step, dq_acc)))[0]
+        dq = circulate(p, packet, move=route.start_move, compute=compute, add=add, follow=route.start_follow)[0]
         dk, dv = grads["dk"], grads["dv"]
         if dk is None:  # a plan that skipped everything
             dk, dv = torch.zeros_like(k), torch.zeros_like(v)

@@ -621,7 +621,10 @@ def accumulate_(acc: Optional[torch.Tensor], rows: slice, block: torch.Tensor) -
     every row (`rows` is slice(None)), else zeros plus the block. Returns the accumulator."""
     if acc is None:
         if rows == slice(None):  # contiguous: accumulators travel (a kernel's gradient may be a transposed view)
-            return block.to(acc_dtype(block.dtype)).contiguous()
+            if block.dtype == acc_dtype(block.dtype) and block.is_contiguous():
+                return block
+            # one pass for the cast and the layout (to() then contiguous() copied a transposed bf16 view twice)
+            return torch.empty(block.shape, dtype=acc_dtype(block.dtype), device=block.device).copy_(block)
         raise ValueError("accumulate_: the first block must cover every row (or start from zeros)")
     acc[:, rows].add_(block)
     return acc

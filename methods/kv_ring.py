@@ -50,12 +50,15 @@ class Route:
     for step t+1. `start_follow(t, tensors)` sends accumulators (e.g. dK/dV) of the block held at
     step t to the rank that holds it at step t+1, and returns `finish()` giving the accumulators
     of the block held at t+1; after the last step it delivers each accumulator to the block's
-    owner (one extra hop). Every rank calls the same sequence of steps.
+    owner (one extra hop). Every rank calls the same sequence of steps. A route receives into its
+    own buffers, allocated once per circulating set and reused (`DoubleBuffer`), so one route
+    serves one call.
     """
 
     def __init__(self, comm: Comm):
         self.comm = comm
         self.p, self.rank = comm.world_size, comm.rank
+        self._moved, self._followed = DoubleBuffer(), DoubleBuffer()
 
     def src(self, step: int) -> int:
         raise NotImplementedError
@@ -68,12 +71,13 @@ class Route:
         """Who held, at step-1, the block this rank holds at `step`."""
         raise NotImplementedError
 
-    def start_move(self, step: int, tensors: Sequence[torch.Tensor], into: Optional[Sequence[torch.Tensor]] = None):
-        """`into`: receive buffers (same shapes), e.g. from a `DoubleBuffer`; fresh ones if None."""
-        return self._swap(tensors, self.next_holder(step), self.prev_holder(step + 1), into=into)
+    def start_move(self, step: int, tensors: Sequence[torch.Tensor]):
+        return self._swap(tensors, self.next_holder(step), self.prev_holder(step + 1),
+                          into=self._moved(step, tensors))
 
-    def start_follow(self, step: int, tensors: Sequence[torch.Tensor], into: Optional[Sequence[torch.Tensor]] = None):
-        return self._swap(tensors, self.next_holder(step), self.prev_holder(step + 1), into=into)
+    def start_follow(self, step: int, tensors: Sequence[torch.Tensor]):
+        return self._swap(tensors, self.next_holder(step), self.prev_holder(step + 1),
+                          into=self._followed(step, tensors))
 
     def _swap(self, tensors, to: int, frm: int, comm: Optional[Comm] = None, into=None):
         """Send `tensors` to `to`, receive same-shaped ones from `frm` (ranks of `comm`, default the
@@ -146,8 +150,8 @@ class TwoLevelRoute(Route):
             return self._g(self.node, self.local - 1)
         return self._g(self.node - 1, self.local - 1)
 
-    def start_move(self, step: int, tensors: Sequence[torch.Tensor], into: Optional[Sequence[torch.Tensor]] = None):
-        # `into` is ignored: the inter-node block is received a whole cycle before it is used,
+    def start_move(self, step: int, tensors: Sequence[torch.Tensor]):
+        # fresh receive buffers, not the route's two: the inter-node block is received a whole cycle before it is used,
         # while the intra-node ones come and go, so two alternating buffers do not cover it
         i, k = step % self.per_node, step // self.per_node
         if i == 0 and k < self.nodes - 1:
@@ -247,7 +251,6 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: 
     """
     route = route or RingRoute(comm)
     p = comm.world_size
-    buffers = DoubleBuffer()
     state = {}  # out, lse: the accumulators; result: the output in q's dtype once written
 
     def compute(step, block):
@@ -273,8 +276,7 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: 
             else:
                 kernels.merge_(state["out"][:, blk.q_rows], state["lse"][:, :, blk.q_rows], block_out, block_lse)
 
-    circulate(p, [k, v], move=lambda step, block: route.start_move(step, block, into=buffers(step, [k, v])),
-              compute=compute)
+    circulate(p, [k, v], move=route.start_move, compute=compute)
     if "result" in state:
         return state["result"], state["lse"]
     if "out" not in state:  # a plan that skipped everything: no query saw a key
@@ -291,7 +293,6 @@ def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     route = route or RingRoute(comm)
     p = comm.world_size
     acc = kernels.acc_dtype(q.dtype)
-    kv_buffers, acc_buffers = DoubleBuffer(), DoubleBuffer()
     grads = {"dq": None}  # fp32 dQ, started by the first block's (every plan's first block covers every row)
 
     def compute(step, block):
@@ -323,9 +324,7 @@ def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         return dkv
 
     dk_acc, dv_acc = circulate(
-        p, [k, v], move=lambda step, block: route.start_move(step, block, into=kv_buffers(step, [k, v])),
-        compute=compute, add=add,
-        follow=lambda step, dkv: route.start_follow(step, dkv, into=acc_buffers(step, dkv)))
+        p, [k, v], move=route.start_move, compute=compute, add=add, follow=route.start_follow)
     dq = grads["dq"] if grads["dq"] is not None else torch.zeros_like(q)  # None: a plan that skipped everything
     return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
 
