@@ -114,7 +114,6 @@ def resume_changes(recorded_yaml: str, cfg: SuiteConfig) -> dict[str, tuple]:
     except yaml.YAMLError:
         recorded = {}
     now = to_dict(cfg)
-    now["name"], now["kind"] = cfg.name, cfg.kind
     changes = {k: (_setting(recorded, k), _setting(now, k)) for k in ("name",) + RESULT_SETTINGS}
     return {k: v for k, v in changes.items() if v[0] != v[1]}
 
