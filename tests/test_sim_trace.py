@@ -118,3 +118,29 @@ def test_unmasked_ring_forward_does_one_tensor_op_per_step(name):
     extra = 2 if name == "tasp" else 0
     for events in tr.ranks:
         assert sum(e.ops for e in events if isinstance(e, Memory)) == case.world_size + extra
+
+
+def test_allocations_are_not_tensor_work():
+    """Allocating a buffer (empty, empty_like, new_empty, ...) moves no bytes; a copy into it does,
+    and is charged its read and its write."""
+    from suite.sim.trace import TraceLedger, _Bookkeeping
+    x = torch.empty(4, 8, device="meta", dtype=torch.float32)
+    ledger = TraceLedger()
+    with _Bookkeeping(ledger):
+        bufs = [torch.empty(4, 8, device="meta"), torch.empty_like(x), x.new_empty(4, 8),
+                x.new_empty_strided((4, 8), (8, 1)), torch.empty_strided((4, 8), (8, 1), device="meta")]
+    ledger.flush()
+    assert ledger.events == []
+    nbytes = x.numel() * x.element_size()
+    with _Bookkeeping(ledger):
+        bufs[2].copy_(x)      # reads x, writes the buffer (its old contents are not read)
+    ledger.flush()
+    assert (ledger.events[-1].ops, ledger.events[-1].bytes) == (1, 2 * nbytes)
+    with _Bookkeeping(ledger):
+        bufs[2].zero_()       # writes only
+    ledger.flush()
+    assert (ledger.events[-1].ops, ledger.events[-1].bytes) == (1, nbytes)
+    with _Bookkeeping(ledger):
+        bufs[2].add_(x)       # reads both, writes one
+    ledger.flush()
+    assert (ledger.events[-1].ops, ledger.events[-1].bytes) == (1, 3 * nbytes)

@@ -122,7 +122,11 @@ class TraceLedger(CommLedger):
             self.paused -= 1
 
 
-_FREE = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default", "aten.lift_fresh.default"}
+_FREE = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default", "aten.new_empty.default",
+         "aten.new_empty_strided.default", "aten.lift_fresh.default"}  # allocations: no memory traffic
+# in-place ops that overwrite their first argument without reading it: charged its write only (the
+# generic rule charges every argument as read and the output as written)
+_OVERWRITE = {"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tensor", "aten.zero_.default"}
 
 
 def _tensor_bytes(x) -> int:
@@ -171,8 +175,11 @@ class _Bookkeeping(TorchDispatchMode):
         # the traced data lives on meta; real (CPU) tensors are the host's index arithmetic (packed
         # documents' masks, positions), not device work
         if not func.is_view and str(func) not in _FREE and _on_meta([args, kwargs, out]):
-            self._ledger.tensor_op(_tensor_bytes(list(args)) + _tensor_bytes(list((kwargs or {}).values()))
-                                   + _tensor_bytes(out) + _written_bytes(func, args, kwargs or {}, out))
+            nbytes = (_tensor_bytes(list(args)) + _tensor_bytes(list((kwargs or {}).values()))
+                      + _tensor_bytes(out) + _written_bytes(func, args, kwargs or {}, out))
+            if str(func) in _OVERWRITE:
+                nbytes -= _tensor_bytes(args[0])
+            self._ledger.tensor_op(nbytes)
         return out
 
 
