@@ -77,10 +77,16 @@ class _Results:
     def recvs(self, helper: int) -> list[P2P]:
         return [P2P("recv", t, helper) for _, tensors in self.blocks for t in tensors]
 
-    def merge_into(self, out: torch.Tensor, lse: torch.Tensor) -> None:
-        """Fold (block out, block lse) results into the owner's accumulators (online softmax)."""
+    def merge_into(self, out: torch.Tensor, lse: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Fold (block out, block lse) results into the owner's accumulators (online softmax).
+        With `dtype` (the last results) returns the output in it: when a single block covers every
+        row the cast is fused into its merge, else one cast after the merges."""
+        if dtype is not None and len(self.blocks) == 1 and self.blocks[0][0] == ALL:
+            (_, (block_out, block_lse)), = self.blocks
+            return kernels.merge_final(out, lse, block_out, block_lse, dtype)
         for rows, (block_out, block_lse) in self.blocks:
             kernels.merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
+        return out if dtype is None else out.to(dtype)
 
     def start_accumulators(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The owner's fp32 (out [B, L, H, D], lse [B, H, L]) from its own step-0 blocks: a block
@@ -95,10 +101,25 @@ class _Results:
             kernels.merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
         return (out, lse) if out is not None else kernels.empty_accumulators(q)
 
-    def add_into(self, dq: torch.Tensor) -> None:
-        """Add partial dQ blocks to the owner's fp32 dQ."""
+    def add_into(self, dq: Optional[torch.Tensor], like: torch.Tensor,
+                 dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        """Add partial dQ blocks to the owner's fp32 dQ (None: not started; the first block starts
+        it). With `dtype` (the last results) returns dQ in it, the cast fused into a single
+        all-rows block's sum."""
+        if dtype is not None and len(self.blocks) == 1 and self.blocks[0][0] == ALL:
+            (_, (block_dq,)), = self.blocks
+            return kernels.accumulate_final(dq, block_dq, dtype)
         for rows, (block_dq,) in self.blocks:
-            kernels.accumulate_(dq, rows, block_dq)
+            dq = _accumulate(dq, rows, block_dq, like)
+        return dq if dtype is None else dq.to(dtype)
+
+
+def _accumulate(acc: Optional[torch.Tensor], rows: slice, block: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """acc[:, rows] += block in the accumulator dtype; a first block over every row starts the
+    accumulator (one cast copy), a first partial one starts it from zeros shaped like `like`."""
+    if acc is None and rows != ALL:
+        acc = torch.zeros(like.shape, dtype=kernels.acc_dtype(like.dtype), device=like.device)
+    return kernels.accumulate_(acc, rows, block)
 
 
 @register
@@ -192,17 +213,20 @@ class TokenRing(Method):
                 else:
                     done = computed
             work.wait()
-            incoming.merge_into(out, lse)
+            if step == p:                                       # the last results: the cast fused into their merge
+                out = incoming.merge_into(out, lse, q.dtype)
+            else:
+                incoming.merge_into(out, lse)
             if next_q is not None:
                 cur_q = next_q
-        out = out.to(q.dtype)
         return out, lse, (q, k, v, out, lse, masks)
 
-    def _backward_blocks(self, packet, k, v, dk, dv, *, src: int, rank: int, plan: Plan, masks,
+    def _backward_blocks(self, packet, k, v, grads: dict, *, src: int, rank: int, plan: Plan, masks,
                          scale) -> _Results:
         """The block backwards of the visiting packet of `src` (Q, dO, D, lse of its queries) against
-        this rank's K/V, with their global lse and D: dK/dV added to this rank's fp32 `dk`, `dv`;
-        returns the partial dQ [B, n, H, D] (input dtype) of each block's n query rows."""
+        this rank's K/V, with their global lse and D: dK/dV added to this rank's fp32 grads["dk"],
+        grads["dv"] (None until the first block starts them); returns the partial dQ [B, n, H, D]
+        (input dtype) of each block's n query rows."""
         q_vis, dout_vis, delta_vis, lse_vis = packet
         blocks = []
         for blk in plan(src):
@@ -211,8 +235,8 @@ class TokenRing(Method):
                 lse_vis[:, :, blk.q_rows], delta=delta_vis[:, :, blk.q_rows], scale=scale,
                 causal_offset=blk.causal_offset, kernel=self.kernel,
                 mask=masks(src, blk.q_rows, rank, blk.k_rows) if masks else None)
-            kernels.accumulate_(dk, blk.k_rows, bdk)
-            kernels.accumulate_(dv, blk.k_rows, bdv)
+            grads["dk"] = _accumulate(grads["dk"], blk.k_rows, bdk, k)
+            grads["dv"] = _accumulate(grads["dv"], blk.k_rows, bdv, v)
             blocks.append((blk.q_rows, [bdq.contiguous()]))
         return _Results(blocks)
 
@@ -220,16 +244,13 @@ class TokenRing(Method):
         q, k, v, out, lse, masks = residuals
         p, rank, l = comm.world_size, comm.rank, q.shape[1]
         b, _, h, d = q.shape
-        acc = kernels.acc_dtype(q.dtype)
         plan = self.plan(causal, rank, l)
         delta = kernels.softmax_delta(dout, out)                                   # D: [B, H, L]
 
         def dq_buffers(n: int) -> list[torch.Tensor]:         # partial dQ [B, n, H, D], input dtype
             return [q.new_empty(b, n, h, d)]
 
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+        dq, grads = None, {"dk": None, "dv": None}  # fp32 accumulators, started by their first blocks
         packet, done = [q, dout, delta, lse], _Results()       # the visiting query block (own at step 0)
         packet_buffers = DoubleBuffer()
         for step in range(p + 1):
@@ -245,14 +266,14 @@ class TokenRing(Method):
                 ops += done.sends(owner) + incoming.recvs(helper)
             work = comm.exchange(ops) if ops else DoneWork()
             if step < p:
-                computed = self._backward_blocks(packet, k, v, dk, dv, src=(rank - step) % p, rank=rank, plan=plan,
+                computed = self._backward_blocks(packet, k, v, grads, src=(rank - step) % p, rank=rank, plan=plan,
                                                  masks=masks, scale=scale)
                 if step == 0:
-                    computed.add_into(dq)
+                    dq = computed.add_into(dq, q)
                 else:
                     done = computed
             work.wait()
-            incoming.add_into(dq)
+            dq = incoming.add_into(dq, q, q.dtype if step == p else None)  # the last: the cast fused in
             if next_packet is not None:
                 packet = next_packet
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq, grads["dk"].to(k.dtype), grads["dv"].to(v.dtype)
