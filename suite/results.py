@@ -202,28 +202,32 @@ class ResultsStore:
     def iter_records(self) -> Iterator[dict]:
         """The stored rows in order. A damaged line (garbage, NULs, bytes that are not UTF-8, a row
         without a key) is skipped with a warning naming file:line and noted in `damaged`, so that
-        one bad line neither blocks --resume and report nor counts as a trial."""
-        self.damaged = []
+        one bad line neither blocks --resume and report nor counts as a trial. `damaged` is replaced
+        once a read ends (each read collects its own notes: the tracker's thread may read while the
+        sweep does)."""
+        damaged: list[str] = []
         if not self.trials_path.exists():
+            self.damaged = damaged
             return
         with open(self.trials_path, "rb") as f:
             for number, raw in enumerate(f, 1):
                 if not raw.endswith(b"\n"):
-                    self._skip(number, "partial last line (a write that did not finish)")
+                    self._skip(damaged, number, "partial last line (a write that did not finish)")
                     break
                 try:
                     row = json.loads(raw.decode("utf-8"))
                 except (UnicodeDecodeError, ValueError) as exc:
-                    self._skip(number, f"not a JSON row: {type(exc).__name__}: {str(exc)[:80]}")
+                    self._skip(damaged, number, f"not a JSON row: {type(exc).__name__}: {str(exc)[:80]}")
                     continue
                 if not isinstance(row, dict) or not isinstance(row.get("key"), str) or not row["key"]:
-                    self._skip(number, "not a trial row (no key)")
+                    self._skip(damaged, number, "not a trial row (no key)")
                     continue
                 yield row
+        self.damaged = damaged
 
-    def _skip(self, number: int, why: str) -> None:
+    def _skip(self, damaged: list[str], number: int, why: str) -> None:
         note = f"{self.trials_path}:{number}: {why}; the line is skipped"
-        self.damaged.append(note)
+        damaged.append(note)
         if note not in self._warned:  # once per line, however often this handle reads the file
             self._warned.add(note)
             warnings.warn(note, RuntimeWarning, stacklevel=3)
