@@ -144,3 +144,7 @@ def test_allocations_are_not_tensor_work():
         bufs[2].add_(x)       # reads both, writes one
     ledger.flush()
     assert (ledger.events[-1].ops, ledger.events[-1].bytes) == (1, 3 * nbytes)
+    with _Bookkeeping(ledger):
+        torch.add(x, x, out=bufs[3])   # an out= variant: reads two, writes its out argument
+    ledger.flush()
+    assert (ledger.events[-1].ops, ledger.events[-1].bytes) == (1, 3 * nbytes)

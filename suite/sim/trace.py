@@ -152,6 +152,16 @@ def _written_bytes(func, args, kwargs, out) -> int:
     return n
 
 
+def _out_argument_bytes(func, args, kwargs) -> int:
+    """Bytes of an `out=` variant's output arguments: written, not read (they are also what the op
+    returns, so the generic rule would charge them as read and as written)."""
+    n = 0
+    for i, a in enumerate(func._schema.arguments):
+        if a.is_out:
+            n += _tensor_bytes(args[i] if i < len(args) else kwargs.get(a.name))
+    return n
+
+
 def _on_meta(x) -> bool:
     if isinstance(x, torch.Tensor):
         return x.device.type == "meta"
@@ -179,6 +189,7 @@ class _Bookkeeping(TorchDispatchMode):
                       + _tensor_bytes(out) + _written_bytes(func, args, kwargs or {}, out))
             if str(func) in _OVERWRITE:
                 nbytes -= _tensor_bytes(args[0])
+            nbytes -= _out_argument_bytes(func, args, kwargs or {})
             self._ledger.tensor_op(nbytes)
         return out
 
