@@ -88,6 +88,13 @@ def _mask_plan(sq: int, sk: int, causal_offset: Optional[int]):
     return -causal_offset, True, -1
 
 
+def _unit_stride(x: torch.Tensor) -> torch.Tensor:
+    """x, copied only if its last dimension is strided: flash-attn's kernels take any batch, row
+    and head stride (its own wrappers copy under the same rule), so a strided view of keys (TASP's
+    sequence-major units, a row slice) reaches the kernel without a copy."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def forward(q, k, v, *, scale: float, causal_offset: Optional[int]):
     fwd, _, fnames, _, _ = _load()
     b, sq, h, _ = q.shape
@@ -96,7 +103,7 @@ def forward(q, k, v, *, scale: float, causal_offset: Optional[int]):
     kwargs = dict(dropout_p=0.0, softmax_scale=scale, softcap=0.0, alibi_slopes=None, return_softmax=False)
     kwargs.update(_window_kwargs(fnames, causal, -1, right))
     accepted = {k_: v_ for k_, v_ in kwargs.items() if k_ in fnames}
-    ret = fwd(qs.contiguous(), ks.contiguous(), vs.contiguous(), **accepted)
+    ret = fwd(_unit_stride(qs), _unit_stride(ks), _unit_stride(vs), **accepted)
     out_s, lse_s = (ret[0], ret[1]) if len(ret) == 4 else (ret[0], ret[5])
     # A row that sees no key: our convention is lse = -inf (flash-attn may report +inf).
     lse_s = torch.where(torch.isposinf(lse_s), torch.full_like(lse_s, float("-inf")), lse_s.float())
@@ -113,12 +120,12 @@ def backward(dout, q, k, v, out, lse, *, scale: float, causal_offset: Optional[i
     _, bwd, _, bnames, _ = _load()
     sq, sk = q.shape[1], k.shape[1]
     d, causal, right = _mask_plan(sq, sk, causal_offset)
-    qs, ks, vs = q[:, d:].contiguous(), k[:, : sk - d].contiguous(), v[:, : sk - d].contiguous()
+    qs, ks, vs = _unit_stride(q[:, d:]), _unit_stride(k[:, : sk - d]), _unit_stride(v[:, : sk - d])
     dq_s, dk_s, dv_s = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
     kwargs = dict(dropout_p=0.0, softmax_scale=scale, softcap=0.0, alibi_slopes=None,
                   deterministic=False, rng_state=None)
     kwargs.update(_window_kwargs(bnames, causal, -1, right))
-    bwd(dout[:, d:].contiguous(), qs, ks, vs, out[:, d:].contiguous(), lse[..., d:].contiguous(),
+    bwd(_unit_stride(dout[:, d:]), qs, ks, vs, _unit_stride(out[:, d:]), lse[..., d:].contiguous(),
         dq_s, dk_s, dv_s, **{k_: v_ for k_, v_ in kwargs.items() if k_ in bnames})
     if d == 0:
         return dq_s, dk_s, dv_s

@@ -36,8 +36,10 @@ float64):
 Multi-node: the same single complete graph over all ranks (one batched exchange per round).
 Memory beyond inputs and outputs: the units held and being received (two K/V buffers, allocated
 once and reused), plus, under the causal mask, the front halves gathered for one kernel call.
-Units live in one buffer [k, B, 2c, Hkv, D], each step's in the order its kernel calls read them,
-so a call's keys are a view (batch one; whole units) and its dK/dV are added back in one op.
+Units live in one buffer per tensor (`_Units`): without a mask a step's k units are one [B, L]
+tensor (the local K/V are the first step's units, no copies); under the causal mask they are held
+sequence-major, each step's in the order its kernel calls read them, so a call's keys are a view
+for any batch and its dK/dV are added back in one op.
 """
 from __future__ import annotations
 
@@ -75,58 +77,83 @@ def origin(pred: tuple[int, ...], rank: int, steps: int) -> int:
 
 
 class _Units:
-    """The k units of a rank's local tokens [front k*c | back k*c], held as one buffer
-    [k, B, 2c, ...] (unit j = buf[j], contiguous for any batch, so it is sent as it is).
+    """The k units of a rank's local tokens, held as one buffer [k, rows, ...] whose unit j = buf[j]
+    is contiguous for any batch, so it is sent as it is.
+
+    Two layouts:
+    - flat (no mask, no documents): unit j is the j-th contiguous chunk of the local tensor
+      flattened to [B*L, ...]. Without a mask any grouping of the keys is valid (over the P steps
+      every query of sequence b meets every key of sequence b once, whoever holds it; the online
+      softmax is order-free), and a step's k units together are exactly a [B, L, ...] tensor: the
+      local K/V are the first step's units (views), a step's keys are the whole held buffer (one
+      kernel call, a view, any batch), and dK/dV are added back in one op.
+    - zigzag (causal, or packed documents): unit j = (front sub-chunk j, back sub-chunk j), the
+      zigzag-TASP split, held sequence-major [k, 2c, B, ...] so that a unit is one run for any
+      batch (as MindSpeed does) and a call over whole units reads its keys as a strided view
+      [B, n*2c, ...] (flash-attn takes any batch and row stride). Split and join are one copy each.
 
     Which slot of a buffer holds the unit of which cycle is chosen per step (`order`): the units a
-    kernel call needs sit next to each other, so the call's keys are a view of the buffer (with a
-    batch of one; one copy otherwise) and its dK/dV are added back with one op.
+    kernel call needs sit next to each other, so the call's keys are a view of the buffer and its
+    dK/dV are added back with one op; only a call over the front halves of several units copies.
     """
 
-    def __init__(self, local_len: int, k: int, device):
-        self.k, self.c = k, local_len // (2 * k)
+    def __init__(self, batch: int, local_len: int, k: int, flat: bool):
+        self.k, self.c, self.batch, self.local_len, self.flat = k, local_len // (2 * k), batch, local_len, flat
         c = self.c
         self.cpu_rows = [torch.cat([torch.arange(j * c, (j + 1) * c), torch.arange(k * c + j * c, k * c + (j + 1) * c)])
                          for j in range(k)]   # for the packed documents' masks (host-side positions)
 
-    def _split_view(self, x: torch.Tensor) -> torch.Tensor:
+    def _zigzag_view(self, x: torch.Tensor) -> torch.Tensor:
+        """Local [B, L, ...] as [k, 2, c, B, ...] (unit, half, row, batch): a view."""
         b, _, *rest = x.shape
-        return x.view(b, 2, self.k, self.c, *rest).transpose(0, 2).transpose(1, 2)  # [k, B, 2, c, ...]
+        n = len(rest)
+        return x.view(b, 2, self.k, self.c, *rest).permute(2, 1, 3, 0, *range(4, 4 + n))
 
     def split(self, x: torch.Tensor, dtype=None) -> torch.Tensor:
-        """Local [B, L, ...] -> units [k, B, 2c, ...] in `dtype` (default x's): one copy."""
+        """Local [B, L, ...] -> units [k, rows, ...] in `dtype` (default x's): flat, a view of x (a
+        cast copy when the dtype differs); zigzag, one copy."""
         b, _, *rest = x.shape
-        buf = torch.empty(self.k, b, 2, self.c, *rest, dtype=dtype or x.dtype, device=x.device)
-        buf.copy_(self._split_view(x))
-        return buf.view(self.k, b, 2 * self.c, *rest)
+        dtype = dtype or x.dtype
+        if self.flat:
+            units = x.reshape(self.k, -1, *rest)
+            return units if units.dtype == dtype else units.to(dtype)
+        buf = torch.empty(self.k, 2, self.c, b, *rest, dtype=dtype, device=x.device)
+        buf.copy_(self._zigzag_view(x))
+        return buf.view(self.k, 2 * self.c, b, *rest)
 
     def join(self, buf: torch.Tensor, dtype) -> torch.Tensor:
-        """Inverse of split (the units in cycle order), cast to `dtype`: one copy."""
-        k, b, _, *rest = buf.shape
-        out = torch.empty(b, 2 * k * self.c, *rest, dtype=dtype, device=buf.device)
-        self._split_view(out).copy_(buf.view(k, b, 2, self.c, *rest))
+        """Inverse of split (the units in cycle order), cast to `dtype`: one pass."""
+        k, rows, *rest = buf.shape
+        if self.flat:
+            return buf.reshape(self.batch, self.local_len, *rest).to(dtype)
+        b, *rest = rest
+        out = torch.empty(b, self.local_len, *rest, dtype=dtype, device=buf.device)
+        self._zigzag_view(out).copy_(buf.view(k, 2, self.c, b, *rest))
         return out
 
+    def keys(self, buf: torch.Tensor, slots: slice, half: slice) -> torch.Tensor:
+        """The keys of the units in `slots` (their rows `half`) as one sequence [B, n, ...]: a view,
+        except over parts of several zigzag units (one copy: the front halves)."""
+        if self.flat:  # a call always reads every unit of the step
+            return buf.view(self.batch, self.local_len, *buf.shape[2:])
+        part = buf[slots, half]                          # [n, m, B, ...]
+        n, m, b, *rest = part.shape
+        if part.is_contiguous():
+            return part.view(n * m, b, *rest).transpose(0, 1)
+        # one explicit copy (not reshape's, which with one-token halves returns a strided view where
+        # longer halves get a copy: the schedule, and its trace, must keep one shape at every length)
+        keys = torch.empty(b, n * m, *rest, dtype=buf.dtype, device=buf.device)
+        keys.view(b, n, m, *rest).copy_(part.permute(2, 0, 1, *range(3, 3 + len(rest))))
+        return keys
 
-def _keys(buf: torch.Tensor, slots: slice, half: slice) -> torch.Tensor:
-    """The keys of units in `slots` (their rows `half`) as one sequence [B, n, ...]: a view when
-    the batch is one and the units are whole, else one copy."""
-    part = buf[slots, :, half].transpose(0, 1)      # [B, n, m, ...]
-    b, n, m, *rest = part.shape
-    if part.is_contiguous():
-        return part.view(b, n * m, *rest)
-    # one explicit copy (not reshape's, which with one-token halves returns a strided view where
-    # longer halves get a copy: the schedule, and its trace, must keep one shape at every length)
-    keys = torch.empty(b, n * m, *rest, dtype=buf.dtype, device=buf.device)
-    keys.view(b, n, m, *rest).copy_(part)
-    return keys
-
-
-def _add_keys_grad_(acc: torch.Tensor, slots: slice, half: slice, grad: torch.Tensor) -> None:
-    """acc[slots, :, half] += grad, the gradient [B, n*m, ...] of `_keys(acc-shaped, slots, half)`."""
-    part = acc[slots, :, half]                       # [n, B, m, ...]
-    n, b, m, *rest = part.shape
-    part.add_(grad.view(b, n, m, *rest).transpose(0, 1))
+    def add_keys_grad_(self, acc: torch.Tensor, slots: slice, half: slice, grad: torch.Tensor) -> None:
+        """acc[slots, half] += grad, the gradient [B, n*m, ...] of `keys(acc-shaped, slots, half)`: one op."""
+        if self.flat:
+            acc.view(self.batch, self.local_len, *acc.shape[2:]).add_(grad)
+            return
+        part = acc[slots, half]                          # [n, m, B, ...]
+        n, m, b, *rest = part.shape
+        part.add_(grad.view(b, n, m, *rest).permute(1, 2, 0, *range(3, 3 + len(rest))))
 
 
 def _exchange(comm: Comm, succ, pred, sends: list[torch.Tensor], send_order: list[int],
@@ -240,9 +267,9 @@ class TASP(Method):
     def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         p, r = comm.world_size, comm.rank
         succ, pred = cycle_tables(p)
-        units = _Units(q.shape[1], len(succ), q.device)
-        buffers = DoubleBuffer()
         masks = self.block_masks(q, k, comm, causal, docs)
+        units = _Units(q.shape[0], q.shape[1], len(succ), flat=not causal and masks is None)
+        buffers = DoubleBuffer()
         state = {}  # out, lse: the accumulators; result: the output in q's dtype once written
 
         def move(step, block):  # units move on while this step computes (double buffering)
@@ -262,8 +289,8 @@ class TASP(Method):
                 return
             calls = self._calls(masks, causal, r, pred, step, units)
             for i, (rows, slots, sl, mask) in enumerate(calls):
-                block_out, block_lse = kernels.block_forward(q[:, rows], _keys(held_k, slots, sl),
-                                                             _keys(held_v, slots, sl), scale=scale,
+                block_out, block_lse = kernels.block_forward(q[:, rows], units.keys(held_k, slots, sl),
+                                                             units.keys(held_v, slots, sl), scale=scale,
                                                              causal_offset=None, kernel=self.kernel, mask=mask)
                 if step == p - 1 and i == len(calls) - 1 and rows == ALL:  # the cast fused into the last merge
                     state["result"] = kernels.merge_final(state["out"], state["lse"], block_out, block_lse, q.dtype)
@@ -278,7 +305,7 @@ class TASP(Method):
         q, k, v, out, lse, masks = residuals
         p, r = comm.world_size, comm.rank
         succ, pred = cycle_tables(p)
-        units = _Units(q.shape[1], len(succ), q.device)
+        units = _Units(q.shape[0], q.shape[1], len(succ), flat=not causal and masks is None)
         acc = kernels.acc_dtype(q.dtype)
         kv_buffers, acc_buffers = DoubleBuffer(), DoubleBuffer()
         grads = {}
@@ -298,8 +325,8 @@ class TASP(Method):
             calls = self._calls(masks, causal, r, pred, step, units)
             pending = []  # contributions, added once the units' accumulators have arrived
             for i, (rows, slots, sl, mask) in enumerate(calls):
-                gq, gk, gv = kernels.block_backward(dout[:, rows], q[:, rows], _keys(held_k, slots, sl),
-                                                    _keys(held_v, slots, sl), out[:, rows], lse[:, :, rows],
+                gq, gk, gv = kernels.block_backward(dout[:, rows], q[:, rows], units.keys(held_k, slots, sl),
+                                                    units.keys(held_v, slots, sl), out[:, rows], lse[:, :, rows],
                                                     scale=scale, causal_offset=None, kernel=self.kernel, mask=mask)
                 if step == p - 1 and i == len(calls) - 1 and rows == ALL:
                     grads["dq"] = kernels.accumulate_final(grads["dq"], gq, q.dtype)  # the cast fused into the last sum
@@ -313,8 +340,8 @@ class TASP(Method):
                 (_, _, gk, gv), = pending
                 return [gk, gv] if p == 1 else [units.split(gk, acc), units.split(gv, acc)]
             for slots, sl, gk, gv in pending:
-                _add_keys_grad_(dkv[0], slots, sl, gk)
-                _add_keys_grad_(dkv[1], slots, sl, gv)
+                units.add_keys_grad_(dkv[0], slots, sl, gk)
+                units.add_keys_grad_(dkv[1], slots, sl, gv)
             return dkv
 
         # accumulators follow their units one round behind; after the last step the hop reaches each owner
