@@ -14,6 +14,8 @@ Layout (zigzag-TASP, the paper's causal layout, used for both masks here: non-ca
 is layout-invariant and one layout keeps positions simple): the sequence is cut into 2P blocks;
 rank r holds blocks r ("front") and 2P-1-r ("back"), each cut into k sub-chunks of c tokens.
 Unit j = (front sub-chunk j, back sub-chunk j), 2c tokens. Local tokens are in increasing order.
+Without a mask (and without packed documents) the units are instead k contiguous chunks of the
+local K/V: any grouping of keys is valid there, and this one makes the units views (`_Units`).
 Needs seq_len % (2*P*k) == 0.
 
 Causal masks: step 0 is the local causal block. At step s >= 1 the unit on cycle j came from
@@ -30,16 +32,17 @@ the cycle successor brings it to the unit's owner (ring attention's scheme, per 
 
 Communication per rank (L = S/P = 2kc tokens, e input bytes, a = 4 accumulator bytes, 8 for
 float64):
-    forward:  sent = received = (P-1) * 2*B*L*Hkv*D*e, as k messages of 2*B*(L/k)*Hkv*D*e per round,
-              one to each cycle successor (with k = P-1: one to every other rank)
+    forward:  sent = received = (P-1) * 2*B*L*Hkv*D*e, k units of 2*B*(L/k)*Hkv*D*e per round, one
+              to each cycle successor (with k = P-1: one to every other rank); a zigzag unit goes as
+              two messages (its halves), a flat one as one
     backward: sent = received = (P-1) * 2*B*L*Hkv*D*e + P * 2*B*L*Hkv*D*a
 Multi-node: the same single complete graph over all ranks (one batched exchange per round).
 Memory beyond inputs and outputs: the units held and being received (two K/V buffers, allocated
-once and reused), plus, under the causal mask, the front halves gathered for one kernel call.
-Units live in one buffer per tensor (`_Units`): without a mask a step's k units are one [B, L]
-tensor (the local K/V are the first step's units, no copies); under the causal mask they are held
-sequence-major, each step's in the order its kernel calls read them, so a call's keys are a view
-for any batch and its dK/dV are added back in one op.
+once and reused). Own tensor work: no copies of keys at any step. Without a mask a step's k
+units are one [B, L] tensor (the local K/V are the first step's units); under the causal mask a
+unit is two sequence-major pieces placed each step so that each kernel call's keys are one run
+of pieces (`placement`), a view for any batch, and its dK/dV are added back in one op; the split
+of the own K/V into pieces and the join of dK/dV are one copy each.
 """
 from __future__ import annotations
 
@@ -77,40 +80,47 @@ def origin(pred: tuple[int, ...], rank: int, steps: int) -> int:
 
 
 class _Units:
-    """The k units of a rank's local tokens, held as one buffer [k, rows, ...] whose unit j = buf[j]
-    is contiguous for any batch, so it is sent as it is.
+    """The k units of a rank's local tokens, held as one buffer of pieces [pieces, rows, ...], each
+    piece contiguous for any batch, so it is sent as it is.
 
     Two layouts:
     - flat (no mask, no documents): unit j is the j-th contiguous chunk of the local tensor
-      flattened to [B*L, ...]. Without a mask any grouping of the keys is valid (over the P steps
-      every query of sequence b meets every key of sequence b once, whoever holds it; the online
-      softmax is order-free), and a step's k units together are exactly a [B, L, ...] tensor: the
-      local K/V are the first step's units (views), a step's keys are the whole held buffer (one
-      kernel call, a view, any batch), and dK/dV are added back in one op.
+      flattened to [B*L, ...], one piece. Without a mask any grouping of the keys is valid (over the
+      P steps every query of sequence b meets every key of sequence b once, whoever holds it; the
+      online softmax is order-free), and a step's k units together are exactly a [B, L, ...]
+      tensor: the local K/V are the first step's units (views), a step's keys are the whole held
+      buffer (one kernel call, a view, any batch), and dK/dV are added back in one op.
     - zigzag (causal, or packed documents): unit j = (front sub-chunk j, back sub-chunk j), the
-      zigzag-TASP split, held sequence-major [k, 2c, B, ...] so that a unit is one run for any
-      batch (as MindSpeed does) and a call over whole units reads its keys as a strided view
-      [B, n*2c, ...] (flash-attn takes any batch and row stride). Split and join are one copy each.
-
-    Which slot of a buffer holds the unit of which cycle is chosen per step (`order`): the units a
-    kernel call needs sit next to each other, so the call's keys are a view of the buffer and its
-    dK/dV are added back with one op; only a call over the front halves of several units copies.
+      zigzag-TASP split, as two pieces [c, B, ...] (sequence-major, as MindSpeed holds them, so a
+      piece is one run for any batch) in a buffer [2k, c, B, ...]. Where each piece sits is chosen
+      per step (`placement`) so that each kernel call's keys are one run of pieces: the front
+      halves of the units from earlier ranks, then the whole units from later ranks, then the
+      back halves of the earlier ones (read by no call this step). A call's keys are then a strided
+      view [B, n*c, ...] (flash-attn takes any batch and row stride) and its dK/dV are added back
+      in one op; split and join (own tokens <-> pieces) are one copy each.
     """
 
-    def __init__(self, batch: int, local_len: int, k: int, flat: bool):
-        self.k, self.c, self.batch, self.local_len, self.flat = k, local_len // (2 * k), batch, local_len, flat
-        c = self.c
+    def __init__(self, q: torch.Tensor, world_size: int, rank: int, causal: bool, flat: bool):
+        self.batch, self.local_len = q.shape[0], q.shape[1]
+        self.world_size, self.rank, self.causal, self.flat = world_size, rank, causal, flat
+        self.k = k = num_cycles(world_size)
+        self.c = c = self.local_len // (2 * k)
         self.cpu_rows = [torch.cat([torch.arange(j * c, (j + 1) * c), torch.arange(k * c + j * c, k * c + (j + 1) * c)])
                          for j in range(k)]   # for the packed documents' masks (host-side positions)
+
+    def pieces(self, step: int) -> tuple[tuple[int, ...], ...]:
+        """For each cycle j, the pieces holding its unit at `step` (the owner's layout after the last)."""
+        if self.flat:
+            return tuple((j,) for j in range(self.k))
+        return placement(self.world_size, self.causal, self.rank, step)
 
     def _zigzag_view(self, x: torch.Tensor) -> torch.Tensor:
         """Local [B, L, ...] as [k, 2, c, B, ...] (unit, half, row, batch): a view."""
         b, _, *rest = x.shape
-        n = len(rest)
-        return x.view(b, 2, self.k, self.c, *rest).permute(2, 1, 3, 0, *range(4, 4 + n))
+        return x.view(b, 2, self.k, self.c, *rest).permute(2, 1, 3, 0, *range(4, 4 + len(rest)))
 
     def split(self, x: torch.Tensor, dtype=None) -> torch.Tensor:
-        """Local [B, L, ...] -> units [k, rows, ...] in `dtype` (default x's): flat, a view of x (a
+        """Local [B, L, ...] -> the own units' pieces in `dtype` (default x's): flat, a view of x (a
         cast copy when the dtype differs); zigzag, one copy."""
         b, _, *rest = x.shape
         dtype = dtype or x.dtype
@@ -119,56 +129,47 @@ class _Units:
             return units if units.dtype == dtype else units.to(dtype)
         buf = torch.empty(self.k, 2, self.c, b, *rest, dtype=dtype, device=x.device)
         buf.copy_(self._zigzag_view(x))
-        return buf.view(self.k, 2 * self.c, b, *rest)
+        return buf.view(2 * self.k, self.c, b, *rest)
 
     def join(self, buf: torch.Tensor, dtype) -> torch.Tensor:
-        """Inverse of split (the units in cycle order), cast to `dtype`: one pass."""
-        k, rows, *rest = buf.shape
+        """Inverse of split (the owner's layout), cast to `dtype`: one pass."""
         if self.flat:
-            return buf.reshape(self.batch, self.local_len, *rest).to(dtype)
-        b, *rest = rest
+            return buf.reshape(self.batch, self.local_len, *buf.shape[2:]).to(dtype)
+        _, _, b, *rest = buf.shape
         out = torch.empty(b, self.local_len, *rest, dtype=dtype, device=buf.device)
-        self._zigzag_view(out).copy_(buf.view(k, 2, self.c, b, *rest))
+        self._zigzag_view(out).copy_(buf.view(self.k, 2, self.c, b, *rest))
         return out
 
-    def keys(self, buf: torch.Tensor, slots: slice, half: slice) -> torch.Tensor:
-        """The keys of the units in `slots` (their rows `half`) as one sequence [B, n, ...]: a view,
-        except over parts of several zigzag units (one copy: the front halves)."""
+    def keys(self, buf: torch.Tensor, pieces: slice) -> torch.Tensor:
+        """The keys held in a run of pieces as one sequence [B, n, ...]: a view."""
         if self.flat:  # a call always reads every unit of the step
             return buf.view(self.batch, self.local_len, *buf.shape[2:])
-        part = buf[slots, half]                          # [n, m, B, ...]
-        n, m, b, *rest = part.shape
-        if part.is_contiguous():
-            return part.view(n * m, b, *rest).transpose(0, 1)
-        # one explicit copy (not reshape's, which with one-token halves returns a strided view where
-        # longer halves get a copy: the schedule, and its trace, must keep one shape at every length)
-        keys = torch.empty(b, n * m, *rest, dtype=buf.dtype, device=buf.device)
-        keys.view(b, n, m, *rest).copy_(part.permute(2, 0, 1, *range(3, 3 + len(rest))))
-        return keys
+        part = buf[pieces]                               # [n, c, B, ...], contiguous
+        n, c, b, *rest = part.shape
+        return part.view(n * c, b, *rest).transpose(0, 1)
 
-    def add_keys_grad_(self, acc: torch.Tensor, slots: slice, half: slice, grad: torch.Tensor) -> None:
-        """acc[slots, half] += grad, the gradient [B, n*m, ...] of `keys(acc-shaped, slots, half)`: one op."""
+    def add_keys_grad_(self, acc: torch.Tensor, pieces: slice, grad: torch.Tensor) -> None:
+        """acc[pieces] += grad, the gradient [B, n, ...] of `keys(acc-shaped, pieces)`: one op."""
         if self.flat:
             acc.view(self.batch, self.local_len, *acc.shape[2:]).add_(grad)
             return
-        part = acc[slots, half]                          # [n, m, B, ...]
-        n, m, b, *rest = part.shape
-        part.add_(grad.view(b, n, m, *rest).permute(1, 2, 0, *range(3, 3 + len(rest))))
+        part = acc[pieces]                               # [n, c, B, ...]
+        n, c, b, *rest = part.shape
+        part.add_(grad.view(b, n, c, *rest).permute(1, 2, 0, *range(3, 3 + len(rest))))
 
 
-def _exchange(comm: Comm, succ, pred, sends: list[torch.Tensor], send_order: list[int],
-              recvs: list[torch.Tensor], recv_order: list[int]):
-    """For every cycle j, send the unit of cycle j of each buffer in `sends` (e.g. K and V; at slot
-    send_order.index(j)) to the successor on cycle j, and receive the next ones from the predecessor
-    into `recvs` (at slot recv_order.index(j)); finish() returns `recvs`.
+def _exchange(comm: Comm, succ, pred, sends: list[torch.Tensor], send_pieces, recvs: list[torch.Tensor],
+              recv_pieces):
+    """For every cycle j, send the unit of cycle j of each buffer in `sends` (e.g. K and V; the
+    pieces send_pieces[j]) to the successor on cycle j, and receive the next ones from the
+    predecessor into `recvs` (pieces recv_pieces[j]); finish() returns `recvs`.
 
-    The cycles are arc-disjoint, so each pair of ranks carries the units of exactly one cycle and
-    the messages of a pair pair up in list order.
+    The cycles are arc-disjoint, so each pair of ranks carries the units of exactly one cycle, and
+    the messages of a pair pair up in list order (tensor by tensor, piece by piece).
     """
     r = comm.rank
-    send_slot, recv_slot = _slots(send_order), _slots(recv_order)
-    ops = [P2P("send", buf[send_slot[j]], succ[j][r]) for j in range(len(succ)) for buf in sends]
-    ops += [P2P("recv", buf[recv_slot[j]], pred[j][r]) for j in range(len(pred)) for buf in recvs]
+    ops = [P2P("send", buf[i], succ[j][r]) for j in range(len(succ)) for buf in sends for i in send_pieces[j]]
+    ops += [P2P("recv", buf[i], pred[j][r]) for j in range(len(pred)) for buf in recvs for i in recv_pieces[j]]
     work = comm.exchange(ops)
 
     def finish() -> list[torch.Tensor]:
@@ -177,47 +178,71 @@ def _exchange(comm: Comm, succ, pred, sends: list[torch.Tensor], send_order: lis
     return finish
 
 
-def _slots(order: list[int]) -> dict[int, int]:
-    return {j: i for i, j in enumerate(order)}
+@lru_cache(maxsize=None)
+def _origins(world_size: int, rank: int, step: int) -> tuple[int, ...]:
+    """The origin of the unit held on each cycle at `step`."""
+    return tuple(origin(pred, rank, step) for pred in cycle_tables(world_size)[1])
 
 
-def step_calls(causal: bool, rank: int, pred, step: int, k: int, c: int):
-    """Kernel calls of step s >= 1, each [(query rows, [(unit j, rows of the unit)])], no mask
+@lru_cache(maxsize=None)
+def step_calls(causal: bool, rank: int, world_size: int, step: int, c: int):
+    """Kernel calls of step s >= 1, each (query rows, ((unit j, rows of the unit), ...)), no mask
     inside a call (step 0, the local causal block, is not included)."""
+    k = num_cycles(world_size)
     if step == 0:
-        return []
+        return ()
     if not causal:
-        return [(slice(None), [(j, slice(None)) for j in range(k)])]
-    before = [j for j in range(k) if origin(pred[j], rank, step) < rank]
-    after = [j for j in range(k) if origin(pred[j], rank, step) > rank]
+        return ((slice(None), tuple((j, slice(None)) for j in range(k))),)
+    origins = _origins(world_size, rank, step)
+    before = [j for j in range(k) if origins[j] < rank]
+    after = [j for j in range(k) if origins[j] > rank]
     calls = []
     if before:  # every local query sees the front halves of units that came from earlier ranks
-        calls.append((slice(None), [(j, slice(0, c)) for j in before]))
+        calls.append((slice(None), tuple((j, slice(0, c)) for j in before)))
     if after:   # our back-half queries see the whole units that came from later ranks
-        calls.append((slice(k * c, 2 * k * c), [(j, slice(None)) for j in after]))
-    return calls
+        calls.append((slice(k * c, 2 * k * c), tuple((j, slice(None)) for j in after)))
+    return tuple(calls)
 
 
-def step_order(causal: bool, rank: int, pred, step: int, k: int) -> list[int]:
-    """The cycles of the units held at `step`, slot by slot: with the causal mask the units from
-    earlier ranks first, then those from later ones (each group one kernel call); own units and
-    unmasked steps in cycle order."""
-    if not causal or step == 0 or step >= len(pred[0]):
-        return list(range(k))
-    before = [j for j in range(k) if origin(pred[j], rank, step) < rank]
-    return before + [j for j in range(k) if j not in before]
+@lru_cache(maxsize=None)
+def placement(world_size: int, causal: bool, rank: int, step: int) -> tuple[tuple[int, int], ...]:
+    """For each cycle j, the (front, back) pieces of the zigzag buffer [2k, c, B, ...] holding the
+    unit of cycle j at `step`. Own units (step 0, and the owner's layout after the last step) and
+    unmasked steps: whole units in cycle order. Causal steps: the front halves of the units from
+    earlier ranks (pieces 0..nb-1, one call), the whole units from later ranks (next 2*na pieces,
+    the other call), the back halves of the earlier ones last."""
+    k = num_cycles(world_size)
+    if not causal or step == 0 or step >= world_size:
+        return tuple((2 * j, 2 * j + 1) for j in range(k))
+    origins = _origins(world_size, rank, step)
+    before = [j for j in range(k) if origins[j] < rank]
+    after = [j for j in range(k) if origins[j] > rank]
+    nb, na = len(before), len(after)
+    pos: dict[int, tuple[int, int]] = {}
+    for i, j in enumerate(before):
+        pos[j] = (i, nb + 2 * na + i)
+    for i, j in enumerate(after):
+        pos[j] = (nb + 2 * i, nb + 2 * i + 1)
+    return tuple(pos[j] for j in range(k))
 
 
-def slot_calls(causal: bool, rank: int, pred, step: int, k: int, c: int) -> list[tuple[slice, slice, slice]]:
-    """The kernel calls of step s >= 1 as (query rows, slots, rows of each unit) in the step's slot
-    order (`step_order`), the call over every query row last (it can end the forward with the fused
-    final merge). The same calls as `step_calls`."""
+def _run(pieces: list[int]) -> slice:
+    """The pieces of one call as a slice (they are consecutive by construction of `placement`)."""
+    lo, hi = min(pieces), max(pieces) + 1
+    assert sorted(pieces) == list(range(lo, hi)) and pieces == sorted(pieces), pieces
+    return slice(lo, hi)
+
+
+@lru_cache(maxsize=None)
+def piece_calls(world_size: int, causal: bool, rank: int, step: int, c: int) -> tuple[tuple[slice, slice], ...]:
+    """Step s >= 1's kernel calls as (query rows, run of pieces of the zigzag buffer), the call over
+    every query row last (it can end the forward with the fused final merge)."""
+    pos = placement(world_size, causal, rank, step)
     calls = []
-    for rows, parts in step_calls(causal, rank, pred, step, k, c):
-        n = len(parts)
-        start = 0 if parts[0][1] == slice(0, c) or not causal else k - n  # earlier ranks' units come first
-        calls.append((rows, slice(start, start + n), parts[0][1]))
-    return sorted(calls, key=lambda call: call[0] == ALL)
+    for rows, parts in step_calls(causal, rank, world_size, step, c):
+        pieces = [i for j, sl in parts for i in (pos[j][:1] if sl == slice(0, c) else pos[j])]
+        calls.append((rows, _run(pieces)))
+    return tuple(sorted(calls, key=lambda call: call[0] == ALL))
 
 
 @register
@@ -244,37 +269,34 @@ class TASP(Method):
                              f"got seq_len={case.seq_len}")
         return layouts.zigzag(case.seq_len, case.world_size)
 
-    def _unit_calls(self, masks, causal, r, pred, step, units: _Units):
-        """With packed documents, one call per unit (units come from different ranks, so their
-        keys are not in one increasing order): [(query rows, unit j, unit rows, mask)]."""
-        calls = []
-        for rows, parts in step_calls(causal, r, pred, step, units.k, units.c):
-            for j, sl in parts:
-                o = origin(pred[j], r, step)
-                calls.append((rows, j, sl, masks(r, rows, o, units.cpu_rows[j][sl])))
-        return calls
-
-    def _calls(self, masks, causal, r, pred, step, units: _Units):
-        """Step s >= 1's kernel calls as (query rows, slots, unit rows, documents' mask or None), the
-        call over every query row last."""
+    def _calls(self, masks, causal, r, step, units: _Units):
+        """Step s >= 1's kernel calls as (query rows, run of pieces, documents' mask or None), the
+        call over every query row last. With packed documents one call per unit (units come from
+        different ranks, so their keys are not in one increasing order), each with its mask."""
+        p = units.world_size
         if masks is None:
-            return [(rows, slots, sl, None) for rows, slots, sl in slot_calls(causal, r, pred, step, units.k, units.c)]
-        slot = _slots(step_order(causal, r, pred, step, units.k))  # one call per unit, each with its mask
-        calls = [(rows, slice(slot[j], slot[j] + 1), sl, mask)
-                 for rows, j, sl, mask in self._unit_calls(masks, causal, r, pred, step, units)]
+            if units.flat:
+                return [(ALL, slice(0, units.k), None)]
+            return [(rows, pieces, None) for rows, pieces in piece_calls(p, causal, r, step, units.c)]
+        pos, pred = units.pieces(step), cycle_tables(p)[1]
+        calls = []
+        for rows, parts in step_calls(causal, r, p, step, units.c):
+            for j, sl in parts:
+                pieces = _run(list(pos[j][:1] if sl == slice(0, units.c) else pos[j]))
+                calls.append((rows, pieces, masks(r, rows, origin(pred[j], r, step), units.cpu_rows[j][sl])))
         return sorted(calls, key=lambda call: call[0] == ALL)
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         p, r = comm.world_size, comm.rank
         succ, pred = cycle_tables(p)
         masks = self.block_masks(q, k, comm, causal, docs)
-        units = _Units(q.shape[0], q.shape[1], len(succ), flat=not causal and masks is None)
+        units = _Units(q, p, r, causal, flat=not causal and masks is None)
         buffers = DoubleBuffer()
         state = {}  # out, lse: the accumulators; result: the output in q's dtype once written
 
         def move(step, block):  # units move on while this step computes (double buffering)
-            return _exchange(comm, succ, pred, block, step_order(causal, r, pred, step, units.k),
-                             buffers(step, block), step_order(causal, r, pred, step + 1, units.k))
+            return _exchange(comm, succ, pred, block, units.pieces(step), buffers(step, block),
+                             units.pieces(step + 1))
 
         def compute(step, block):
             held_k, held_v = block
@@ -287,10 +309,10 @@ class TASP(Method):
                 else:
                     state["out"], state["lse"] = kernels.start_accumulators(block_out, block_lse)
                 return
-            calls = self._calls(masks, causal, r, pred, step, units)
-            for i, (rows, slots, sl, mask) in enumerate(calls):
-                block_out, block_lse = kernels.block_forward(q[:, rows], units.keys(held_k, slots, sl),
-                                                             units.keys(held_v, slots, sl), scale=scale,
+            calls = self._calls(masks, causal, r, step, units)
+            for i, (rows, pieces, mask) in enumerate(calls):
+                block_out, block_lse = kernels.block_forward(q[:, rows], units.keys(held_k, pieces),
+                                                             units.keys(held_v, pieces), scale=scale,
                                                              causal_offset=None, kernel=self.kernel, mask=mask)
                 if step == p - 1 and i == len(calls) - 1 and rows == ALL:  # the cast fused into the last merge
                     state["result"] = kernels.merge_final(state["out"], state["lse"], block_out, block_lse, q.dtype)
@@ -305,14 +327,14 @@ class TASP(Method):
         q, k, v, out, lse, masks = residuals
         p, r = comm.world_size, comm.rank
         succ, pred = cycle_tables(p)
-        units = _Units(q.shape[0], q.shape[1], len(succ), flat=not causal and masks is None)
+        units = _Units(q, p, r, causal, flat=not causal and masks is None)
         acc = kernels.acc_dtype(q.dtype)
         kv_buffers, acc_buffers = DoubleBuffer(), DoubleBuffer()
         grads = {}
 
         def exchange(buffers):  # the units (or their accumulators) of `step` go on along their cycles
-            return lambda step, block: _exchange(comm, succ, pred, block, step_order(causal, r, pred, step, units.k),
-                                                 buffers(step, block), step_order(causal, r, pred, step + 1, units.k))
+            return lambda step, block: _exchange(comm, succ, pred, block, units.pieces(step), buffers(step, block),
+                                                 units.pieces(step + 1))
 
         def compute(step, block):
             held_k, held_v = block
@@ -321,27 +343,27 @@ class TASP(Method):
                                                     causal_offset=0 if causal else None, kernel=self.kernel,
                                                     mask=masks(r, ALL, r, ALL) if masks else None)
                 grads["dq"] = gq if p == 1 else kernels.accumulate_(None, ALL, gq)
-                return [(None, None, gk, gv)]
-            calls = self._calls(masks, causal, r, pred, step, units)
+                return [(None, gk, gv)]
+            calls = self._calls(masks, causal, r, step, units)
             pending = []  # contributions, added once the units' accumulators have arrived
-            for i, (rows, slots, sl, mask) in enumerate(calls):
-                gq, gk, gv = kernels.block_backward(dout[:, rows], q[:, rows], units.keys(held_k, slots, sl),
-                                                    units.keys(held_v, slots, sl), out[:, rows], lse[:, :, rows],
+            for i, (rows, pieces, mask) in enumerate(calls):
+                gq, gk, gv = kernels.block_backward(dout[:, rows], q[:, rows], units.keys(held_k, pieces),
+                                                    units.keys(held_v, pieces), out[:, rows], lse[:, :, rows],
                                                     scale=scale, causal_offset=None, kernel=self.kernel, mask=mask)
                 if step == p - 1 and i == len(calls) - 1 and rows == ALL:
                     grads["dq"] = kernels.accumulate_final(grads["dq"], gq, q.dtype)  # the cast fused into the last sum
                 else:
                     grads["dq"] = kernels.accumulate_(grads["dq"], rows, gq)
-                pending.append((slots, sl, gk, gv))
+                pending.append((pieces, gk, gv))
             return pending
 
         def add(step, dkv, pending):
             if dkv is None:  # own units' accumulators, from our own block's dK/dV
-                (_, _, gk, gv), = pending
+                (_, gk, gv), = pending
                 return [gk, gv] if p == 1 else [units.split(gk, acc), units.split(gv, acc)]
-            for slots, sl, gk, gv in pending:
-                units.add_keys_grad_(dkv[0], slots, sl, gk)
-                units.add_keys_grad_(dkv[1], slots, sl, gv)
+            for pieces, gk, gv in pending:
+                units.add_keys_grad_(dkv[0], pieces, gk)
+                units.add_keys_grad_(dkv[1], pieces, gv)
             return dkv
 
         # accumulators follow their units one round behind; after the last step the hop reaches each owner

@@ -236,13 +236,30 @@ def test_zigzag_and_burst_do_equal_causal_work_per_step(world_size):
 
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6, 8])
 def test_zigzag_tasp_does_equal_causal_work_per_step(world_size):
-    from methods.tasp import cycle_tables, step_calls
-    _, pred = cycle_tables(world_size)
-    k, c = len(pred), 3
+    from methods.tasp import num_cycles, step_calls
+    k, c = num_cycles(world_size), 3
     for step in range(1, world_size):
         work = {sum(_rows(rows, 2 * k * c) * sum(_rows(sl, 2 * c) for _, sl in parts)
-                    for rows, parts in step_calls(True, rank, pred, step, k, c)) for rank in range(world_size)}
+                    for rows, parts in step_calls(True, rank, world_size, step, c)) for rank in range(world_size)}
         assert work == {2 * k * k * c * c}, (step, work)  # k units of 2kc^2 pairs each
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6, 7, 8, 9, 12])
+def test_tasp_calls_read_their_keys_as_one_run_of_pieces(world_size):
+    """Every kernel call of a causal step reads its keys from consecutive pieces of the held buffer
+    (no gather), each unit sits in two distinct pieces, and the pieces a call reads are exactly its
+    units' parts."""
+    from methods.tasp import num_cycles, piece_calls, placement, step_calls
+    k, c = num_cycles(world_size), 3
+    for rank in range(world_size):
+        for step in range(1, world_size):
+            pos = placement(world_size, True, rank, step)
+            assert sorted(i for both in pos for i in both) == list(range(2 * k))
+            for (rows, parts), (rows2, run) in zip(sorted(step_calls(True, rank, world_size, step, c),
+                                                          key=lambda call: call[0] == slice(None)),
+                                                   piece_calls(world_size, True, rank, step, c)):
+                want = [i for j, sl in parts for i in (pos[j][:1] if sl == slice(0, c) else pos[j])]
+                assert rows == rows2 and want == list(range(run.start, run.stop)), (rank, step)
 
 
 def test_stripe_work_differs_by_at_most_one_diagonal():
