@@ -126,7 +126,8 @@ _FREE = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_stri
          "aten.new_empty_strided.default", "aten.lift_fresh.default"}  # allocations: no memory traffic
 # in-place ops that overwrite their first argument without reading it: charged its write only (the
 # generic rule charges every argument as read and the output as written)
-_OVERWRITE = {"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tensor", "aten.zero_.default"}
+_OVERWRITE = {"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tensor", "aten.zero_.default",
+              "aten.index_copy_.default"}
 
 
 def _tensor_bytes(x) -> int:
