@@ -32,7 +32,8 @@ from methods.registry import register
 
 
 def _gather_global(comm: Comm, x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """All ranks' x [B, L, Hkv, D] -> the global sequence [B, S, Hkv, D] (global order)."""
+    """All ranks' x [B, L, Hkv, D] -> the global sequence [B, S, Hkv, D] in the order `order` gives
+    (packed documents: any permutation of positions)."""
     p = comm.world_size
     b, l, h, d = x.shape
     gathered = torch.empty(p, b, l, h, d, dtype=x.dtype, device=x.device)
@@ -43,13 +44,83 @@ def _gather_global(comm: Comm, x: torch.Tensor, order: torch.Tensor) -> torch.Te
 
 
 def _reduce_scatter_global(comm: Comm, full: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks of full [B, S, Hkv, D] (global order), this rank's tokens [B, L, Hkv, D]."""
+    """Sum over ranks of full [B, S, Hkv, D] (the order `order` gives), this rank's tokens [B, L, Hkv, D]."""
     p = comm.world_size
     b, s, h, d = full.shape
     rank_major = full[:, order].reshape(b, p, s // p, h, d).permute(1, 0, 2, 3, 4).contiguous()
     out = torch.empty(1, b, s // p, h, d, dtype=full.dtype, device=full.device)
     comm.reduce_scatter(out, rank_major)
     return out[0]
+
+
+class _Zigzag:
+    """The gathered K/V of the zigzag layout held sequence-major, so that no step copies more than
+    the layout needs: every rank's tokens as [L, B, ...] pieces (a local transpose, a view with a
+    batch of one), gathered rank-major [P, 2, c, B, ...] with one all-gather.
+
+    Without a mask the order of keys is free: the keys are the gathered buffer itself (a strided
+    view [B, S, ...], which flash-attn takes as it is). With the causal mask the two calls need
+    global order, which interleaves front chunks (chunk r = rank r's front) with back chunks in
+    reverse (chunk 2P-1-r = rank r's back): one copy into [2P, c, B, ...]. dK/dV are accumulated in
+    fp32 directly in the rank-major layout the reduce-scatter sends (each call's gradient added
+    through strided views, the reversed back chunks with one indexed add), so nothing is reordered
+    or copied before the reduce-scatter, and the result is cast once."""
+
+    def __init__(self, comm: Comm, causal: bool, x: torch.Tensor):
+        self.comm, self.causal = comm, causal
+        self.p, (self.b, self.l) = comm.world_size, x.shape[:2]
+        self.c = self.l // 2
+        # back chunks of global index P..2P-1 belong to ranks P-1..0
+        self.reverse = torch.arange(self.p - 1, -1, -1, device=x.device)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's x [B, L, ...] -> keys [B, S, ...] (a view): rank-major without a mask, in global
+        order with the causal mask."""
+        p, b, l, c = self.p, self.b, self.l, self.c
+        rest = x.shape[2:]
+        gathered = torch.empty(p, l, b, *rest, dtype=x.dtype, device=x.device)
+        self.comm.all_gather(gathered, x.transpose(0, 1).contiguous().unsqueeze(0))
+        if self.causal:
+            pieces = gathered.view(p, 2, c, b, *rest)
+            full = torch.empty(2, p, c, b, *rest, dtype=x.dtype, device=x.device)
+            full[0].copy_(pieces[:, 0])                                   # fronts: chunk r = rank r
+            full[1].index_copy_(0, self.reverse, pieces[:, 1])            # backs: chunk 2P-1-r = rank r
+            gathered = full
+        return gathered.view(p * l, b, *rest).transpose(0, 1)
+
+    def add_grad_(self, acc: torch.Tensor, grad: torch.Tensor, start: bool) -> None:
+        """acc [P, 2, c, B, ...] (rank-major, sequence-major) += grad [B, n, ...], the gradient of the
+        first n keys of `gather`; `start`: the first call, whose keys cover every key another call
+        reads, writes instead of adding (and zeroes what it does not cover)."""
+        p, b, c = self.p, self.b, self.c
+        rest = grad.shape[2:]
+        if not self.causal:  # the keys are rank-major: the gradient is in acc's order already
+            flat = acc.view(p * self.l, b, *rest)
+            if start:
+                flat.copy_(grad.transpose(0, 1))
+            else:
+                flat.add_(grad.transpose(0, 1))
+            return
+        chunks = grad.shape[1] // c
+        g = grad.view(b, chunks, c, *rest).permute(1, 2, 0, *range(3, 3 + len(rest)))  # [chunks, c, B, ...]
+        fronts = min(chunks, p)
+        if start:
+            acc[:fronts, 0].copy_(g[:fronts])
+            acc[fronts:, 0].zero_()
+            acc[:2 * p - chunks, 1].zero_()
+        else:
+            acc[:fronts, 0].add_(g[:fronts])
+        # back chunks, global index P.. = ranks P-1, P-2, ...: one op each (a reversed run is no
+        # strided view, and indexed copies need one dtype where the gradient is bf16 and acc fp32)
+        for chunk in range(p, chunks):
+            (acc[2 * p - 1 - chunk, 1].copy_ if start else acc[2 * p - 1 - chunk, 1].add_)(g[chunk])
+
+    def reduce_scatter(self, acc: torch.Tensor, dtype) -> torch.Tensor:
+        """The sum over ranks of acc, this rank's share [B, L, ...] in `dtype` (one cast)."""
+        out = torch.empty(1, *acc.shape[1:], dtype=acc.dtype, device=acc.device)
+        self.comm.reduce_scatter(out, acc)
+        rest = acc.shape[4:]
+        return out[0].view(self.l, self.b, *rest).transpose(0, 1).to(dtype, memory_format=torch.contiguous_format)
 
 
 def _blocks(causal: bool, rank: int, p: int, local_len: int):
@@ -112,8 +183,7 @@ class AllGatherKV(DocumentSharding, Method):
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         masks = self.block_masks(q, k, comm, causal, self.documents_for(q, comm, docs))
-        order = self._order(comm, q.shape[1], masks).to(q.device)
-        k_full, v_full = _gather_global(comm, k, order), _gather_global(comm, v, order)
+        k_full, v_full = self._gather(comm, causal, masks, q, k, v)
         outs, lses = [], []
         for rows, keys, offset in self._calls(causal, comm, q.shape[1], masks):
             o, l = kernels.block_forward(q[:, rows], k_full[:, :keys], v_full[:, :keys], scale=scale,
@@ -121,27 +191,53 @@ class AllGatherKV(DocumentSharding, Method):
                                          mask=self._mask(masks, comm, rows, keys))
             outs.append(o)
             lses.append(l)
-        out, lse = torch.cat(outs, dim=1), torch.cat(lses, dim=2)
+        out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, dim=1), torch.cat(lses, dim=2))
         return out, lse, (q, k, v, out, lse, masks)
+
+    def _gather(self, comm, causal, masks, q, k, v):
+        """(K, V) of the whole sequence [B, S, Hkv, D] in the order the calls read them."""
+        if masks is None:
+            zz = _Zigzag(comm, causal, k)
+            return zz.gather(k), zz.gather(v)
+        order = self._order(comm, q.shape[1], masks).to(q.device)
+        return _gather_global(comm, k, order), _gather_global(comm, v, order)
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
         q, k, v, out, lse, masks = residuals
-        order = self._order(comm, q.shape[1], masks).to(q.device)
-        k_full, v_full = _gather_global(comm, k, order), _gather_global(comm, v, order)
+        k_full, v_full = self._gather(comm, causal, masks, q, k, v)
         acc = kernels.acc_dtype(q.dtype)
+        zz = _Zigzag(comm, causal, k) if masks is None else None
+        if zz is not None:  # rank-major fp32 accumulators, the reduce-scatter's input as they are
+            shape = (comm.world_size, 2, zz.c, k.shape[0], *k.shape[2:])
+            dk_acc = torch.empty(shape, dtype=acc, device=q.device)
+            dv_acc = torch.empty(shape, dtype=acc, device=q.device)
+        else:
+            dk_acc = torch.zeros(k_full.shape, dtype=acc, device=q.device)
+            dv_acc = torch.zeros(v_full.shape, dtype=acc, device=q.device)
         dq = torch.empty_like(q)
-        dk_full = torch.zeros(k_full.shape, dtype=acc, device=q.device)
-        dv_full = torch.zeros(v_full.shape, dtype=acc, device=q.device)
-        for rows, keys, offset in self._calls(causal, comm, q.shape[1], masks):
+        # the call over the most keys first: it covers every key another call reads, so it starts
+        # the accumulators
+        calls = sorted(self._calls(causal, comm, q.shape[1], masks), key=lambda call: -call[1])
+        for i, (rows, keys, offset) in enumerate(calls):
             bdq, bdk, bdv = kernels.block_backward(dout[:, rows], q[:, rows], k_full[:, :keys], v_full[:, :keys],
                                                    out[:, rows], lse[:, :, rows], scale=scale,
                                                    causal_offset=offset, kernel=self.kernel,
                                                    mask=self._mask(masks, comm, rows, keys))
-            dq[:, rows] = bdq
-            # add_ on the slice, not `+=` on an indexed tensor: Python's augmented assignment would
-            # write the sum back through __setitem__, a second full pass over the slice
-            dk_full[:, :keys].add_(bdk)
-            dv_full[:, :keys].add_(bdv)
-        dk = _reduce_scatter_global(comm, dk_full, order)
-        dv = _reduce_scatter_global(comm, dv_full, order)
+            if len(calls) == 1:
+                dq = bdq
+            else:
+                dq[:, rows] = bdq
+            if zz is not None:
+                zz.add_grad_(dk_acc, bdk, start=i == 0)
+                zz.add_grad_(dv_acc, bdv, start=i == 0)
+            else:
+                # add_ on the slice, not `+=` on an indexed tensor: Python's augmented assignment would
+                # write the sum back through __setitem__, a second full pass over the slice
+                dk_acc[:, :keys].add_(bdk)
+                dv_acc[:, :keys].add_(bdv)
+        if zz is not None:
+            return dq, zz.reduce_scatter(dk_acc, k.dtype), zz.reduce_scatter(dv_acc, v.dtype)
+        order = self._order(comm, q.shape[1], masks).to(q.device)
+        dk = _reduce_scatter_global(comm, dk_acc, order)
+        dv = _reduce_scatter_global(comm, dv_acc, order)
         return dq, dk.to(k.dtype), dv.to(v.dtype)
