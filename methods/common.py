@@ -10,18 +10,31 @@ import torch
 from methods.comm.base import Comm
 
 
-def seq_to_heads(comm: Comm, x: torch.Tensor) -> torch.Tensor:
+def seq_to_heads(comm: Comm, x: torch.Tensor, rep: int = 1, contiguous: bool = True) -> torch.Tensor:
     """All-to-all from sequence-sharded to head-sharded (DeepSpeed-Ulysses, first all-to-all).
 
-    x: [B, S_local, H, D] holding this rank's contiguous tokens and all heads.
-    Returns [B, S_local * P, H / P, D]: every token, heads [rank*H/P, (rank+1)*H/P).
+    x: [B, S_local, H, D] holding this rank's contiguous tokens and all heads; `rep` > 1 replicates
+    each head that many times first (GQA with fewer KV heads than ranks: then one head per rank).
+    Returns [B, S_local * P, H*rep / P, D]: every token, heads [rank*H/P, (rank+1)*H/P).
+
+    One copy in any case: the send buffer is built sequence-major [P, S_local, B, H/P, D] straight
+    from x (the replication folded into it), so what arrives is the sequence-major [S, B, H/P, D]
+    the result views; with `contiguous` False the caller takes that strided view (a kernel reads it
+    as it is), else it is made contiguous (a second copy only with a batch above one: the ring of
+    USP sends its blocks as they are).
     """
     p = comm.world_size
     b, s, h, d = x.shape
-    send = x.reshape(b, s, p, h // p, d).permute(2, 0, 1, 3, 4).contiguous()   # [P, B, S_local, H/P, D]
+    hp = h * rep // p
+    send = torch.empty(p, s, b, hp, d, dtype=x.dtype, device=x.device)
+    if rep == 1:
+        send.copy_(x.view(b, s, p, hp, d).permute(2, 1, 0, 3, 4))
+    else:  # h * rep == p: rank g gets head g // rep
+        send.view(h, rep, s, b, d).copy_(x.permute(2, 1, 0, 3).unsqueeze(1).expand(h, rep, s, b, d))
     recv = torch.empty_like(send)
-    comm.all_to_all(recv, send)                                                # [P(src), B, S_local, H/P, D]
-    return recv.permute(1, 0, 2, 3, 4).reshape(b, p * s, h // p, d)             # [B, S, H/P, D]
+    comm.all_to_all(recv, send)                                                # [P(src), S_local, B, H/P, D]
+    out = recv.view(p * s, b, hp, d).transpose(0, 1)                           # [B, S, H/P, D]
+    return out.contiguous() if contiguous else out
 
 
 def heads_to_seq(comm: Comm, x: torch.Tensor) -> torch.Tensor:
@@ -74,18 +87,18 @@ def ulysses_bytes(case, degree: int) -> int:
     return (degree - 1) * case.batch * local * case.head_dim * e * (2 * case.heads + 2 * kv_sent) // degree
 
 
-def ulysses_scatter_heads(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+def ulysses_scatter_heads(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contiguous: bool = True):
     """q [B, L, H, D], k, v [B, L, Hkv, D] (this rank's tokens, all heads) -> every token of the
     group for this rank's heads: q_h [B, L*U, H/U, D], k_h, v_h [B, L*U, Hkv'/U, D], and the KV
-    replication factor (Hkv' = Hkv * replication). U = comm.world_size."""
+    replication factor (Hkv' = Hkv * replication). U = comm.world_size. `contiguous`: see
+    `seq_to_heads`."""
     degree = comm.world_size
     reason = check_ulysses_heads(q.shape[2], k.shape[2], degree)
     if reason:
         raise ValueError(reason)
     rep = kv_replication(k.shape[2], degree)
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)   # [B, L, U, D]
-    return seq_to_heads(comm, q), seq_to_heads(comm, k), seq_to_heads(comm, v), rep
+    return (seq_to_heads(comm, q, contiguous=contiguous), seq_to_heads(comm, k, rep, contiguous),
+            seq_to_heads(comm, v, rep, contiguous), rep)
 
 
 def ulysses_gather_grads(comm: Comm, dq_h: torch.Tensor, dk_h: torch.Tensor, dv_h: torch.Tensor, rep: int):

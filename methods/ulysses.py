@@ -63,7 +63,8 @@ class Ulysses(Method):
             out, lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=offset, kernel=self.kernel,
                                              mask=mask)
             return out, lse, (q, k, v, out, lse, 1, mask)
-        q_h, k_h, v_h, rep = ulysses_scatter_heads(comm, q, k, v)              # [B, S, H/P, D]
+        # [B, S, H/P, D], sequence-major views: the one local kernel reads them as they are
+        q_h, k_h, v_h, rep = ulysses_scatter_heads(comm, q, k, v, contiguous=False)
         out_h, lse_h = kernels.block_forward(q_h, k_h, v_h, scale=scale, causal_offset=offset,
                                              kernel=self.kernel, mask=mask)  # [B, S, H/P, D], [B, H/P, S]
         out = heads_to_seq(comm, out_h)                                      # [B, L, H, D]
@@ -76,6 +77,7 @@ class Ulysses(Method):
         if comm.world_size == 1:
             return kernels.block_backward(dout, q_h, k_h, v_h, out_h, lse_h, scale=scale,
                                           causal_offset=offset, kernel=self.kernel, mask=mask)
-        dq_h, dk_h, dv_h = kernels.block_backward(seq_to_heads(comm, dout), q_h, k_h, v_h, out_h, lse_h,
-                                                  scale=scale, causal_offset=offset, kernel=self.kernel, mask=mask)
+        dout_h = seq_to_heads(comm, dout, contiguous=False)
+        dq_h, dk_h, dv_h = kernels.block_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, scale=scale,
+                                                  causal_offset=offset, kernel=self.kernel, mask=mask)
         return ulysses_gather_grads(comm, dq_h, dk_h, dv_h, rep)
