@@ -1,4 +1,4 @@
-"""TASP's own tensor work under the causal mask, as the tracer sees it (docs/DESIGN.md's simulator
+"""TASP's own tensor work under the causal mask, as the tracer sees it (the simulator of docs/DESIGN.md section 10
 replays these traces, so a copy hidden from it would be a speed-up the hardware never sees)."""
 import pytest
 
