@@ -1,0 +1,26 @@
+"""TASP's own tensor work under the causal mask, as the tracer sees it (the simulator of docs/DESIGN.md section 10
+replays these traces, so a copy hidden from it would be a speed-up the hardware never sees)."""
+import pytest
+
+from methods.base import Case
+from methods.tasp import num_cycles, piece_calls
+from suite.sim.trace import Memory, trace
+
+
+@pytest.mark.parametrize("world_size", [3, 4, 8])
+def test_causal_forward_copies_nothing_but_the_split_of_its_units(world_size):
+    """Per rank: the split of K and V into their units (one copy each), the start of the
+    accumulators, then one fused merge per kernel call and nothing else (no gather of a call's
+    keys, for any batch); where no call of the last step covers every query row, one more pass
+    casts the output. The count must not depend on the batch."""
+    p, k = world_size, num_cycles(world_size)
+    c = 2
+    for batch in (1, 3):
+        case = Case(batch=batch, seq_len=2 * p * k * c, heads=4, kv_heads=2, head_dim=8, dtype="bfloat16",
+                    causal=True, world_size=p)
+        tr = trace("tasp", case, "fwd")
+        for rank, events in enumerate(tr.ranks):
+            calls = [piece_calls(p, True, rank, step, c) for step in range(1, p)]
+            final_cast = all(rows != slice(None) for rows, _ in calls[-1])
+            want = 2 + 1 + sum(map(len, calls)) + final_cast
+            assert sum(e.ops for e in events if isinstance(e, Memory)) == want, (batch, rank)
