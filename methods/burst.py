@@ -20,22 +20,23 @@ ring of the paper's code (methods/kv_ring.TwoLevelRoute): intra-node ring steps,
 inter-node hop sent at the start of each cycle and hidden behind it.
 
 Communication per rank (L = S/P local tokens, e input bytes, a = 4 accumulator bytes, 8 for
-float64; the dQ accumulator travels in fp32: BurstAttention's released code ships it in the input
-dtype, which rounds the partial sums of dQ to bf16 at every hop):
+float64; the dQ accumulator travels in fp32 between its first and last hops: BurstAttention's
+released code ships it in the input dtype on every hop, which rounds the partial sums of dQ to bf16
+at every hop; here only the first hop, which carries the owner's own block gradient as the kernel
+produced it, and the hop home, whose sum the owner returns in that dtype, carry the input dtype,
+`kernels.follow_add`):
     forward:  sent = received = (P-1) * 2*B*L*Hkv*D*e                        (K, V)
     backward: sent = received = (P-1) * (2*B*L*H*D*e + 2*B*H*L*a)           (Q, dO; D, lse)
-                                + P * B*L*H*D*a                              (dQ, P hops)
+                                + 2 * B*L*H*D*e + (P-2) * B*L*H*D*a          (dQ, P hops; P >= 2)
 With GQA the query packet carries H heads where a K/V ring carries Hkv: for H/Hkv > 4/3 this
 backward moves more bytes than the K/V + dK/dV ring (a property of the algorithm, not a bug).
 Memory beyond inputs and outputs: two packets in flight, two dQ accumulators, fp32 dK/dV.
 """
 from __future__ import annotations
 
-import torch
-
 from methods import kernels
 from methods.base import Case, Method, element_bytes
-from methods.kv_ring import ALL, Plan, circulate, kv_ring_forward, make_route
+from methods.kv_ring import Plan, circulate, kv_ring_forward, make_route
 from methods.registry import register
 from methods.zigzag_ring import zigzag_plan
 
@@ -71,7 +72,8 @@ class Burst(Method):
         n = (p - 1) * 2 * b * l * case.kv_heads * d * e                    # forward: K, V
         if pass_ == "fwd_bwd":
             n += (p - 1) * (2 * b * l * h * d * e + 2 * b * h * l * a)    # Q, dO; D, lse
-            n += p * b * l * h * d * a if p > 1 else 0                     # the dQ accumulator
+            if p > 1:  # the dQ accumulator, P hops: the first and the last in the input dtype
+                n += 2 * b * l * h * d * e + (p - 2) * b * l * h * d * a
         return n, n
 
     def supports(self, case: Case) -> tuple[bool, str]:
@@ -94,37 +96,28 @@ class Burst(Method):
         plan = query_ring_plan(causal, comm.rank, q.shape[1])
         delta = kernels.softmax_delta(dout, out)           # D: [B, H, L]
         packet = [q, dout, delta, lse]                     # the visiting query block (own, at step 0)
-        grads = {"dk": None, "dv": None}  # fp32, started by the first block (the own block: every key row)
+        dk, dv = kernels.GradAccumulator(k), kernels.GradAccumulator(v)   # this rank's keys' gradients
 
         def compute(step, block):
             q_vis, dout_vis, delta_vis, lse_vis = block
             pending = []  # partial dQ of the visiting block, added once its accumulator has arrived
             src = route.src(step)
-            for blk in plan(src):  # the visiting queries are src's rows; the keys are this rank's
+            blocks = plan(src)
+            for i, blk in enumerate(blocks):  # the visiting queries are src's rows; the keys are this rank's
                 bdq, bdk, bdv = kernels.block_backward(
                     dout_vis[:, blk.q_rows], q_vis[:, blk.q_rows], k[:, blk.k_rows], v[:, blk.k_rows], None,
                     lse_vis[:, :, blk.q_rows], delta=delta_vis[:, :, blk.q_rows], scale=scale,
                     causal_offset=blk.causal_offset, kernel=self.kernel,
                     mask=masks(src, blk.q_rows, comm.rank, blk.k_rows) if masks else None)
-                if grads["dk"] is None and blk.k_rows != ALL:
-                    grads["dk"], grads["dv"] = (torch.zeros(x.shape, dtype=kernels.acc_dtype(x.dtype), device=x.device)
-                                                for x in (k, v))
-                grads["dk"] = kernels.accumulate_(grads["dk"], blk.k_rows, bdk)
-                grads["dv"] = kernels.accumulate_(grads["dv"], blk.k_rows, bdv)
+                last = step == p - 1 and i == len(blocks) - 1
+                dk.add(blk.k_rows, bdk, last)
+                dv.add(blk.k_rows, bdv, last)
                 pending.append((blk.q_rows, bdq))
             return pending
 
-        def add(step, dq_acc, pending):
-            if dq_acc is None:  # our own block's dQ accumulator starts from our contribution
-                dq_acc = [None]
-                if not (len(pending) == 1 and pending[0][0] == ALL):
-                    dq_acc = [torch.zeros(q.shape, dtype=kernels.acc_dtype(q.dtype), device=q.device)]
-            for rows, bdq in pending:
-                dq_acc = [kernels.accumulate_(dq_acc[0], rows, bdq)]
-            return dq_acc
+        def add(step, dq_acc, pending):  # first hop and the hop home in the input dtype, fp32 between
+            return [kernels.follow_add(None if dq_acc is None else dq_acc[0], pending, q,
+                                       first_hop=step == 0 and p > 1, last_hop=step == p - 1)]
 
         dq = circulate(p, packet, move=route.start_move, compute=compute, add=add, follow=route.start_follow)[0]
-        dk, dv = grads["dk"], grads["dv"]
-        if dk is None:  # a plan that skipped everything
-            dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+        return dq, dk.finish(), dv.finish()

@@ -557,6 +557,58 @@ def _merge_final_op_fake(out, lse, block_out, block_lse, dtype):
     return torch.empty(out.shape, dtype=dtype, device=out.device)
 
 
+def _merge_start_eager(out_a, lse_a, out_b, lse_b):
+    out, lse = out_a.to(acc_dtype(out_a.dtype), copy=True), lse_a.clone()   # fresh: the inputs stay as they are
+    _merge_eager(out, lse, out_b, lse_b)
+    return out, lse
+
+
+def _merge_start_fused(out_a, lse_a, out_b, lse_b):
+    new_lse, w_a, w_b = _merge_weights(lse_a, lse_b)
+    dt = acc_dtype(out_a.dtype)
+    return out_a.to(dt) * w_a + out_b.to(dt) * w_b, new_lse
+
+
+_MERGE_START_COMPILED = _Compiled(_merge_start_fused)
+
+
+@torch.library.custom_op("sp_attention::merge_start", mutates_args=())
+def _merge_start_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    if _use_compiled(out_a):
+        result = _MERGE_START_COMPILED(out_a.device.type, out_a, lse_a, out_b, lse_b)
+        if result is not NotImplemented:
+            return result
+    return _merge_start_eager(out_a, lse_a, out_b, lse_b)
+
+
+@_merge_start_op.register_fake
+def _merge_start_op_fake(out_a, lse_a, out_b, lse_b):
+    return (torch.empty(out_a.shape, dtype=acc_dtype(out_a.dtype), device=out_a.device),
+            torch.empty(lse_a.shape, dtype=lse_a.dtype, device=lse_a.device))
+
+
+def _sum_start_eager(a, b):
+    return a.to(acc_dtype(a.dtype), copy=True).add_(b)   # fresh: a stays as it is
+
+
+_SUM_START_COMPILED = _Compiled(_sum_start_eager)
+
+
+@torch.library.custom_op("sp_attention::sum_start", mutates_args=())
+def _sum_start_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    if _use_compiled(a):
+        result = _SUM_START_COMPILED(a.device.type, a, b)
+        if result is not NotImplemented:
+            return result
+    return _sum_start_eager(a, b)
+
+
+@_sum_start_op.register_fake
+def _sum_start_op_fake(a, b):
+    return torch.empty(a.shape, dtype=acc_dtype(a.dtype), device=a.device)
+
+
 def _delta_eager(dout, out):
     acc = acc_dtype(dout.dtype)
     return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()   # [B, H, S]
@@ -636,6 +688,147 @@ def accumulate_final(acc: Optional[torch.Tensor], block: torch.Tensor, dtype: to
     if acc is None:
         return block.to(dtype)
     return torch.add(acc, block, out=torch.empty(acc.shape, dtype=dtype, device=acc.device))
+
+
+def merge_start(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
+                lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh accumulators (out fp32, lse) holding the merge of two blocks' results over every row:
+    one pass (fused where compiled) instead of casting the first into an accumulator and merging
+    the second into it."""
+    return torch.ops.sp_attention.merge_start(out_a, lse_a, out_b, lse_b)
+
+
+def sum_start(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a + b, two gradients of every row in the input dtype, as a fresh accumulator (fp32; float64
+    for float64), summed in the accumulator dtype: one pass where compiled (the eager fallback
+    casts, then adds)."""
+    return torch.ops.sp_attention.sum_start(a, b)
+
+
+class OutputAccumulator:
+    """The online-softmax result of a rank's queries q [B, L, H, D] over the blocks it computes.
+
+    The first block covering every row is held as the kernel returned it (input dtype) until the
+    next one: two blocks start the fp32 accumulators in one pass (`merge_start`), a block that
+    turns out to be the only one is the result as it is, and the last block over every row
+    writes the output in q's dtype (`merge_final`)."""
+
+    def __init__(self, q: torch.Tensor):
+        self.q = q
+        self.first: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+        self.out: Optional[torch.Tensor] = None
+        self.lse: Optional[torch.Tensor] = None
+        self.result: Optional[torch.Tensor] = None
+
+    def add(self, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor, last: bool) -> None:
+        """Fold one block's (out [B, n, H, D], lse [B, H, n]) of query `rows`; `last`: no block follows."""
+        if self.out is None and self.first is None and rows == slice(None):
+            if last:
+                self.result, self.lse = block_out, block_lse
+            else:
+                self.first = (block_out, block_lse)
+            return
+        if self.first is not None:
+            (first_out, first_lse), self.first = self.first, None
+            if rows == slice(None) and not last:
+                self.out, self.lse = merge_start(first_out, first_lse, block_out, block_lse)
+                return
+            self.out, self.lse = start_accumulators(first_out, first_lse)
+        if self.out is None:
+            self.out, self.lse = empty_accumulators(self.q)
+        if last and rows == slice(None):
+            self.result = merge_final(self.out, self.lse, block_out, block_lse, self.q.dtype)
+        else:
+            merge_(self.out[:, rows], self.lse[:, :, rows], block_out, block_lse)
+
+    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(out in q's dtype, lse)."""
+        if self.result is not None:
+            return self.result, self.lse
+        if self.first is not None:
+            return self.first
+        if self.out is None:  # no block at all: no query saw a key
+            self.out, self.lse = empty_accumulators(self.q)
+        return self.out.to(self.q.dtype), self.lse
+
+
+class GradAccumulator:
+    """The sum of a rank's block gradients of one tensor shaped like `like` (e.g. dQ), in fp32
+    (float64 for float64), returned in like's dtype: the first block over every row is held in the
+    input dtype until the next (two blocks start the accumulator in one pass, `sum_start`), and the
+    last block over every row writes the sum in the input dtype (`accumulate_final`)."""
+
+    def __init__(self, like: torch.Tensor):
+        self.like = like
+        self.first: Optional[torch.Tensor] = None
+        self.acc: Optional[torch.Tensor] = None
+        self.result: Optional[torch.Tensor] = None
+
+    def add(self, rows: slice, block: torch.Tensor, last: bool) -> None:
+        if self.acc is None and self.first is None and rows == slice(None):
+            if last:
+                self.result = block
+            else:
+                self.first = block
+            return
+        if self.first is not None:
+            first, self.first = self.first, None
+            if rows == slice(None) and last:
+                self.result = accumulate_final(first, block, self.like.dtype)
+                return
+            if rows == slice(None):
+                self.acc = sum_start(first, block)
+                return
+            self.acc = accumulate_(None, slice(None), first)
+        if self.acc is None:
+            self.acc = torch.zeros(self.like.shape, dtype=acc_dtype(self.like.dtype), device=self.like.device)
+        if last and rows == slice(None):
+            self.result = accumulate_final(self.acc, block, self.like.dtype)
+        else:
+            accumulate_(self.acc, rows, block)
+
+    def finish(self) -> torch.Tensor:
+        if self.result is not None:
+            return self.result
+        if self.first is not None:
+            return self.first
+        if self.acc is None:  # no block at all
+            return torch.zeros_like(self.like)
+        return self.acc.to(self.like.dtype)
+
+
+def follow_add(acc: Optional[torch.Tensor], contributions: list[tuple[slice, torch.Tensor]], like: torch.Tensor, *,
+               first_hop: bool, last_hop: bool) -> torch.Tensor:
+    """The accumulator of a circulating block (dK/dV on the K/V ring, BurstAttention's dQ) after this
+    rank's `contributions` [(rows, gradient)], ready for its next hop.
+
+    It travels in the input dtype on its first hop (the owner's own gradient as the kernel produced
+    it: fp32 would add no information) and on its last hop home (the owner returns the input dtype),
+    in fp32 (float64 for float64) in between, so every rank sends the same bytes. acc None: the
+    owner's own block (its contributions start it); `first_hop`: the accumulator is about to make its
+    first hop; `last_hop`: its next hop brings it home."""
+    dtype, accd = like.dtype, acc_dtype(like.dtype)
+    items = list(contributions)
+    if acc is None:                           # the owner's own block
+        if len(items) == 1 and items[0][0] == slice(None) and (first_hop or last_hop):
+            return items[0][1].contiguous()   # as the kernel produced it
+        acc = torch.zeros(like.shape, dtype=accd, device=like.device)
+    elif acc.dtype != accd:                   # arrived from its first hop, in the input dtype
+        if last_hop and len(items) == 1 and items[0][0] == slice(None):
+            return accumulate_final(acc, items[0][1], dtype)
+        if last_hop and not items:
+            return acc
+        if items and items[0][0] == slice(None):
+            acc = sum_start(acc, items.pop(0)[1])
+        else:
+            acc = acc.to(accd)
+    for i, (rows, grad) in enumerate(items):
+        if last_hop and i == len(items) - 1 and rows == slice(None):
+            return accumulate_final(acc, grad, dtype)
+        acc = accumulate_(acc, rows, grad)
+    # the owner's own block in several blocks (no plan here has that): they cover disjoint rows,
+    # each in the input dtype, so the cast for the first hop is exact
+    return acc.to(dtype) if (first_hop or last_hop) and acc.dtype != dtype else acc
 
 
 def empty_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,13 +15,18 @@ s rank r computes its contribution to the block it holds, then adds it to the ac
 block, which arrives from r-1 (sent one step earlier, so that transfer overlapped this step's
 compute), and sends the sum on. After the last step one more hop brings each accumulator home.
 Block backwards use the global out and lse saved by the forward, so block gradients are exact.
-dQ and the dK/dV accumulators are fp32 (float64 for float64 inputs) and travel in that dtype.
+dQ and the dK/dV accumulators are fp32 (float64 for float64 inputs). An accumulator makes its
+first hop in the input dtype (it holds only the owner's gradient, which the kernel produced in
+that dtype: fp32 would add no information) and its last hop home in the input dtype too (the
+owner returns that dtype; the cast is fused into the last addition), fp32 in between
+(`kernels.follow_add`): exactly the sums of an all-fp32 accumulator, fewer bytes.
 
 Communication per rank and call (L local tokens, e bytes per input element, a bytes per
 accumulator element: 4, or 8 for float64; P ring size):
     forward:  (P-1) * 2*B*L*Hkv*D*e            (K and V, P-1 hops)
-    backward: (P-1) * 2*B*L*Hkv*D*e + P * 2*B*L*Hkv*D*a   (K, V again; dK, dV accumulators, P hops)
-sent and received alike. Memory beyond inputs and outputs: two K/V blocks in flight, the fp32
+    backward: (P-1) * 2*B*L*Hkv*D*e + 2 * 2*B*L*Hkv*D*e + (P-2) * 2*B*L*Hkv*D*a
+              (K, V again; dK, dV accumulators, P hops: the first and the last in the input dtype)
+sent and received alike (P >= 2). Memory beyond inputs and outputs: two K/V blocks in flight, the fp32
 out/lse accumulators; backward: the fp32 dQ and two dK/dV accumulators.
 """
 from __future__ import annotations
@@ -180,13 +185,15 @@ class DoubleBuffer:
     set is free again when its turn comes."""
 
     def __init__(self):
-        self._sets: list[Optional[list[torch.Tensor]]] = [None, None]
+        self._sets: dict[tuple, list[torch.Tensor]] = {}
 
     def __call__(self, step: int, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        i = step % 2
-        if self._sets[i] is None:
-            self._sets[i] = [torch.empty_like(t) for t in like]
-        return self._sets[i]
+        # keyed by shape and dtype too: an accumulator's first and last hops carry the input dtype,
+        # the others fp32 (kernels.follow_add)
+        key = (step % 2, *((tuple(t.shape), t.dtype) for t in like))
+        if key not in self._sets:
+            self._sets[key] = [torch.empty_like(t) for t in like]
+        return self._sets[key]
 
 
 @dataclass(frozen=True)
@@ -251,7 +258,7 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: 
     """
     route = route or RingRoute(comm)
     p = comm.world_size
-    state = {}  # out, lse: the accumulators; result: the output in q's dtype once written
+    acc = kernels.OutputAccumulator(q)
 
     def compute(step, block):
         cur_k, cur_v = block
@@ -262,26 +269,10 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: 
                 q[:, blk.q_rows], cur_k[:, blk.k_rows], cur_v[:, blk.k_rows], scale=scale,
                 causal_offset=blk.causal_offset, kernel=kernel,
                 mask=masks(comm.rank, blk.q_rows, src, blk.k_rows) if masks else None)
-            last = step == p - 1 and i == len(blocks) - 1
-            if "out" not in state and blk.q_rows == ALL:
-                if last:  # the only block: it is the result
-                    state.update(result=block_out, lse=block_lse)
-                else:     # the first block covering every row starts the accumulators
-                    state["out"], state["lse"] = kernels.start_accumulators(block_out, block_lse)
-                continue
-            if "out" not in state:
-                state["out"], state["lse"] = kernels.empty_accumulators(q)
-            if last and blk.q_rows == ALL:  # the cast to q's dtype fused into the last merge
-                state["result"] = kernels.merge_final(state["out"], state["lse"], block_out, block_lse, q.dtype)
-            else:
-                kernels.merge_(state["out"][:, blk.q_rows], state["lse"][:, :, blk.q_rows], block_out, block_lse)
+            acc.add(blk.q_rows, block_out, block_lse, last=step == p - 1 and i == len(blocks) - 1)
 
     circulate(p, [k, v], move=route.start_move, compute=compute)
-    if "result" in state:
-        return state["result"], state["lse"]
-    if "out" not in state:  # a plan that skipped everything: no query saw a key
-        state["out"], state["lse"] = kernels.empty_accumulators(q)
-    return state["out"].to(q.dtype), state["lse"]
+    return acc.finish()
 
 
 def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
@@ -292,8 +283,7 @@ def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     The dK/dV accumulator of each K/V block follows it around the ring (`circulate`)."""
     route = route or RingRoute(comm)
     p = comm.world_size
-    acc = kernels.acc_dtype(q.dtype)
-    grads = {"dq": None}  # fp32 dQ, started by the first block's (every plan's first block covers every row)
+    dq = kernels.GradAccumulator(q)
 
     def compute(step, block):
         cur_k, cur_v = block
@@ -305,36 +295,26 @@ def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
                 dout[:, blk.q_rows], q[:, blk.q_rows], cur_k[:, blk.k_rows], cur_v[:, blk.k_rows],
                 out[:, blk.q_rows], lse[:, :, blk.q_rows], scale=scale, causal_offset=blk.causal_offset,
                 kernel=kernel, mask=masks(comm.rank, blk.q_rows, src, blk.k_rows) if masks else None)
-            if step == p - 1 and i == len(blocks) - 1 and blk.q_rows == ALL:
-                grads["dq"] = kernels.accumulate_final(grads["dq"], bdq, q.dtype)  # the cast fused into the last sum
-            else:
-                if grads["dq"] is None and blk.q_rows != ALL:
-                    grads["dq"] = torch.zeros(q.shape, dtype=acc, device=q.device)
-                grads["dq"] = kernels.accumulate_(grads["dq"], blk.q_rows, bdq)
+            dq.add(blk.q_rows, bdq, last=step == p - 1 and i == len(blocks) - 1)
             pending.append((blk.k_rows, bdk, bdv))
         return pending
 
-    def add(step, dkv, pending):
-        if dkv is None:  # our own block's accumulator starts from our contribution
-            dkv = [None, None]
-            if not (len(pending) == 1 and pending[0][0] == ALL):
-                dkv = [torch.zeros(x.shape, dtype=acc, device=x.device) for x in (k, v)]
-        for rows, bdk, bdv in pending:
-            dkv = [kernels.accumulate_(dkv[0], rows, bdk), kernels.accumulate_(dkv[1], rows, bdv)]
-        return dkv
+    def add(step, dkv, pending):  # first hop and the hop home in the input dtype, fp32 between
+        hops = {"first_hop": step == 0 and p > 1, "last_hop": step == p - 1}
+        return [kernels.follow_add(None if dkv is None else dkv[0], [(rows, g) for rows, g, _ in pending], k, **hops),
+                kernels.follow_add(None if dkv is None else dkv[1], [(rows, g) for rows, _, g in pending], v, **hops)]
 
-    dk_acc, dv_acc = circulate(
-        p, [k, v], move=route.start_move, compute=compute, add=add, follow=route.start_follow)
-    dq = grads["dq"] if grads["dq"] is not None else torch.zeros_like(q)  # None: a plan that skipped everything
-    return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype)
+    dk, dv = circulate(p, [k, v], move=route.start_move, compute=compute, add=add, follow=route.start_follow)
+    return dq.finish(), dk, dv
 
 
 def kv_ring_bytes(case: Case, pass_: str, ring_size: Optional[int] = None, kv_heads: Optional[int] = None,
-                  local_len: Optional[int] = None) -> tuple[int, int]:
+                  local_len: Optional[int] = None, input_dtype_ends: bool = True) -> tuple[int, int]:
     """Bytes one rank sends (and receives) on the K/V ring (the formula of this module's docstring):
     K, V on P-1 hops; the backward again, plus the dK/dV accumulators on P hops. `ring_size`,
     `kv_heads` and `local_len` default to the case's world size, KV heads and S/P (USP's inner
-    ring differs)."""
+    ring differs). `input_dtype_ends`: the accumulators' first and last hops carry the input dtype
+    (`kernels.follow_add`); TASP's carry fp32 on every hop."""
     p = ring_size or case.world_size
     hkv = kv_heads or case.kv_heads
     l = local_len or case.seq_len // case.world_size
@@ -342,7 +322,9 @@ def kv_ring_bytes(case: Case, pass_: str, ring_size: Optional[int] = None, kv_he
     kv = 2 * case.batch * l * hkv * case.head_dim
     n = (p - 1) * kv * e
     if pass_ == "fwd_bwd":
-        n += (p - 1) * kv * e + (p * kv * a if p > 1 else 0)
+        n += (p - 1) * kv * e                   # K, V again
+        if p > 1:                               # the dK/dV accumulators: P hops, the first and the last in
+            n += 2 * kv * e + (p - 2) * kv * a if input_dtype_ends else p * kv * a   # the input dtype
     return n, n
 
 

@@ -11,7 +11,8 @@ stripe_ring fix that.
 Communication per rank (L = S/P, e bytes per input element, a = 4 bytes per fp32 accumulator
 element, 8 for float64 inputs):
     forward:  sent = received = (P-1) * 2*B*L*Hkv*D*e
-    backward: sent = received = (P-1) * 2*B*L*Hkv*D*e + P * 2*B*L*Hkv*D*a
+    backward: sent = received = (P-1) * 2*B*L*Hkv*D*e + 2 * 2*B*L*Hkv*D*e + (P-2) * 2*B*L*Hkv*D*a
+              (the dK/dV accumulators' first and last hops in the input dtype; methods/kv_ring.py)
 (none at P = 1). Memory: see methods/kv_ring.py (two K/V blocks in flight).
 """
 from __future__ import annotations

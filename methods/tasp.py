@@ -259,7 +259,9 @@ class TASP(Method):
         return 2 * case.world_size * num_cycles(case.world_size)
 
     def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
-        return kv_ring_bytes(case, pass_)  # the ring's bytes, spread over k links per round
+        # the ring's bytes, spread over k links per round; the units' accumulators travel in fp32 on
+        # every hop (the own units' split and the join home are copies anyway, which the cast rides)
+        return kv_ring_bytes(case, pass_, input_dtype_ends=False)
 
     def layout(self, case: Case) -> layouts.Layout:
         k = num_cycles(case.world_size)
