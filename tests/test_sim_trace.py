@@ -149,3 +149,21 @@ def test_allocations_are_not_tensor_work():
         torch.add(x, x, out=bufs[3])   # an out= variant: reads two, writes its out argument
     ledger.flush()
     assert (ledger.events[-1].ops, ledger.events[-1].bytes) == (1, 3 * nbytes)
+
+
+def test_ulysses_copies_each_tensor_once_per_direction():
+    """One copy of q, k, v into the all-to-all's send buffer (the GQA replication read through the
+    copy), the received heads used as views, and one copy of the output back into place, for any
+    batch; the backward the same for dout, dq, dk, dv (the replicas' sum fused into the last).
+    (USP shares these reshuffles; its inner ring adds its own accumulator work.)"""
+    from suite.sim.trace import Memory
+    for batch in (1, 2):
+        for kv_heads in (4, 2):    # 2 KV heads on 4 ranks: each replicated twice
+            case = Case(batch=batch, seq_len=48, heads=4, kv_heads=kv_heads, head_dim=8, dtype="bfloat16",
+                        causal=True, world_size=4)
+            tr = trace("ulysses", case, "fwd_bwd")
+            fwd = tr.forward_part()
+            for rank, events in enumerate(tr.ranks):
+                f_ops = sum(e.ops for e in fwd.ranks[rank] if isinstance(e, Memory))
+                ops = sum(e.ops for e in events if isinstance(e, Memory))
+                assert (f_ops, ops - f_ops) == (4, 4), (batch, kv_heads, rank)
