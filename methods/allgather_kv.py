@@ -32,25 +32,45 @@ from methods.registry import register
 
 
 def _gather_global(comm: Comm, x: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """All ranks' x [B, L, Hkv, D] -> the global sequence [B, S, Hkv, D] in the order `order` gives
-    (packed documents: any permutation of positions)."""
+    """All ranks' x [B, L, Hkv, D] -> the global sequence [B, S, Hkv, D] in the order `order` [P, L]
+    gives (rank r's token i goes to position order[r, i]; packed documents: any permutation)."""
     p = comm.world_size
     b, l, h, d = x.shape
     gathered = torch.empty(p, b, l, h, d, dtype=x.dtype, device=x.device)
     comm.all_gather(gathered, x.unsqueeze(0))                              # [P, B, L, Hkv, D]
     full = torch.empty(b, p * l, h, d, dtype=x.dtype, device=x.device)
-    full[:, order] = gathered.permute(1, 0, 2, 3, 4).reshape(b, p * l, h, d)  # rank-major -> global
+    # one indexed pass for any batch, reading the rank-major tokens through a permuted view
+    # (reshaping that view to [B, S, ...] first copied it whenever B > 1)
+    full[:, order] = gathered.permute(1, 0, 2, 3, 4)                       # [B, P, L, Hkv, D] -> global
     return full
 
 
-def _reduce_scatter_global(comm: Comm, full: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
-    """Sum over ranks of full [B, S, Hkv, D] (the order `order` gives), this rank's tokens [B, L, Hkv, D]."""
+def _reduce_scatter_global(comm: Comm, full: torch.Tensor, where: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """Sum over ranks of full [B, S, Hkv, D] (global order), this rank's tokens [B, L, Hkv, D].
+    where: (rank, token) [S] each, which rank's which token every global position is."""
     p = comm.world_size
     b, s, h, d = full.shape
-    rank_major = full[:, order].reshape(b, p, s // p, h, d).permute(1, 0, 2, 3, 4).contiguous()
+    rank_major = torch.empty(p, b, s // p, h, d, dtype=full.dtype, device=full.device)
+    # one indexed pass into the collective's rank-major buffer (indexing then .contiguous() made
+    # two when B > 1), reading the global order through a transposed view
+    rank_major[where[0], :, where[1]] = full.transpose(0, 1)               # [S, B, Hkv, D] -> [P, B, L, Hkv, D]
     out = torch.empty(1, b, s // p, h, d, dtype=full.dtype, device=full.device)
     comm.reduce_scatter(out, rank_major)
     return out[0]
+
+
+def _start_full(block: torch.Tensor, seq_len: int) -> torch.Tensor:
+    """A gradient accumulator [B, S, Hkv, D] in the accumulator dtype holding the first call's
+    gradient block [B, keys, Hkv, D] (its first keys): one cast pass for the block and zeros only
+    for the keys it does not cover (zeros for all, then adding it, wrote S twice)."""
+    acc = kernels.acc_dtype(block.dtype)
+    b, keys, h, d = block.shape
+    if keys == seq_len:
+        return block.to(acc)
+    full = torch.empty(b, seq_len, h, d, dtype=acc, device=block.device)
+    full[:, :keys].copy_(block)
+    full[:, keys:].zero_()
+    return full
 
 
 class _Zigzag:
@@ -169,11 +189,19 @@ class AllGatherKV(DocumentSharding, Method):
         return n, n
 
     def _order(self, comm: Comm, local_len: int, masks) -> torch.Tensor:
-        """Global positions of the gathered tokens, rank by rank (to put them in global order)."""
+        """Global positions of the gathered tokens [P, L], rank by rank (to put them in global
+        order); host index arithmetic, on the CPU."""
         if masks is not None:
-            return torch.cat([masks.positions(r) for r in range(comm.world_size)])
+            return torch.stack([masks.positions(r) for r in range(comm.world_size)])
         lay = layouts.zigzag(comm.world_size * local_len, comm.world_size)
-        return torch.cat([lay.positions(r) for r in range(comm.world_size)])
+        return torch.stack([lay.positions(r) for r in range(comm.world_size)])
+
+    @staticmethod
+    def _where(order: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The inverse of `order` [P, L]: (rank, token) [S] each of every global position, on `device`."""
+        flat = torch.argsort(order.flatten())                                  # [S] global -> rank-major
+        l = order.shape[1]
+        return (flat // l).to(device), (flat % l).to(device)
 
     def _mask(self, masks, comm: Comm, rows, keys: int):
         """The documents' mask of local rows against the gathered keys [0, keys) in global order."""
@@ -211,9 +239,8 @@ class AllGatherKV(DocumentSharding, Method):
             shape = (comm.world_size, 2, zz.c, k.shape[0], *k.shape[2:])
             dk_acc = torch.empty(shape, dtype=acc, device=q.device)
             dv_acc = torch.empty(shape, dtype=acc, device=q.device)
-        else:
-            dk_acc = torch.zeros(k_full.shape, dtype=acc, device=q.device)
-            dv_acc = torch.zeros(v_full.shape, dtype=acc, device=q.device)
+        else:  # packed documents: the first call's gradients start the accumulators
+            dk_acc = dv_acc = None
         dq = torch.empty_like(q)
         # the call over the most keys first: it covers every key another call reads, so it starts
         # the accumulators
@@ -230,6 +257,8 @@ class AllGatherKV(DocumentSharding, Method):
             if zz is not None:
                 zz.add_grad_(dk_acc, bdk, start=i == 0)
                 zz.add_grad_(dv_acc, bdv, start=i == 0)
+            elif i == 0:
+                dk_acc, dv_acc = _start_full(bdk, k_full.shape[1]), _start_full(bdv, v_full.shape[1])
             else:
                 # add_ on the slice, not `+=` on an indexed tensor: Python's augmented assignment would
                 # write the sum back through __setitem__, a second full pass over the slice
@@ -237,7 +266,7 @@ class AllGatherKV(DocumentSharding, Method):
                 dv_acc[:, :keys].add_(bdv)
         if zz is not None:
             return dq, zz.reduce_scatter(dk_acc, k.dtype), zz.reduce_scatter(dv_acc, v.dtype)
-        order = self._order(comm, q.shape[1], masks).to(q.device)
-        dk = _reduce_scatter_global(comm, dk_acc, order)
-        dv = _reduce_scatter_global(comm, dv_acc, order)
+        where = self._where(self._order(comm, q.shape[1], masks), q.device)
+        dk = _reduce_scatter_global(comm, dk_acc, where)
+        dv = _reduce_scatter_global(comm, dv_acc, where)
         return dq, dk.to(k.dtype), dv.to(v.dtype)

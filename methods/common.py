@@ -37,14 +37,30 @@ def seq_to_heads(comm: Comm, x: torch.Tensor, rep: int = 1, contiguous: bool = T
     return out.contiguous() if contiguous else out
 
 
-def heads_to_seq(comm: Comm, x: torch.Tensor) -> torch.Tensor:
-    """Inverse of `seq_to_heads`: [B, S, H/P, D] -> [B, S/P, H, D]."""
+def heads_to_seq(comm: Comm, x: torch.Tensor, rep: int = 1) -> torch.Tensor:
+    """Inverse of `seq_to_heads`: [B, S, H/P, D] -> [B, S/P, H / rep, D], summing the `rep`
+    replicas of each head (their gradients) in the pass that puts the heads in place.
+
+    One copy in any case: the send buffer is sequence-major [P, S_local, B, H/P, D] as in
+    `seq_to_heads`, a view of a sequence-major x (what the kernel writes for the sequence-major
+    heads `seq_to_heads` hands it) or of any x with one sequence; the one pass is out of the receive
+    buffer into [B, S_local, H, D] (a batch-major send buffer was a second copy when B > 1, and
+    the replicas' sum a pass of its own).
+    """
     p = comm.world_size
     b, s, hp, d = x.shape
-    send = x.reshape(b, p, s // p, hp, d).permute(1, 0, 2, 3, 4).contiguous()  # [P, B, S_local, H/P, D]
+    sl = s // p
+    send = x.reshape(b, p, sl, hp, d).permute(1, 2, 0, 3, 4)                   # [P, S_local, B, H/P, D]
+    if not send.is_contiguous():
+        send = send.contiguous()
     recv = torch.empty_like(send)
-    comm.all_to_all(recv, send)                                                # [P(head group), B, S_local, H/P, D]
-    return recv.permute(1, 2, 0, 3, 4).reshape(b, s // p, p * hp, d)           # [B, S_local, H, D]
+    comm.all_to_all(recv, send)                                                # [P(head group), S_local, B, H/P, D]
+    out = torch.empty(b, sl, p * hp // rep, d, dtype=x.dtype, device=x.device)
+    if rep == 1:
+        out.view(b, sl, p, hp, d).copy_(recv.permute(2, 1, 0, 3, 4))           # [B, S_local, H, D]
+    else:  # hp == 1: head group g holds a replica of head g // rep
+        torch.sum(recv.view(p // rep, rep, sl, b, d), dim=1, out=out.permute(2, 1, 0, 3))
+    return out
 
 
 def lse_heads_to_seq(comm: Comm, lse: torch.Tensor) -> torch.Tensor:
@@ -103,9 +119,4 @@ def ulysses_scatter_heads(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch
 
 def ulysses_gather_grads(comm: Comm, dq_h: torch.Tensor, dk_h: torch.Tensor, dv_h: torch.Tensor, rep: int):
     """Inverse of `ulysses_scatter_heads` for the gradients (summing the KV replicas' gradients)."""
-    dq, dk, dv = heads_to_seq(comm, dq_h), heads_to_seq(comm, dk_h), heads_to_seq(comm, dv_h)
-    if rep > 1:
-        b, l, h_sent, d = dk.shape
-        dk = dk.view(b, l, h_sent // rep, rep, d).sum(dim=3)
-        dv = dv.view(b, l, h_sent // rep, rep, d).sum(dim=3)
-    return dq, dk, dv
+    return heads_to_seq(comm, dq_h), heads_to_seq(comm, dk_h, rep), heads_to_seq(comm, dv_h, rep)

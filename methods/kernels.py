@@ -356,7 +356,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
             dense mask (math, cpu_flash) or piece by piece (flash_attn).
     Returns:
         out [B, Sq, H, D] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs; -inf
-        where a row sees no key); both contiguous.
+        where a row sees no key); lse contiguous, out contiguous or laid out as a dense q.
     """
     _check_shapes(q, k, v)
     if isinstance(kernel, TimedKernel):
@@ -381,8 +381,24 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
     else:
         out, lse = math_forward(q, k, v, scale=scale, causal_offset=causal_offset)
     # Contiguous results (the CPU op's lse is strided, math's out a transposed view): methods
-    # send them as they are, and communication needs contiguous buffers.
-    return out.contiguous(), lse.contiguous()
+    # send them as they are, and communication needs contiguous buffers. An output laid out
+    # exactly as a dense q (a kernel that allocates it like q) keeps that layout: Ulysses gives
+    # sequence-major views of its receive buffer and sends the output back from that layout as it
+    # is, where a copy to batch-major here would be one more pass over it when B > 1.
+    if not (out.stride() == q.stride() and _dense(q)):
+        out = out.contiguous()
+    return out, lse.contiguous()
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Whether x's elements fill its storage span with no gap or overlap (some order of its dims
+    is contiguous)."""
+    expected = 1
+    for size, stride in sorted(zip(x.shape, x.stride()), key=lambda d: d[1]):
+        if size != 1 and stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def out_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:

@@ -125,7 +125,12 @@ class USP(Method):
         uly, ring = self._comms(comm, u)
         rep = 1
         if u > 1:
-            q, k, v, rep = ulysses_scatter_heads(uly, q, k, v)              # [B, U*L, H/U, D]: the pair
+            # [B, U*L, H/U, D]: the pair, as sequence-major views (kernels read them as they are);
+            # the ring sends K/V as they are and collectives take contiguous buffers, so they are
+            # made contiguous for a ring of several ranks (a copy only with a batch above one)
+            q, k, v, rep = ulysses_scatter_heads(uly, q, k, v, contiguous=False)
+            if ring.world_size > 1:
+                k, v = k.contiguous(), v.contiguous()
         plan = zigzag_plan(causal, ring.rank, q.shape[1])
         # the inner ring holds, on ring rank r, the zigzag pair r of R ranks (Algorithm 2's layout)
         # (one ring rank, plain Ulysses, holds its whole sequence in order: any length, no zigzag pair)
@@ -142,7 +147,7 @@ class USP(Method):
         q_h, k_h, v_h, out_h, lse_h, u, rep, masks = residuals
         uly, ring = self._comms(comm, u)
         if u > 1:
-            dout = seq_to_heads(uly, dout)
+            dout = seq_to_heads(uly, dout, contiguous=False)   # read by the kernels only, never sent
         grads = kv_ring_backward(dout, q_h, k_h, v_h, out_h, lse_h, comm=ring,
                                  plan=zigzag_plan(causal, ring.rank, q_h.shape[1]), scale=scale, kernel=self.kernel,
                                  masks=masks)

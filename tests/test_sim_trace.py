@@ -153,3 +153,50 @@ def test_allocations_are_not_tensor_work():
         torch.add(x, x, out=bufs[3])   # an out= variant: reads two, writes its out argument
     ledger.flush()
     assert (ledger.events[-1].ops, ledger.events[-1].bytes) == (1, 3 * nbytes)
+
+
+def test_ulysses_copies_each_tensor_once_per_direction():
+    """One copy of q, k, v into the all-to-all's send buffer (the GQA replication read through the
+    copy), the received heads used as views, and one copy of the output back into place, for any
+    batch; the backward the same for dout, dq, dk, dv (the replicas' sum fused into the last).
+    (USP shares these reshuffles; its inner ring adds its own accumulator work.)"""
+    from suite.sim.trace import Memory
+    for batch in (1, 2):
+        for kv_heads in (4, 2):    # 2 KV heads on 4 ranks: each replicated twice
+            case = Case(batch=batch, seq_len=48, heads=4, kv_heads=kv_heads, head_dim=8, dtype="bfloat16",
+                        causal=True, world_size=4)
+            tr = trace("ulysses", case, "fwd_bwd")
+            fwd = tr.forward_part()
+            for rank, events in enumerate(tr.ranks):
+                f_ops = sum(e.ops for e in fwd.ranks[rank] if isinstance(e, Memory))
+                ops = sum(e.ops for e in events if isinstance(e, Memory))
+                assert (f_ops, ops - f_ops) == (4, 4), (batch, kv_heads, rank)
+
+
+def test_index_put_is_charged_what_it_moves():
+    """A scatter (x[idx] = values) reads its indices and values and writes as many bytes: the rest
+    of the destination is neither read nor written."""
+    from suite.sim.trace import TraceLedger, _Bookkeeping
+    dest = torch.empty(10, 8, device="meta", dtype=torch.float32)
+    values = torch.empty(4, 8, device="meta", dtype=torch.float32)
+    idx = torch.empty(4, device="meta", dtype=torch.int64)
+    ledger = TraceLedger()
+    with _Bookkeeping(ledger):
+        dest[idx] = values
+    ledger.flush()
+    assert (ledger.events[-1].ops, ledger.events[-1].bytes) == (1, 4 * 8 + 2 * 4 * 8 * 4)
+
+
+def test_allgather_kv_by_documents_puts_kv_in_order_in_one_pass():
+    """Sharded by documents, the gathered K and V go into global order in one indexed pass each
+    (the index's transfer to the device the third op), for any batch."""
+    from suite.sim.trace import Memory
+    for batch in (1, 2):
+        case = Case(batch=batch, seq_len=48, heads=4, kv_heads=2, head_dim=8, dtype="bfloat16", causal=False,
+                    world_size=3)
+        kv = 2 * batch * case.seq_len * case.kv_heads * case.head_dim * 2      # K and V, bf16
+        for events in trace("allgather_kv", case, "fwd", {"sharding": "documents"}).ranks:
+            work = [e for e in events if isinstance(e, Memory)]
+            assert sum(e.ops for e in work) == 3, batch
+            # + the int64 index: its transfer (read and written) and one read by each pass
+            assert sum(e.bytes for e in work) == 2 * kv + 4 * case.seq_len * 8, batch

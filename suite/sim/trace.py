@@ -128,6 +128,10 @@ _FREE = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_stri
 # generic rule charges every argument as read and the output as written)
 _OVERWRITE = {"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tensor", "aten.zero_.default",
               "aten.index_copy_.default"}
+# in-place ops that write only the places their index names, from `values`, without reading the rest
+# of the destination: charged the indices and values read and as many bytes written as values holds
+# (the generic rule charged the whole destination as read and written, three passes for one)
+_SCATTER = {"aten.index_put_.default", "aten._index_put_impl_.default"}
 
 
 def _tensor_bytes(x) -> int:
@@ -190,6 +194,8 @@ class _Bookkeeping(TorchDispatchMode):
                       + _tensor_bytes(out) + _written_bytes(func, args, kwargs or {}, out))
             if str(func) in _OVERWRITE:
                 nbytes -= _tensor_bytes(args[0])
+            elif str(func) in _SCATTER and not (args[3] if len(args) > 3 else (kwargs or {}).get("accumulate")):
+                nbytes = _tensor_bytes(list(args[1])) + 2 * _tensor_bytes(args[2])
             nbytes -= _out_argument_bytes(func, args, kwargs or {})
             self._ledger.tensor_op(nbytes)
         return out
