@@ -460,21 +460,24 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 COMPILE_MIN_NUMEL = {"cpu": 1 << 21, "cuda": 1 << 14}
 
 
-def _merge_weights(lse: torch.Tensor, block_lse: torch.Tensor):
+def _merge_weights(lse: torch.Tensor, block_lse: torch.Tensor, contiguous: bool = False):
     """(new_lse [B, H, S], w_old, w_new [B, S, H, 1]): e^(lse - new_lse) and e^(block_lse - new_lse),
-    0 (not NaN) for rows where both sides are empty (-inf)."""
+    0 (not NaN) for rows where both sides are empty (-inf). `contiguous`: the weights laid out in
+    [B, S, H] (eager path; a compiled merge chooses its own layout and stays one kernel)."""
     new_lse = torch.logaddexp(lse, block_lse)
     ref = torch.where(torch.isfinite(new_lse), new_lse, 0.0)
-    # Contiguous in [B, S, H]: broadcast over D from a transposed view, the eager mul_/addcmul_ over
-    # the accumulator walk it with strided loads (measured on CPU at [1, 256, 8, 64]: the whole merge
-    # 119 -> 85 us); the copy is of lse size, 1/D of the accumulator.
-    w_old = torch.exp(lse - ref).transpose(1, 2).contiguous().unsqueeze(-1)      # [B, S, H, 1]
-    w_new = torch.exp(block_lse - ref).transpose(1, 2).contiguous().unsqueeze(-1)
-    return new_lse, w_old, w_new
+    w_old = torch.exp(lse - ref).transpose(1, 2)      # [B, S, H]
+    w_new = torch.exp(block_lse - ref).transpose(1, 2)
+    if contiguous:
+        # Broadcast over D from a transposed view, the eager mul_/addcmul_ over the accumulator walk
+        # the weights with strided loads (measured on CPU at [1, 256, 8, 64]: the whole merge
+        # 119 -> 85 us); the copies are of lse size, 1/D of the accumulator.
+        w_old, w_new = w_old.contiguous(), w_new.contiguous()
+    return new_lse, w_old.unsqueeze(-1), w_new.unsqueeze(-1)
 
 
 def _merge_eager(out, lse, block_out, block_lse) -> None:
-    new_lse, w_old, w_new = _merge_weights(lse, block_lse)
+    new_lse, w_old, w_new = _merge_weights(lse, block_lse, contiguous=True)
     out.mul_(w_old).addcmul_(block_out, w_new)   # in place: no accumulator-sized temporary
     lse.copy_(new_lse)
 
@@ -482,7 +485,7 @@ def _merge_eager(out, lse, block_out, block_lse) -> None:
 def _merge_final_eager(out, lse, block_out, block_lse, dtype):
     # the one fresh fp32 buffer of the eager path: the operator reads the accumulator without
     # writing it (what the fused kernel does), and its result may not alias an input
-    new_lse, w_old, w_new = _merge_weights(lse, block_lse)
+    new_lse, w_old, w_new = _merge_weights(lse, block_lse, contiguous=True)
     merged = out.mul(w_old).addcmul_(block_out, w_new)
     lse.copy_(new_lse)
     return merged.to(dtype)
