@@ -735,6 +735,8 @@ def merge_start(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     """Fresh accumulators (out fp32, lse) holding the merge of two blocks' results over every row:
     one pass (fused where compiled) instead of casting the first into an accumulator and merging
     the second into it."""
+    if _direct(out_a):
+        return _merge_start_eager(out_a, lse_a, out_b, lse_b)
     return torch.ops.sp_attention.merge_start(out_a, lse_a, out_b, lse_b)
 
 
@@ -742,6 +744,8 @@ def sum_start(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """a + b, two gradients of every row in the input dtype, as a fresh accumulator (fp32; float64
     for float64), summed in the accumulator dtype: one pass where compiled (the eager fallback
     casts, then adds)."""
+    if _direct(a):
+        return _sum_start_eager(a, b)
     return torch.ops.sp_attention.sum_start(a, b)
 
 
