@@ -732,11 +732,13 @@ def accumulate_final(acc: Optional[torch.Tensor], block: torch.Tensor, dtype: to
 
 def merge_start(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                 lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fresh accumulators (out fp32, lse) holding the merge of two blocks' results over every row:
-    one pass (fused where compiled) instead of casting the first into an accumulator and merging
-    the second into it."""
-    if _direct(out_a):
-        return _merge_start_eager(out_a, lse_a, out_b, lse_b)
+    """Accumulators (out fp32, lse) holding the merge of two blocks' results over every row: one
+    pass (fused where compiled) instead of casting the first into an accumulator and merging the
+    second into it. The block results are the caller's to give away (lse_a may be reused)."""
+    if _direct(out_a):  # the caller hands over the block results: lse_a becomes the accumulator (no copy)
+        out = out_a.to(acc_dtype(out_a.dtype), copy=True)
+        _merge_eager(out, lse_a, out_b, lse_b)
+        return out, lse_a
     return torch.ops.sp_attention.merge_start(out_a, lse_a, out_b, lse_b)
 
 
