@@ -294,7 +294,7 @@ class TASP(Method):
         masks = self.block_masks(q, k, comm, causal, docs)
         units = _Units(q, p, r, causal, flat=not causal and masks is None)
         buffers = DoubleBuffer()
-        state = {}  # out, lse: the accumulators; result: the output in q's dtype once written
+        acc = kernels.OutputAccumulator(q)
 
         def move(step, block):  # units move on while this step computes (double buffering)
             return _exchange(comm, succ, pred, block, units.pieces(step), buffers(step, block),
@@ -306,24 +306,18 @@ class TASP(Method):
                 block_out, block_lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=0 if causal else None,
                                                              kernel=self.kernel,
                                                              mask=masks(r, ALL, r, ALL) if masks else None)
-                if p == 1:
-                    state.update(result=block_out, lse=block_lse)
-                else:
-                    state["out"], state["lse"] = kernels.start_accumulators(block_out, block_lse)
+                acc.add(ALL, block_out, block_lse, last=p == 1)
                 return
             calls = self._calls(masks, causal, r, step, units)
             for i, (rows, pieces, mask) in enumerate(calls):
                 block_out, block_lse = kernels.block_forward(q[:, rows], units.keys(held_k, pieces),
                                                              units.keys(held_v, pieces), scale=scale,
                                                              causal_offset=None, kernel=self.kernel, mask=mask)
-                if step == p - 1 and i == len(calls) - 1 and rows == ALL:  # the cast fused into the last merge
-                    state["result"] = kernels.merge_final(state["out"], state["lse"], block_out, block_lse, q.dtype)
-                else:
-                    kernels.merge_(state["out"][:, rows], state["lse"][:, :, rows], block_out, block_lse)
+                acc.add(rows, block_out, block_lse, last=step == p - 1 and i == len(calls) - 1)
 
         circulate(p, [units.split(k), units.split(v)], move=move, compute=compute)
-        out = state["result"] if "result" in state else state["out"].to(q.dtype)
-        return out, state["lse"], (q, k, v, out, state["lse"], masks)
+        out, lse = acc.finish()
+        return out, lse, (q, k, v, out, lse, masks)
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
         q, k, v, out, lse, masks = residuals
@@ -332,7 +326,7 @@ class TASP(Method):
         units = _Units(q, p, r, causal, flat=not causal and masks is None)
         acc = kernels.acc_dtype(q.dtype)
         kv_buffers, acc_buffers = DoubleBuffer(), DoubleBuffer()
-        grads = {}
+        dq = kernels.GradAccumulator(q)
 
         def exchange(buffers):  # the units (or their accumulators) of `step` go on along their cycles
             return lambda step, block: _exchange(comm, succ, pred, block, units.pieces(step), buffers(step, block),
@@ -344,7 +338,7 @@ class TASP(Method):
                 gq, gk, gv = kernels.block_backward(dout, q, k, v, out, lse, scale=scale,
                                                     causal_offset=0 if causal else None, kernel=self.kernel,
                                                     mask=masks(r, ALL, r, ALL) if masks else None)
-                grads["dq"] = gq if p == 1 else kernels.accumulate_(None, ALL, gq)
+                dq.add(ALL, gq, last=p == 1)
                 return [(None, gk, gv)]
             calls = self._calls(masks, causal, r, step, units)
             pending = []  # contributions, added once the units' accumulators have arrived
@@ -352,10 +346,7 @@ class TASP(Method):
                 gq, gk, gv = kernels.block_backward(dout[:, rows], q[:, rows], units.keys(held_k, pieces),
                                                     units.keys(held_v, pieces), out[:, rows], lse[:, :, rows],
                                                     scale=scale, causal_offset=None, kernel=self.kernel, mask=mask)
-                if step == p - 1 and i == len(calls) - 1 and rows == ALL:
-                    grads["dq"] = kernels.accumulate_final(grads["dq"], gq, q.dtype)  # the cast fused into the last sum
-                else:
-                    grads["dq"] = kernels.accumulate_(grads["dq"], rows, gq)
+                dq.add(rows, gq, last=step == p - 1 and i == len(calls) - 1)
                 pending.append((pieces, gk, gv))
             return pending
 
@@ -372,5 +363,5 @@ class TASP(Method):
         dk_acc, dv_acc = circulate(p, [units.split(k), units.split(v)], move=exchange(kv_buffers), compute=compute,
                                    add=add, follow=exchange(acc_buffers))
         if p == 1:
-            return grads["dq"], dk_acc, dv_acc
-        return grads["dq"].to(q.dtype), units.join(dk_acc, k.dtype), units.join(dv_acc, v.dtype)
+            return dq.finish(), dk_acc, dv_acc
+        return dq.finish(), units.join(dk_acc, k.dtype), units.join(dv_acc, v.dtype)

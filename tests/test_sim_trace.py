@@ -112,11 +112,10 @@ def test_trace_bytes_equal_a_real_gloo_run(world_size):
 def test_unmasked_ring_forward_does_one_tensor_op_per_step(name, world_size):
     """The forward's own tensor work is the fused merge, one per step: on the K/V ring the first two
     blocks start the accumulators in one pass (P - 1 ops in all; at P = 2 the second block is the
-    last, which starts from the first's cast), TASP's first block starts them with one cast (P ops);
-    the last merge writes the output in the input dtype. TASP's units are
+    last, which starts from the first's cast); the last merge writes the output in the input dtype. TASP's units are
     views of its K/V and a step's keys a view of its units, with any batch."""
     from suite.sim.trace import Memory
-    want = world_size if name == "tasp" or world_size == 2 else world_size - 1
+    want = world_size if world_size == 2 else world_size - 1
     for batch in (1, 2):
         case = Case(batch=batch, seq_len=16 * world_size * (world_size - 1), heads=4, kv_heads=2, head_dim=8,
                     dtype="bfloat16", causal=False, world_size=world_size)
