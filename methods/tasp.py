@@ -35,7 +35,9 @@ float64):
     forward:  sent = received = (P-1) * 2*B*L*Hkv*D*e, k units of 2*B*(L/k)*Hkv*D*e per round, one
               to each cycle successor (with k = P-1: one to every other rank); a zigzag unit goes as
               two messages (its halves), a flat one as one
-    backward: sent = received = (P-1) * 2*B*L*Hkv*D*e + P * 2*B*L*Hkv*D*a
+    backward: sent = received = (P-1) * 2*B*L*Hkv*D*e + P * 2*B*L*Hkv*D*a   (causal, or documents)
+              without a mask as the K/V ring (methods/kv_ring.py): the accumulators' first hop and
+              hop home carry the input dtype, 2 * 2*B*L*Hkv*D*e + (P-2) * 2*B*L*Hkv*D*a
 Multi-node: the same single complete graph over all ranks (one batched exchange per round).
 Memory beyond inputs and outputs: the units held and being received (two K/V buffers, allocated
 once and reused). Own tensor work: no copies of keys at any step. Without a mask a step's k
@@ -259,9 +261,11 @@ class TASP(Method):
         return 2 * case.world_size * num_cycles(case.world_size)
 
     def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
-        # the ring's bytes, spread over k links per round; the units' accumulators travel in fp32 on
-        # every hop (the own units' split and the join home are copies anyway, which the cast rides)
-        return kv_ring_bytes(case, pass_, input_dtype_ends=False)
+        # the ring's bytes, spread over k links per round. The units' accumulators travel as the K/V
+        # ring's (first hop and hop home in the input dtype) where the units are views (no mask, no
+        # documents); under the zigzag split they travel in fp32 on every hop (the own units' split
+        # and the join home are copies anyway, which the cast rides)
+        return kv_ring_bytes(case, pass_, input_dtype_ends=not case.causal and case.documents is None)
 
     def layout(self, case: Case) -> layouts.Layout:
         k = num_cycles(case.world_size)
@@ -351,6 +355,12 @@ class TASP(Method):
             return pending
 
         def add(step, dkv, pending):
+            if units.flat and p > 1:  # a step's units are one [B, L] tensor: the K/V ring's accumulation,
+                # first hop and hop home in the input dtype (kernels.follow_add)
+                hops, whole = {"first_hop": step == 0, "last_hop": step == p - 1}, slice(0, units.k)
+                return [units.split(kernels.follow_add(None if dkv is None else units.keys(dkv[i], whole),
+                                                       [(ALL, c[i + 1]) for c in pending], like, **hops))
+                        for i, like in enumerate((k, v))]
             if dkv is None:  # own units' accumulators, from our own block's dK/dV
                 (_, gk, gv), = pending
                 return [gk, gv] if p == 1 else [units.split(gk, acc), units.split(gv, acc)]
