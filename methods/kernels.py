@@ -553,6 +553,16 @@ def _use_compiled(out: torch.Tensor) -> bool:
     return limit is not None and out.numel() >= limit
 
 
+def _compiled_or_eager(compiled: _Compiled, eager, like: torch.Tensor, *args):
+    """The compiled function's result where compiling pays for `like`'s size and works, else the
+    exact eager one's (the body of every fused operator here that returns its result)."""
+    if _use_compiled(like):
+        result = compiled(like.device.type, *args)
+        if result is not NotImplemented:
+            return result
+    return eager(*args)
+
+
 @torch.library.custom_op("sp_attention::merge_", mutates_args=("out", "lse"))
 def _merge_op(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
     if _use_compiled(out) and _MERGE_COMPILED(out.device.type, out, lse, block_out, block_lse) is not NotImplemented:
@@ -568,11 +578,7 @@ def _merge_op_fake(out, lse, block_out, block_lse) -> None:
 @torch.library.custom_op("sp_attention::merge_final", mutates_args=("lse",))
 def _merge_final_op(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
                     dtype: torch.dtype) -> torch.Tensor:
-    if _use_compiled(out):
-        result = _MERGE_FINAL_COMPILED(out.device.type, out, lse, block_out, block_lse, dtype)
-        if result is not NotImplemented:
-            return result
-    return _merge_final_eager(out, lse, block_out, block_lse, dtype)
+    return _compiled_or_eager(_MERGE_FINAL_COMPILED, _merge_final_eager, out, out, lse, block_out, block_lse, dtype)
 
 
 @_merge_final_op.register_fake
@@ -598,11 +604,7 @@ _MERGE_START_COMPILED = _Compiled(_merge_start_fused)
 @torch.library.custom_op("sp_attention::merge_start", mutates_args=())
 def _merge_start_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
                     lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    if _use_compiled(out_a):
-        result = _MERGE_START_COMPILED(out_a.device.type, out_a, lse_a, out_b, lse_b)
-        if result is not NotImplemented:
-            return result
-    return _merge_start_eager(out_a, lse_a, out_b, lse_b)
+    return _compiled_or_eager(_MERGE_START_COMPILED, _merge_start_eager, out_a, out_a, lse_a, out_b, lse_b)
 
 
 @_merge_start_op.register_fake
@@ -620,11 +622,7 @@ _SUM_START_COMPILED = _Compiled(_sum_start_eager)
 
 @torch.library.custom_op("sp_attention::sum_start", mutates_args=())
 def _sum_start_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    if _use_compiled(a):
-        result = _SUM_START_COMPILED(a.device.type, a, b)
-        if result is not NotImplemented:
-            return result
-    return _sum_start_eager(a, b)
+    return _compiled_or_eager(_SUM_START_COMPILED, _sum_start_eager, a, a, b)
 
 
 @_sum_start_op.register_fake
@@ -642,11 +640,7 @@ _DELTA_COMPILED = _Compiled(_delta_eager)
 
 @torch.library.custom_op("sp_attention::softmax_delta", mutates_args=())
 def _delta_op(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    if _use_compiled(out):
-        result = _DELTA_COMPILED(out.device.type, dout, out)
-        if result is not NotImplemented:
-            return result
-    return _delta_eager(dout, out)
+    return _compiled_or_eager(_DELTA_COMPILED, _delta_eager, out, dout, out)
 
 
 @_delta_op.register_fake
