@@ -586,8 +586,10 @@ def _merge_final_op_fake(out, lse, block_out, block_lse, dtype):
     return torch.empty(out.shape, dtype=dtype, device=out.device)
 
 
-def _merge_start_eager(out_a, lse_a, out_b, lse_b):
-    out, lse = out_a.to(acc_dtype(out_a.dtype), copy=True), lse_a.clone()   # fresh: the inputs stay as they are
+def _merge_start_eager(out_a, lse_a, out_b, lse_b, reuse_lse: bool = False):
+    # fresh: the operator's inputs stay as they are and its results may not alias them; a direct
+    # caller that hands over the block results lets lse_a become the accumulator (no copy)
+    out, lse = out_a.to(acc_dtype(out_a.dtype), copy=True), lse_a if reuse_lse else lse_a.clone()
     _merge_eager(out, lse, out_b, lse_b)
     return out, lse
 
@@ -729,10 +731,8 @@ def merge_start(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
     """Accumulators (out fp32, lse) holding the merge of two blocks' results over every row: one
     pass (fused where compiled) instead of casting the first into an accumulator and merging the
     second into it. The block results are the caller's to give away (lse_a may be reused)."""
-    if _direct(out_a):  # the caller hands over the block results: lse_a becomes the accumulator (no copy)
-        out = out_a.to(acc_dtype(out_a.dtype), copy=True)
-        _merge_eager(out, lse_a, out_b, lse_b)
-        return out, lse_a
+    if _direct(out_a):
+        return _merge_start_eager(out_a, lse_a, out_b, lse_b, reuse_lse=True)
     return torch.ops.sp_attention.merge_start(out_a, lse_a, out_b, lse_b)
 
 

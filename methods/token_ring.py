@@ -44,7 +44,7 @@ from methods import kernels
 from methods.base import Case, Method, element_bytes
 from methods.burst import query_ring_plan
 from methods.comm.base import P2P, Comm, DoneWork
-from methods.kv_ring import ALL, DoubleBuffer, Plan
+from methods.kv_ring import DoubleBuffer, Plan
 from methods.registry import register
 
 
@@ -77,49 +77,11 @@ class _Results:
     def recvs(self, helper: int) -> list[P2P]:
         return [P2P("recv", t, helper) for _, tensors in self.blocks for t in tensors]
 
-    def merge_into(self, out: torch.Tensor, lse: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Fold (block out, block lse) results into the owner's accumulators (online softmax).
-        With `dtype` (the last results) returns the output in it: when a single block covers every
-        row the cast is fused into its merge, else one cast after the merges."""
-        if dtype is not None and len(self.blocks) == 1 and self.blocks[0][0] == ALL:
-            (_, (block_out, block_lse)), = self.blocks
-            return kernels.merge_final(out, lse, block_out, block_lse, dtype)
-        for rows, (block_out, block_lse) in self.blocks:
-            kernels.merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
-        return out if dtype is None else out.to(dtype)
-
-    def start_accumulators(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The owner's fp32 (out [B, L, H, D], lse [B, H, L]) from its own step-0 blocks: a block
-        covering every row starts them directly (no merge against nothing)."""
-        out = lse = None
-        for rows, (block_out, block_lse) in self.blocks:
-            if out is None and rows == ALL:
-                out, lse = kernels.start_accumulators(block_out, block_lse)
-                continue
-            if out is None:
-                out, lse = kernels.empty_accumulators(q)
-            kernels.merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
-        return (out, lse) if out is not None else kernels.empty_accumulators(q)
-
-    def add_into(self, dq: Optional[torch.Tensor], like: torch.Tensor,
-                 dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        """Add partial dQ blocks to the owner's fp32 dQ (None: not started; the first block starts
-        it). With `dtype` (the last results) returns dQ in it, the cast fused into a single
-        all-rows block's sum."""
-        if dtype is not None and len(self.blocks) == 1 and self.blocks[0][0] == ALL:
-            (_, (block_dq,)), = self.blocks
-            return kernels.accumulate_final(dq, block_dq, dtype)
-        for rows, (block_dq,) in self.blocks:
-            dq = _accumulate(dq, rows, block_dq, like)
-        return dq if dtype is None else dq.to(dtype)
-
-
-def _accumulate(acc: Optional[torch.Tensor], rows: slice, block: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """acc[:, rows] += block in the accumulator dtype; a first block over every row starts the
-    accumulator (one cast copy), a first partial one starts it from zeros shaped like `like`."""
-    if acc is None and rows != ALL:
-        acc = torch.zeros(like.shape, dtype=kernels.acc_dtype(like.dtype), device=like.device)
-    return kernels.accumulate_(acc, rows, block)
+    def fold_into(self, acc, last: bool) -> None:
+        """Fold the blocks into the owner's accumulator (a kernels.OutputAccumulator of (out, lse),
+        or a kernels.GradAccumulator of dQ); `last`: no results follow these."""
+        for i, (rows, tensors) in enumerate(self.blocks):
+            acc.add(rows, *tensors, last=last and i == len(self.blocks) - 1)
 
 
 @register
@@ -192,6 +154,7 @@ class TokenRing(Method):
         def result_buffers(n: int) -> list[torch.Tensor]:     # block out [B, n, H, D], block lse [B, H, n]
             return [q.new_empty(b, n, h, d), torch.empty(b, h, n, dtype=acc, device=q.device)]
 
+        result = kernels.OutputAccumulator(q)                   # our queries' results, own and returned
         cur_q, done = q, _Results()                             # done: results of the previous step
         q_buffers = DoubleBuffer()
         for step in range(p + 1):
@@ -208,35 +171,34 @@ class TokenRing(Method):
             if step < p:
                 computed = self._forward_blocks(cur_q, k, v, src=(rank - step) % p, rank=rank, plan=plan,
                                                 masks=masks, scale=scale)
-                if step == 0:                                   # our own queries: fp32 accumulators
-                    out, lse = computed.start_accumulators(q)
+                if step == 0:                                   # our own queries
+                    computed.fold_into(result, last=p == 1)
                 else:
                     done = computed
             work.wait()
-            if step == p:                                       # the last results: the cast fused into their merge
-                out = incoming.merge_into(out, lse, q.dtype)
-            else:
-                incoming.merge_into(out, lse)
+            incoming.fold_into(result, last=step == p)          # the last: the cast fused into their merge
             if next_q is not None:
                 cur_q = next_q
+        out, lse = result.finish()
         return out, lse, (q, k, v, out, lse, masks)
 
-    def _backward_blocks(self, packet, k, v, grads: dict, *, src: int, rank: int, plan: Plan, masks,
-                         scale) -> _Results:
+    def _backward_blocks(self, packet, k, v, dk, dv, *, src: int, rank: int, plan: Plan, masks, scale,
+                         last: bool) -> _Results:
         """The block backwards of the visiting packet of `src` (Q, dO, D, lse of its queries) against
-        this rank's K/V, with their global lse and D: dK/dV added to this rank's fp32 grads["dk"],
-        grads["dv"] (None until the first block starts them); returns the partial dQ [B, n, H, D]
+        this rank's K/V, with their global lse and D: dK/dV added to this rank's accumulators `dk`,
+        `dv` (kernels.GradAccumulator; `last`: the last step); returns the partial dQ [B, n, H, D]
         (input dtype) of each block's n query rows."""
         q_vis, dout_vis, delta_vis, lse_vis = packet
         blocks = []
-        for blk in plan(src):
+        blks = plan(src)
+        for i, blk in enumerate(blks):
             bdq, bdk, bdv = kernels.block_backward(
                 dout_vis[:, blk.q_rows], q_vis[:, blk.q_rows], k[:, blk.k_rows], v[:, blk.k_rows], None,
                 lse_vis[:, :, blk.q_rows], delta=delta_vis[:, :, blk.q_rows], scale=scale,
                 causal_offset=blk.causal_offset, kernel=self.kernel,
                 mask=masks(src, blk.q_rows, rank, blk.k_rows) if masks else None)
-            grads["dk"] = _accumulate(grads["dk"], blk.k_rows, bdk, k)
-            grads["dv"] = _accumulate(grads["dv"], blk.k_rows, bdv, v)
+            dk.add(blk.k_rows, bdk, last=last and i == len(blks) - 1)
+            dv.add(blk.k_rows, bdv, last=last and i == len(blks) - 1)
             blocks.append((blk.q_rows, [bdq.contiguous()]))
         return _Results(blocks)
 
@@ -250,7 +212,7 @@ class TokenRing(Method):
         def dq_buffers(n: int) -> list[torch.Tensor]:         # partial dQ [B, n, H, D], input dtype
             return [q.new_empty(b, n, h, d)]
 
-        dq, grads = None, {"dk": None, "dv": None}  # fp32 accumulators, started by their first blocks
+        dq, dk, dv = kernels.GradAccumulator(q), kernels.GradAccumulator(k), kernels.GradAccumulator(v)
         packet, done = [q, dout, delta, lse], _Results()       # the visiting query block (own at step 0)
         packet_buffers = DoubleBuffer()
         for step in range(p + 1):
@@ -266,14 +228,14 @@ class TokenRing(Method):
                 ops += done.sends(owner) + incoming.recvs(helper)
             work = comm.exchange(ops) if ops else DoneWork()
             if step < p:
-                computed = self._backward_blocks(packet, k, v, grads, src=(rank - step) % p, rank=rank, plan=plan,
-                                                 masks=masks, scale=scale)
+                computed = self._backward_blocks(packet, k, v, dk, dv, src=(rank - step) % p, rank=rank, plan=plan,
+                                                 masks=masks, scale=scale, last=step == p - 1)
                 if step == 0:
-                    dq = computed.add_into(dq, q)
+                    computed.fold_into(dq, last=p == 1)
                 else:
                     done = computed
             work.wait()
-            dq = incoming.add_into(dq, q, q.dtype if step == p else None)  # the last: the cast fused in
+            incoming.fold_into(dq, last=step == p)              # the last: the cast fused into their sum
             if next_packet is not None:
                 packet = next_packet
-        return dq, grads["dk"].to(k.dtype), grads["dv"].to(v.dtype)
+        return dq.finish(), dk.finish(), dv.finish()
