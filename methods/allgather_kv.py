@@ -83,8 +83,8 @@ class _Zigzag:
     global order, which interleaves front chunks (chunk r = rank r's front) with back chunks in
     reverse (chunk 2P-1-r = rank r's back): one copy into [2P, c, B, ...]. dK/dV are accumulated in
     fp32 directly in the rank-major layout the reduce-scatter sends (each call's gradient added
-    through strided views, the reversed back chunks with one indexed add), so nothing is reordered
-    or copied before the reduce-scatter, and the result is cast once."""
+    through strided views, the reversed back chunks one op each), so nothing is reordered or
+    copied before the reduce-scatter, and the result is cast once."""
 
     def __init__(self, comm: Comm, causal: bool, x: torch.Tensor):
         self.comm, self.causal = comm, causal
@@ -211,7 +211,7 @@ class AllGatherKV(DocumentSharding, Method):
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         masks = self.block_masks(q, k, comm, causal, self.documents_for(q, comm, docs))
-        k_full, v_full = self._gather(comm, causal, masks, q, k, v)
+        k_full, v_full, _ = self._gather(comm, causal, masks, q, k, v)
         outs, lses = [], []
         for rows, keys, offset in self._calls(causal, comm, q.shape[1], masks):
             o, l = kernels.block_forward(q[:, rows], k_full[:, :keys], v_full[:, :keys], scale=scale,
@@ -223,28 +223,28 @@ class AllGatherKV(DocumentSharding, Method):
         return out, lse, (q, k, v, out, lse, masks)
 
     def _gather(self, comm, causal, masks, q, k, v):
-        """(K, V) of the whole sequence [B, S, Hkv, D] in the order the calls read them."""
+        """(K, V) of the whole sequence [B, S, Hkv, D] in the order the calls read them, and the
+        zigzag layout that put them there (None with packed documents: positions order them)."""
         if masks is None:
             zz = _Zigzag(comm, causal, k)
-            return zz.gather(k), zz.gather(v)
+            return zz.gather(k), zz.gather(v), zz
         order = self._order(comm, q.shape[1], masks).to(q.device)
-        return _gather_global(comm, k, order), _gather_global(comm, v, order)
+        return _gather_global(comm, k, order), _gather_global(comm, v, order), None
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
         q, k, v, out, lse, masks = residuals
-        k_full, v_full = self._gather(comm, causal, masks, q, k, v)
+        k_full, v_full, zz = self._gather(comm, causal, masks, q, k, v)
         acc = kernels.acc_dtype(q.dtype)
-        zz = _Zigzag(comm, causal, k) if masks is None else None
         if zz is not None:  # rank-major fp32 accumulators, the reduce-scatter's input as they are
             shape = (comm.world_size, 2, zz.c, k.shape[0], *k.shape[2:])
             dk_acc = torch.empty(shape, dtype=acc, device=q.device)
             dv_acc = torch.empty(shape, dtype=acc, device=q.device)
         else:  # packed documents: the first call's gradients start the accumulators
             dk_acc = dv_acc = None
-        dq = torch.empty_like(q)
+        calls = sorted(self._calls(causal, comm, q.shape[1], masks), key=lambda call: -call[1])
+        dq = torch.empty_like(q) if len(calls) > 1 else None   # one call: its dq is the result
         # the call over the most keys first: it covers every key another call reads, so it starts
         # the accumulators
-        calls = sorted(self._calls(causal, comm, q.shape[1], masks), key=lambda call: -call[1])
         for i, (rows, keys, offset) in enumerate(calls):
             bdq, bdk, bdv = kernels.block_backward(dout[:, rows], q[:, rows], k_full[:, :keys], v_full[:, :keys],
                                                    out[:, rows], lse[:, :, rows], scale=scale,
