@@ -116,8 +116,7 @@ class Burst(Method):
             return pending
 
         def add(step, dq_acc, pending):  # first hop and the hop home in the input dtype, fp32 between
-            return [kernels.follow_add(None if dq_acc is None else dq_acc[0], pending, q,
-                                       first_hop=step == 0 and p > 1, last_hop=step == p - 1)]
+            return [kernels.follow_add(None if dq_acc is None else dq_acc[0], pending, q, last_hop=step == p - 1)]
 
         dq = circulate(p, packet, move=route.start_move, compute=compute, add=add, follow=route.start_follow)[0]
         return dq, dk.finish(), dv.finish()

@@ -838,19 +838,20 @@ class GradAccumulator:
 
 
 def follow_add(acc: Optional[torch.Tensor], contributions: list[tuple[slice, torch.Tensor]], like: torch.Tensor, *,
-               first_hop: bool, last_hop: bool) -> torch.Tensor:
+               last_hop: bool) -> torch.Tensor:
     """The accumulator of a circulating block (dK/dV on the K/V ring, BurstAttention's dQ) after this
     rank's `contributions` [(rows, gradient)], ready for its next hop.
 
     It travels in the input dtype on its first hop (the owner's own gradient as the kernel produced
     it: fp32 would add no information) and on its last hop home (the owner returns the input dtype),
     in fp32 (float64 for float64) in between, so every rank sends the same bytes. acc None: the
-    owner's own block (its contributions start it); `first_hop`: the accumulator is about to make its
-    first hop; `last_hop`: its next hop brings it home."""
+    owner's own block, whose contributions start it (its next hop is its first, or with one rank
+    the only one); `last_hop`: its next hop brings it home."""
     dtype, accd = like.dtype, acc_dtype(like.dtype)
     items = list(contributions)
-    if acc is None:                           # the owner's own block
-        if len(items) == 1 and items[0][0] == slice(None) and (first_hop or last_hop):
+    own = acc is None
+    if own:
+        if len(items) == 1 and items[0][0] == slice(None):
             return items[0][1].contiguous()   # as the kernel produced it
         acc = torch.zeros(like.shape, dtype=accd, device=like.device)
     elif acc.dtype != accd:                   # arrived from its first hop, in the input dtype
@@ -868,7 +869,7 @@ def follow_add(acc: Optional[torch.Tensor], contributions: list[tuple[slice, tor
         acc = accumulate_(acc, rows, grad)
     # the owner's own block in several blocks (no plan here has that): they cover disjoint rows,
     # each in the input dtype, so the cast for the first hop is exact
-    return acc.to(dtype) if (first_hop or last_hop) and acc.dtype != dtype else acc
+    return acc.to(dtype) if (own or last_hop) and acc.dtype != dtype else acc
 
 
 def empty_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -300,9 +300,11 @@ def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         return pending
 
     def add(step, dkv, pending):  # first hop and the hop home in the input dtype, fp32 between
-        hops = {"first_hop": step == 0 and p > 1, "last_hop": step == p - 1}
-        return [kernels.follow_add(None if dkv is None else dkv[0], [(rows, g) for rows, g, _ in pending], k, **hops),
-                kernels.follow_add(None if dkv is None else dkv[1], [(rows, g) for rows, _, g in pending], v, **hops)]
+        last = step == p - 1
+        return [kernels.follow_add(None if dkv is None else dkv[0], [(rows, g) for rows, g, _ in pending], k,
+                                   last_hop=last),
+                kernels.follow_add(None if dkv is None else dkv[1], [(rows, g) for rows, _, g in pending], v,
+                                   last_hop=last)]
 
     dk, dv = circulate(p, [k, v], move=route.start_move, compute=compute, add=add, follow=route.start_follow)
     return dq.finish(), dk, dv

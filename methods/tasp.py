@@ -357,9 +357,10 @@ class TASP(Method):
         def add(step, dkv, pending):
             if units.flat and p > 1:  # a step's units are one [B, L] tensor: the K/V ring's accumulation,
                 # first hop and hop home in the input dtype (kernels.follow_add)
-                hops, whole = {"first_hop": step == 0, "last_hop": step == p - 1}, slice(0, units.k)
+                whole = slice(0, units.k)
                 return [units.split(kernels.follow_add(None if dkv is None else units.keys(dkv[i], whole),
-                                                       [(ALL, c[i + 1]) for c in pending], like, **hops))
+                                                       [(ALL, c[i + 1]) for c in pending], like,
+                                                       last_hop=step == p - 1))
                         for i, like in enumerate((k, v))]
             if dkv is None:  # own units' accumulators, from our own block's dK/dV
                 (_, gk, gv), = pending
