@@ -477,35 +477,50 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 COMPILE_MIN_NUMEL = {"cpu": 1 << 21, "cuda": 1 << 14}
 
 
-def _merge_weights(lse: torch.Tensor, block_lse: torch.Tensor, contiguous: bool = False):
+def _merge_weights(lse: torch.Tensor, block_lse: torch.Tensor):
     """(new_lse [B, H, S], w_old, w_new [B, S, H, 1]): e^(lse - new_lse) and e^(block_lse - new_lse),
-    0 (not NaN) for rows where both sides are empty (-inf). `contiguous`: the weights laid out in
-    [B, S, H] (eager path; a compiled merge chooses its own layout and stays one kernel)."""
+    0 (not NaN) for rows where both sides are empty (-inf). The compiled merges' weights (Inductor
+    fuses them into the one loop over the accumulator)."""
     new_lse = torch.logaddexp(lse, block_lse)
     ref = torch.where(torch.isfinite(new_lse), new_lse, 0.0)
     w_old = torch.exp(lse - ref).transpose(1, 2)      # [B, S, H]
     w_new = torch.exp(block_lse - ref).transpose(1, 2)
-    if contiguous:
-        # Broadcast over D from a transposed view, the eager mul_/addcmul_ over the accumulator walk
-        # the weights with strided loads (measured on CPU at [1, 256, 8, 64]: the whole merge
-        # 119 -> 85 us); the copies are of lse size, 1/D of the accumulator.
-        w_old, w_new = w_old.contiguous(), w_new.contiguous()
     return new_lse, w_old.unsqueeze(-1), w_new.unsqueeze(-1)
 
 
+def _eager_weight(lse: torch.Tensor, block_lse: torch.Tensor) -> torch.Tensor:
+    """The eager merges' weight of the block, w = e^(block_lse - new_lse) = sigmoid(block_lse - lse),
+    [B, S, H, 1]; the accumulator's is 1 - w, since the two sum to 1. Updates `lse` to new_lse in place.
+
+    Five small ops of lse size where the exp form takes about ten (on CPU at the overhead config's
+    shard each costs a few us of dispatch, together as much as the pass over the accumulator). w is
+    0 where both sides are empty (-inf - -inf is NaN), so such a row stays as it is; it is laid out
+    [B, S, H] because the ops over the accumulator walk a transposed view with strided loads."""
+    b, h, s = lse.shape
+    w = torch.empty(b, s, h, dtype=lse.dtype, device=lse.device)
+    torch.sigmoid(torch.sub(block_lse, lse).transpose(1, 2), out=w)
+    w.nan_to_num_(nan=0.0)
+    torch.logaddexp(lse, block_lse, out=lse)
+    return w.unsqueeze(-1)
+
+
 def _merge_eager(out, lse, block_out, block_lse) -> None:
-    new_lse, w_old, w_new = _merge_weights(lse, block_lse, contiguous=True)
-    out.mul_(w_old).addcmul_(block_out, w_new)   # in place: no accumulator-sized temporary
-    lse.copy_(new_lse)
+    # in place, one pass: out + w (block_out - out); lerp takes one dtype, and casting a bf16 block
+    # would be an accumulator-sized temporary, so a lower-precision block takes two passes
+    w = _eager_weight(lse, block_lse)
+    if block_out.dtype == out.dtype:
+        out.lerp_(block_out, w)
+    else:
+        out.mul_(1 - w).addcmul_(block_out, w)
 
 
 def _merge_final_eager(out, lse, block_out, block_lse, dtype):
     # the one fresh fp32 buffer of the eager path: the operator reads the accumulator without
     # writing it (what the fused kernel does), and its result may not alias an input
-    new_lse, w_old, w_new = _merge_weights(lse, block_lse, contiguous=True)
-    merged = out.mul(w_old).addcmul_(block_out, w_new)
-    lse.copy_(new_lse)
-    return merged.to(dtype)
+    w = _eager_weight(lse, block_lse)
+    if block_out.dtype == out.dtype:
+        return torch.lerp(out, block_out, w).to(dtype)
+    return out.mul(1 - w).addcmul_(block_out, w).to(dtype)
 
 
 def _merge_fused(out, lse, block_out, block_lse) -> None:
@@ -588,10 +603,14 @@ def _merge_final_op_fake(out, lse, block_out, block_lse, dtype):
 
 def _merge_start_eager(out_a, lse_a, out_b, lse_b, reuse_lse: bool = False):
     # fresh: the operator's inputs stay as they are and its results may not alias them; a direct
-    # caller that hands over the block results lets lse_a become the accumulator (no copy)
-    out, lse = out_a.to(acc_dtype(out_a.dtype), copy=True), lse_a if reuse_lse else lse_a.clone()
-    _merge_eager(out, lse, out_b, lse_b)
-    return out, lse
+    # caller that hands over the block results lets lse_a become the accumulator (no copy). One
+    # pass writes the accumulator: a lerp where the blocks are in its dtype, else a promoting mul
+    # (bf16 x fp32 computes in fp32) that the block's addcmul_ follows.
+    lse = lse_a if reuse_lse else lse_a.clone()
+    w = _eager_weight(lse, lse_b)
+    if out_a.dtype == acc_dtype(out_a.dtype) == out_b.dtype:
+        return torch.lerp(out_a, out_b, w), lse
+    return torch.mul(out_a, 1 - w).addcmul_(out_b, w), lse
 
 
 def _merge_start_fused(out_a, lse_a, out_b, lse_b):
@@ -616,7 +635,12 @@ def _merge_start_op_fake(out_a, lse_a, out_b, lse_b):
 
 
 def _sum_start_eager(a, b):
-    return a.to(acc_dtype(a.dtype), copy=True).add_(b)   # fresh: a stays as it is
+    # fresh: a stays as it is, laid out like a (a travelling accumulator stays contiguous)
+    acc = acc_dtype(a.dtype)
+    if a.dtype == acc == b.dtype:
+        return torch.add(a, b, out=torch.empty_like(a))   # one pass
+    # lower-precision gradients: an add would compute in their dtype, so cast first, then add in fp32
+    return a.to(acc, copy=True).add_(b)
 
 
 _SUM_START_COMPILED = _Compiled(_sum_start_eager)
@@ -679,7 +703,8 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
 
     new_lse = log(e^lse + e^block_lse); out = out * e^(lse - new_lse) + block_out * e^(block_lse - new_lse).
     Stable for -inf on either side: a row with nothing seen on both sides stays (0, -inf) instead of
-    becoming NaN (the sigmoid form used by ring-flash-attn produces NaN there). One fused pass.
+    becoming NaN (the plain sigmoid form, which ring-flash-attn uses, gives NaN there; the eager
+    path here uses that form with the NaN set to 0). One fused pass.
     """
     if _direct(out):
         _merge_eager(out, lse, block_out, block_lse)

@@ -167,6 +167,37 @@ def test_fused_merge_and_final_merge_equal_the_definition(dtype):
     assert not torch.isnan(result).any()
 
 
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_two_block_starts_equal_the_definition(dtype, direct):
+    """merge_start (two blocks' results into fresh accumulators) and sum_start (two gradients into
+    a fresh fp32 sum), through the operator and called directly (grad off: the eager code), equal
+    the float64 definition, with empty rows on either side and on both; their inputs stay as they
+    are, except lse_a, which a direct caller hands over."""
+    torch.manual_seed(1)
+    acc = kernels.acc_dtype(dtype)
+    out_a, out_b = torch.randn(2, 7, 3, 4).to(dtype), torch.randn(2, 7, 3, 4).to(dtype)
+    lse_a, lse_b = torch.randn(2, 3, 7, dtype=acc), torch.randn(2, 3, 7, dtype=acc)
+    lse_a[0, 1, 2] = float("-inf")
+    out_a[0, 2, 1] = 0
+    lse_b[1, 0, 5] = float("-inf")
+    out_b[1, 5, 0] = 0
+    lse_a[1, 2, 6] = lse_b[1, 2, 6] = float("-inf")
+    out_a[1, 6, 2] = out_b[1, 6, 2] = 0
+    want_out, want_lse = _merge_reference(out_a.double(), lse_a.double(), out_b.double(), lse_b.double())
+    a_before, b_before, lse_b_before = out_a.clone(), out_b.clone(), lse_b.clone()
+    with torch.set_grad_enabled(not direct):
+        out, lse = kernels.merge_start(out_a, lse_a.clone(), out_b, lse_b)
+        total = kernels.sum_start(out_a, out_b)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    assert out.dtype == lse.dtype == total.dtype == acc
+    assert (out.double() - want_out).abs().max() < tol and not torch.isnan(out).any()
+    assert torch.equal(torch.isinf(lse), torch.isinf(want_lse))
+    assert (lse.double()[torch.isfinite(want_lse)] - want_lse[torch.isfinite(want_lse)]).abs().max() < tol
+    assert (total.double() - (out_a.double() + out_b.double())).abs().max() < tol
+    assert torch.equal(out_a, a_before) and torch.equal(out_b, b_before) and torch.equal(lse_b, lse_b_before)
+
+
 def test_fused_merge_is_traced_as_one_op_with_its_bytes():
     """On meta tensors (the simulator's tracer) the merge is one operator that reads the accumulator
     and the block and writes the accumulator: what one fused kernel moves."""
