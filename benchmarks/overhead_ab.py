@@ -6,7 +6,9 @@ alternately (rounds A B B A A B ..., so that a drift of the machine's load hits 
 tree running its own code (`python -m suite run` with that tree as working directory puts it first
 on sys.path; checked before the first round). Per (method, mask, pass) and tree: the median over
 rounds of the trial's ratio and of its iteration time, and the range over rounds; "lower"
-counts the trials whose after-range lies wholly below the before-range.
+counts the trials whose after-range lies wholly below the before-range. Per method, round by
+round: after / before of the same round (geometric mean over the method's trials), its median and
+range over rounds, and in how many rounds it is below 1. `--json` also keeps every round's rows.
 
     .venv/bin/python benchmarks/overhead_ab.py                          # eff2561 vs this tree, 4 rounds
     .venv/bin/python benchmarks/overhead_ab.py --quick --methods ring   # 2 rounds, few repeats
@@ -197,6 +199,35 @@ def markdown(df: pd.DataFrame) -> str:
     return "\n".join(lines)
 
 
+def by_method(frames: dict[str, list[pd.DataFrame]], col: str) -> pd.DataFrame:
+    """Per method and round: the geometric mean over the method's trials (mask x pass) of `col`,
+    after / before of the same round (the two trees ran back to back, so a drift of the machine's
+    load between rounds hits both); then per method the median over rounds of that quotient, its
+    range, and in how many rounds it is below 1."""
+    rows = []
+    for i, (b, a) in enumerate(zip(frames["before"], frames["after"])):
+        m = b.merge(a, on=KEYS, suffixes=("_before", "_after"))
+        m["q"] = m[f"{col}_after"] / m[f"{col}_before"]
+        for method, g in m.groupby("method"):
+            rows.append({"method": method, "round": i, "quotient": float(g["q"].prod() ** (1 / len(g)))})
+    df = pd.DataFrame(rows)
+    out = []
+    for method, g in df.groupby("method"):
+        q = list(g["quotient"])
+        out.append({"method": method, "median": statistics.median(q), "min": min(q), "max": max(q),
+                    "rounds_lower": sum(x < 1 for x in q), "rounds": len(q)})
+    return pd.DataFrame(out)
+
+
+def method_markdown(df: pd.DataFrame, what: str) -> str:
+    lines = [f"| method | {what} after / before (geometric mean over its trials; median over rounds, range) "
+             "| rounds lower |", "|---|---|---|"]
+    for _, r in df.sort_values("method").iterrows():
+        lines.append(f"| {r['method']} | {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f}) "
+                     f"| {int(r['rounds_lower'])} of {int(r['rounds'])} |")
+    return "\n".join(lines)
+
+
 def cpu_markdown(df: pd.DataFrame) -> str:
     lines = ["| method | mask | pass | own CPU ms before | after |", "|---|---|---|---|---|"]
     for _, r in df.sort_values(KEYS).iterrows():
@@ -247,14 +278,26 @@ def main(argv=None) -> int:
     if frames["before"]:
         summary = summarize(frames)
         print(markdown(summary))
+        # the ratio's excess over 1 is the overhead; its quotient is what the target asks to be below 1
+        per_method = by_method(frames, "overhead_ratio")
+        print("\nPer method, round by round:\n")
+        print(method_markdown(per_method, "overhead ratio"))
         out["wall"] = summary.to_dict(orient="records")
+        out["wall_by_method"] = per_method.to_dict(orient="records")
     if cpu["before"]:
         summary = summarize(cpu)
         print("\n## CPU-time diagnostic (thread CPU time outside kernels and communication, per rank)\n")
         print(cpu_markdown(summary))
+        per_method = by_method(cpu, "own_cpu_ms")
+        print("\nPer method, round by round:\n")
+        print(method_markdown(per_method, "own CPU ms"))
         out["cpu_time"] = summary.to_dict(orient="records")
+        out["cpu_time_by_method"] = per_method.to_dict(orient="records")
+    # every round's rows, so that a later reading can pair or pool them differently
+    out["rounds"] = {kind: {name: [f.to_dict(orient="records") for f in fs] for name, fs in d.items()}
+                     for kind, d in (("wall", frames), ("cpu_time", cpu)) if d["before"]}
     if args.json:
-        args.json.write_text(json.dumps(out, indent=1, default=float))
+        args.json.write_text(json.dumps(out, indent=1, default=lambda x: x.item() if hasattr(x, "item") else float(x)))
     return 0
 
 
