@@ -493,7 +493,8 @@ def _eager_weight(lse: torch.Tensor, block_lse: torch.Tensor) -> torch.Tensor:
     [B, S, H, 1]; the accumulator's is 1 - w, since the two sum to 1. Updates `lse` to new_lse in place.
 
     Five small ops of lse size where the exp form takes about ten (on CPU at the overhead config's
-    shard each costs a few us of dispatch, together as much as the pass over the accumulator). w is
+    shard each costs a few us of dispatch: the exp form's took longer than the passes over the
+    accumulator, about 46 vs 23 us, and these take 17 us beside the lerp's 15). w is
     0 where both sides are empty (-inf - -inf is NaN), so such a row stays as it is; it is laid out
     [B, S, H] because the ops over the accumulator walk a transposed view with strided loads."""
     b, h, s = lse.shape
