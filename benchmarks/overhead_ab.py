@@ -275,24 +275,20 @@ def main(argv=None) -> int:
     print(f"# before = {args.before_rev} ({before}), after = {args.after_dir}; {args.rounds} rounds, "
           f"run.repeats={args.repeats}, run.warmup={args.warmup}; medians over rounds (range)")
     out = {}
-    if frames["before"]:
-        summary = summarize(frames)
-        print(markdown(summary))
-        # the ratio's excess over 1 is the overhead; its quotient is what the target asks to be below 1
-        per_method = by_method(frames, "overhead_ratio")
+    # the ratio's excess over 1 is the overhead; its quotient is what the target asks to be below 1
+    for kind, got, table, col, what, title in (
+            ("wall", frames, markdown, "overhead_ratio", "overhead ratio", ""),
+            ("cpu_time", cpu, cpu_markdown, "own_cpu_ms", "own CPU ms",
+             "\n## CPU-time diagnostic (thread CPU time outside kernels and communication, per rank)\n")):
+        if not got["before"]:
+            continue
+        summary, per_method = summarize(got), by_method(got, col)
+        if title:
+            print(title)
+        print(table(summary))
         print("\nPer method, round by round:\n")
-        print(method_markdown(per_method, "overhead ratio"))
-        out["wall"] = summary.to_dict(orient="records")
-        out["wall_by_method"] = per_method.to_dict(orient="records")
-    if cpu["before"]:
-        summary = summarize(cpu)
-        print("\n## CPU-time diagnostic (thread CPU time outside kernels and communication, per rank)\n")
-        print(cpu_markdown(summary))
-        per_method = by_method(cpu, "own_cpu_ms")
-        print("\nPer method, round by round:\n")
-        print(method_markdown(per_method, "own CPU ms"))
-        out["cpu_time"] = summary.to_dict(orient="records")
-        out["cpu_time_by_method"] = per_method.to_dict(orient="records")
+        print(method_markdown(per_method, what))
+        out[kind], out[f"{kind}_by_method"] = summary.to_dict(orient="records"), per_method.to_dict(orient="records")
     # every round's rows, so that a later reading can pair or pool them differently
     out["rounds"] = {kind: {name: [f.to_dict(orient="records") for f in fs] for name, fs in d.items()}
                      for kind, d in (("wall", frames), ("cpu_time", cpu)) if d["before"]}

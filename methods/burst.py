@@ -36,7 +36,7 @@ from __future__ import annotations
 
 from methods import kernels
 from methods.base import Case, Method, element_bytes
-from methods.kv_ring import Plan, circulate, kv_ring_forward, make_route
+from methods.kv_ring import Plan, circulate, follow_bytes, kv_ring_forward, make_route
 from methods.registry import register
 from methods.zigzag_ring import zigzag_plan
 
@@ -72,8 +72,7 @@ class Burst(Method):
         n = (p - 1) * 2 * b * l * case.kv_heads * d * e                    # forward: K, V
         if pass_ == "fwd_bwd":
             n += (p - 1) * (2 * b * l * h * d * e + 2 * b * h * l * a)    # Q, dO; D, lse
-            if p > 1:  # the dQ accumulator, P hops: the first and the last in the input dtype
-                n += 2 * b * l * h * d * e + (p - 2) * b * l * h * d * a
+            n += follow_bytes(b * l * h * d, p, e, a)                     # the dQ accumulator
         return n, n
 
     def supports(self, case: Case) -> tuple[bool, str]:

@@ -394,6 +394,8 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
 def _dense(x: torch.Tensor) -> bool:
     """Whether x's elements fill its storage span with no gap or overlap (some order of its dims
     is contiguous)."""
+    if x.is_contiguous():   # the common case, asked on every block call (inside the timed kernel region)
+        return True
     expected = 1
     for size, stride in sorted(zip(x.shape, x.stride()), key=lambda d: d[1]):
         if size != 1 and stride != expected:
@@ -505,23 +507,24 @@ def _eager_weight(lse: torch.Tensor, block_lse: torch.Tensor) -> torch.Tensor:
     return w.unsqueeze(-1)
 
 
+def _fold(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """a (1 - w) + b w, the eager merges' pass over the accumulator: into a (`in_place`) or a fresh
+    tensor of the promoted dtype. One `lerp` pass where a, b and w share a dtype; lerp takes only
+    one, and casting a lower-precision b would be an accumulator-sized temporary, so otherwise a
+    mul (bf16 x fp32 computes in fp32) and an addcmul_: two passes."""
+    if a.dtype == b.dtype == w.dtype:
+        return a.lerp_(b, w) if in_place else torch.lerp(a, b, w)
+    return (a.mul_(1 - w) if in_place else torch.mul(a, 1 - w)).addcmul_(b, w)
+
+
 def _merge_eager(out, lse, block_out, block_lse) -> None:
-    # in place, one pass: out + w (block_out - out); lerp takes one dtype, and casting a bf16 block
-    # would be an accumulator-sized temporary, so a lower-precision block takes two passes
-    w = _eager_weight(lse, block_lse)
-    if block_out.dtype == out.dtype:
-        out.lerp_(block_out, w)
-    else:
-        out.mul_(1 - w).addcmul_(block_out, w)
+    _fold(out, block_out, _eager_weight(lse, block_lse), in_place=True)
 
 
 def _merge_final_eager(out, lse, block_out, block_lse, dtype):
     # the one fresh fp32 buffer of the eager path: the operator reads the accumulator without
     # writing it (what the fused kernel does), and its result may not alias an input
-    w = _eager_weight(lse, block_lse)
-    if block_out.dtype == out.dtype:
-        return torch.lerp(out, block_out, w).to(dtype)
-    return out.mul(1 - w).addcmul_(block_out, w).to(dtype)
+    return _fold(out, block_out, _eager_weight(lse, block_lse)).to(dtype)
 
 
 def _merge_fused(out, lse, block_out, block_lse) -> None:
@@ -604,14 +607,9 @@ def _merge_final_op_fake(out, lse, block_out, block_lse, dtype):
 
 def _merge_start_eager(out_a, lse_a, out_b, lse_b, reuse_lse: bool = False):
     # fresh: the operator's inputs stay as they are and its results may not alias them; a direct
-    # caller that hands over the block results lets lse_a become the accumulator (no copy). One
-    # pass writes the accumulator: a lerp where the blocks are in its dtype, else a promoting mul
-    # (bf16 x fp32 computes in fp32) that the block's addcmul_ follows.
+    # caller that hands over the block results lets lse_a become the accumulator (no copy)
     lse = lse_a if reuse_lse else lse_a.clone()
-    w = _eager_weight(lse, lse_b)
-    if out_a.dtype == acc_dtype(out_a.dtype) == out_b.dtype:
-        return torch.lerp(out_a, out_b, w), lse
-    return torch.mul(out_a, 1 - w).addcmul_(out_b, w), lse
+    return _fold(out_a, out_b, _eager_weight(lse, lse_b)), lse
 
 
 def _merge_start_fused(out_a, lse_a, out_b, lse_b):

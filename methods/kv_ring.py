@@ -325,9 +325,15 @@ def kv_ring_bytes(case: Case, pass_: str, ring_size: Optional[int] = None, kv_he
     n = (p - 1) * kv * e
     if pass_ == "fwd_bwd":
         n += (p - 1) * kv * e                   # K, V again
-        if p > 1:                               # the dK/dV accumulators: P hops, the first and the last in
-            n += 2 * kv * e + (p - 2) * kv * a if input_dtype_ends else p * kv * a   # the input dtype
+        n += follow_bytes(kv, p, e, a) if input_dtype_ends else (p * kv * a if p > 1 else 0)   # dK, dV
     return n, n
+
+
+def follow_bytes(elements: int, p: int, e: int, a: int) -> int:
+    """Bytes one rank sends (and receives) for accumulators of `elements` that follow their block
+    round a ring of `p` (`circulate` with `kernels.follow_add`): P hops, the first and the last in
+    the input dtype (e bytes), the others in the accumulator dtype (a bytes); none with one rank."""
+    return 2 * elements * e + (p - 2) * elements * a if p > 1 else 0
 
 
 class KVRingMethod(Method):
