@@ -52,7 +52,7 @@ def sweep_yaml(trials: int) -> str:
 # itself (as a measured trial's kernels are), the rest of the wall time is the harness.
 TIMED_SWEEP = """
 import sys, time
-import suite.sim.executor as E
+import suite.executors.sim as E
 spent, cpu = [0.0], [0.0]
 original = E.SimExecutor.run
 def run(self, spec):

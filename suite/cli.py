@@ -205,8 +205,8 @@ def _calibrate(args) -> int:
 
     import torch
 
+    from suite.calibrate import calibrate
     from suite.env import hardware_label
-    from suite.sim.calibrate import calibrate
 
     loaded = _load_config(args)
     if loaded is None:

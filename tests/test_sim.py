@@ -240,8 +240,8 @@ def test_a_simulated_sweep_records_labelled_rows(tmp_path):
 def test_calibrate_times_exactly_the_blocks_the_sweep_traces(tmp_path):
     import torch
 
+    from suite.calibrate import fit_alpha_beta, sweep_blocks, time_block
     from suite.config import load_config
-    from suite.sim.calibrate import fit_alpha_beta, sweep_blocks, time_block
 
     cfg_path = tmp_path / "c.yaml"
     cfg_path.write_text(yaml.safe_dump({"name": "cal", "sweep": {

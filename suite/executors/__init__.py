@@ -29,7 +29,7 @@ def make_executor(cfg: SuiteConfig, *, dry_run: bool = False) -> Executor:
     r = cfg.run
     settings = RunSettings.of(cfg)
     if r.executor == "sim":
-        from suite.sim.executor import SimExecutor
+        from suite.executors.sim import SimExecutor
         return SimExecutor(cfg.sim.topology)
     device = resolve_device(r.device)
     if device == "cuda" and not torch.cuda.is_available() and not dry_run:

@@ -2,7 +2,7 @@
 
 Executors: `LocalDistExecutor` (worker processes on this machine), `TorchrunExecutor` (the
 processes of an external launch, torchrun or SLURM), `ThreadExecutor` (virtual ranks as threads)
-and the simulator's `SimExecutor` (suite/sim/executor.py). Each holds its own limits in
+and the simulator's `SimExecutor` (suite/executors/sim.py). Each holds its own limits in
 `supports`, says where its trials run (`places`, for the plan) and how long it spent starting
 worker groups (`startup_s`, which is not any trial's time).
 """

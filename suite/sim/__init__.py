@@ -1,2 +1,6 @@
-"""The simulator (DESIGN.md section 10). So far: `trace`, which records the schedule a method's
-own code executes (compute blocks, messages and their waits) per rank, without arithmetic."""
+"""The simulator (docs/DESIGN.md section 10), and nothing else: `trace` records the schedule a
+method's own code executes (compute blocks, messages and their waits) per rank, without arithmetic;
+`topology` loads the hardware models; `compute` times a block; `engine` replays a trace on a
+topology; `memory` estimates peak memory. The `sim` executor that runs sweeps on it lives with the
+other executors (suite/executors/sim.py), the `calibrate` command with the other commands
+(suite/calibrate.py)."""
