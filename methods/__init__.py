@@ -23,8 +23,11 @@ from methods import (  # noqa: E402,F401
 )
 from methods.base import Case, Method, SPAttention
 from methods.registry import (
+                              GROUPS,
                               available,
+                              expand_groups,
                               get_method,
+                              group_members,
                               load_plugins,
                               method_class,
                               register,
@@ -32,5 +35,6 @@ from methods.registry import (
                               unavailable,
 )
 
-__all__ = ["Case", "Method", "SPAttention", "available", "get_method", "load_plugins",
+__all__ = ["GROUPS", "Case", "Method", "SPAttention", "available", "expand_groups", "get_method", "group_members",
+           "load_plugins",
            "method_class", "register", "register_unavailable", "unavailable"]

@@ -67,6 +67,9 @@ class Method:
     impl: ClassVar[str] = "own"       # "own", or the library and version for peer adapters
     needs_processes: ClassVar[bool] = False  # peers calling torch.distributed themselves
     single_device: ClassVar[bool] = False    # the single-device baseline (world size 1 only)
+    test_double: ClassVar[bool] = False
+    """True for methods that exist to test the harness (a planted fault): they run only where named,
+    never as a member of a method group (methods.registry.GROUPS)."""
     gathers_whole_sequence: ClassVar[bool] = False
     """True when a rank materialises the whole sequence's K/V, so its memory grows with the world
     size at a fixed local length (all-gather K/V, by design); every other method keeps a fixed

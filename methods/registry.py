@@ -40,6 +40,36 @@ def unavailable() -> dict[str, str]:
     return dict(_UNAVAILABLE)
 
 
+# Names in a method list that stand for several methods, expanded from the registry (a method
+# registered tomorrow joins every sweep that asks for its group). The single-device baseline
+# `reference` is in none: it is not a sequence-parallel method, and a sweep names it itself.
+GROUPS = {
+    "own": "every own sequence-parallel method (impl 'own')",
+    "peers": "every wrapped peer library's method, registered here or not (an unavailable one is a recorded skip)",
+    "all": "own and peers",
+}
+
+
+def group_members(group: str) -> list[str]:
+    """The methods group `group` stands for, sorted."""
+    if group not in GROUPS:
+        raise KeyError(f"unknown method group {group!r}; groups: {', '.join(GROUPS)}")
+    members = {n: cls for n, cls in _REGISTRY.items() if not cls.test_double}
+    own = [n for n, cls in members.items() if cls.impl == "own" and not cls.single_device]
+    peers = [n for n, cls in members.items() if cls.impl != "own"] + list(_UNAVAILABLE)
+    return sorted({"own": own, "peers": peers, "all": own + peers}[group])
+
+
+def expand_groups(names: Iterable[str]) -> list[str]:
+    """`names` with every group replaced by its members, in order, each method once."""
+    out: list[str] = []
+    for name in names:
+        for m in group_members(name) if name in GROUPS else [name]:
+            if m not in out:
+                out.append(m)
+    return out
+
+
 def method_class(name: str) -> type[Method]:
     if name in _REGISTRY:
         return _REGISTRY[name]

@@ -31,6 +31,7 @@ from methods.base import Case, Method, option_names
 from methods.common import check_ulysses_heads
 from methods.documents import Documents
 from suite import metrics as M
+from suite.bundled import DOCUMENTS, MODELS
 from suite.config import PASSES, DocumentsConfig, SuiteConfig
 from suite.lengths import Distribution, LengthsError
 from suite.sim.compute import ComputeModel
@@ -38,9 +39,6 @@ from suite.sim.memory import MemoryEstimate, estimate
 from suite.sim.topology import Topology, TopologyError, available_topologies, load_topology
 from suite.sim.trace import Compute
 
-ROOT = Path(__file__).resolve().parents[1]
-MODEL_DIR = ROOT / "configs" / "models"
-DOCUMENTS_DIR = ROOT / "configs" / "documents"
 GB = 1e9
 # a cost is "the main cost" once it takes this share of the predicted time; below it for every
 # cost, the configuration is compute-bound
@@ -68,7 +66,7 @@ class ModelShape:
 
 
 def available_models() -> list[str]:
-    return sorted(p.stem for p in MODEL_DIR.glob("*.yaml"))
+    return sorted(p.stem for p in MODELS.glob("*.yaml"))
 
 
 def load_model(text: str) -> ModelShape:
@@ -78,7 +76,7 @@ def load_model(text: str) -> ModelShape:
         h, kv, d = (int(x) for x in m.groups())
         shape = ModelShape(text, h, kv, d)
     else:
-        path = Path(text) if text.endswith((".yaml", ".yml")) else MODEL_DIR / f"{text}.yaml"
+        path = Path(text) if text.endswith((".yaml", ".yml")) else MODELS / f"{text}.yaml"
         if not path.is_file():
             raise AdviceError("--model", f"unknown model {text!r}: choose one of {available_models()} or give "
                                          f"heads/kv_heads/head_dim (e.g. 32/8/128)")
@@ -112,9 +110,9 @@ def load_workload(text: Optional[str]) -> Optional[Distribution]:
                 if k in settings:
                     settings[k] = int(settings[k])
             return Distribution.from_config(kind, settings)
-        path = Path(text) if text.endswith((".yaml", ".yml")) else DOCUMENTS_DIR / f"{text}.yaml"
+        path = Path(text) if text.endswith((".yaml", ".yml")) else DOCUMENTS / f"{text}.yaml"
         if not path.is_file():
-            choices = sorted(p.stem for p in DOCUMENTS_DIR.glob("*.yaml"))
+            choices = sorted(p.stem for p in DOCUMENTS.glob("*.yaml"))
             raise AdviceError("--workload", f"unknown length distribution {text!r}: choose uniform, one of {choices}, "
                                             f"a histogram YAML file, or lognormal:median=M,sigma=S")
         return Distribution.from_config(path.stem, {"distribution": "histogram", "file": str(path)})

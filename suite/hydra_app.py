@@ -17,7 +17,6 @@ name the key. Hydra runs in this parent process only; the workers get the valida
 """
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 
@@ -26,21 +25,10 @@ from hydra.core.config_store import ConfigStore
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
+from suite.bundled import CONFIGS, sweep_files
 from suite.config import ConfigError, SuiteConfig, config_from_node
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 GROUP = "config"
-
-
-def sweep_files(root: Path = CONFIGS) -> dict[str, Path]:
-    """Option name -> sweep file: configs/<name>.yaml and configs/<folder>/<name>.yaml whose top
-    level has a `sweep` section (the pieces beside them, topologies, models, length distributions,
-    have none)."""
-    out = {}
-    for path in sorted(root.rglob("*.yaml")):
-        if re.search(r"^sweep:", path.read_text(), re.MULTILINE):
-            out[path.relative_to(root).with_suffix("").as_posix()] = path
-    return out
 
 
 def register(root: Path = CONFIGS) -> None:

@@ -27,6 +27,7 @@ from typing import Any, Optional
 import numpy as np
 
 from methods.documents import Documents, pack
+from suite.bundled import DOCUMENTS
 
 UNIFORM = "uniform"       # one document per sequence: today's workload
 DISTRIBUTIONS = ("fixed", "lognormal", "powerlaw", "histogram")
@@ -82,9 +83,7 @@ class Distribution:
                 raise LengthsError(f"{key}.alpha", f"must be > 1 (a normalisable tail), got {alpha}")
             params["alpha"] = alpha
         else:
-            path = Path(cfg.get("file") or "")
-            if not path.is_absolute():
-                path = root / path
+            path = histogram_path(str(cfg.get("file") or ""), root)
             params["file"] = str(cfg.get("file"))
             # the histogram itself (not only its file name) is what the trials ran
             params["bins"] = [list(b) for b in _read_histogram(path, f"{key}.file")]
@@ -130,6 +129,20 @@ class Distribution:
 def _clip(lengths: list[int], s: dict[str, Any]) -> list[int]:
     lo, hi = s["min"], s["max"] or None
     return [max(lo, min(n, hi)) if hi else max(lo, n) for n in lengths]
+
+
+def histogram_path(file: str, root: Path = Path(".")) -> Path:
+    """A histogram's file: a path (a relative one from `root`), or one that ships with the suite,
+    named `configs/documents/<name>.yaml` as in a checkout or by its bare name (`stdlib_files`)."""
+    path = Path(file)
+    local = path if path.is_absolute() else root / path
+    if local.is_file():
+        return local
+    if len(path.parts) == 1 or path.parent == Path("configs/documents"):
+        for bundled in (DOCUMENTS / path.name, DOCUMENTS / f"{path.name}.yaml"):
+            if bundled.is_file():
+                return bundled
+    return local
 
 
 def _read_histogram(path: Path, key: str) -> tuple[tuple[int, int, float], ...]:

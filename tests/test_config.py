@@ -142,3 +142,58 @@ sweep:
     assert usp == [(2, 2), (4, 1)]  # (1, 4) excluded by its ring degree
     assert len({s.key for s in plan}) == len(plan) == 3
     assert [s.method_options for s in plan if s.method == "usp"] == [{"ulysses_degree": 2}, {"ulysses_degree": 4}]
+
+
+# -- method groups ----------------------------------------------------------------------------------------
+def test_method_groups_expand_from_the_registry(write_config):
+    import methods
+
+    own = [n for n in methods.available() if methods.method_class(n).impl == "own"
+           and not methods.method_class(n).single_device and not methods.method_class(n).test_double]
+    assert "token_ring" in own and "reference" not in own
+    cfg, text = load_config(write_config(BASE), ["sweep.methods=[reference,own,ring]", "sweep.exclude=[]"])
+    assert cfg.sweep.methods == ["reference"] + sorted(own)  # ring once, where `own` put it
+    assert "token_ring" in text and "- own" not in text  # the saved config names what ran
+    cfg, _ = load_config(write_config(BASE), ["sweep.methods=[all]", "sweep.exclude=[{method: own, world_size: 1}]"])
+    peers = set(methods.group_members("peers"))
+    assert peers and set(cfg.sweep.methods) == set(own) | peers and not peers & set(own)
+    assert peers >= set(methods.unavailable())  # a peer not importable here is a recorded skip, not dropped
+    assert cfg.sweep.exclude == [{"method": sorted(own), "world_size": 1}]
+    planned = {(t.method, t.world_size) for t in plan_for(cfg)}
+    assert not any(m in own and p == 1 for m, p in planned) and ("ring", 2) in planned
+
+
+def test_an_unknown_method_names_the_groups(write_config):
+    with pytest.raises(ConfigError, match=r"unknown method 'owns'.*groups: own, peers, all"):
+        load_config(write_config(BASE), ["sweep.methods=[owns]"])
+
+
+def test_a_method_registered_by_a_plugin_joins_its_group_but_a_test_double_does_not(write_config):
+    cfg, _ = load_config(write_config(BASE), ["sweep.methods=[own]", "run.plugins=[tests.plugins.faulty]",
+                                             "sweep.exclude=[]"])
+    assert "faulty" not in cfg.sweep.methods and "wrong" not in cfg.sweep.methods
+    import methods
+    from methods.registry import _REGISTRY, register
+    from methods.ring import Ring
+
+    class Future(Ring):
+        name, description = "future_ring", "test: a method registered after the configs were written"
+
+    register(Future)
+    try:
+        cfg, _ = load_config(write_config(BASE), ["sweep.methods=[own]", "sweep.exclude=[]"])
+        assert "future_ring" in cfg.sweep.methods and "future_ring" in methods.group_members("all")
+    finally:
+        _REGISTRY.pop("future_ring")
+
+
+@pytest.mark.parametrize("config", ["methods_cpu", "perplexity", "sim_check_cpu", "simulate_multinode",
+                                    "simulate_varlen", "varlen_cpu", "h100_sweep", "h100_varlen"])
+def test_every_own_method_runs_in_the_evidence_sweeps(config):
+    """The evidence configs ask for the `own` group: a method added to the registry is planned in
+    them without anyone editing a list (token_ring was once missing from every one)."""
+    import methods
+
+    cfg, _ = load_config(config)
+    planned = {t.method for t in plan_for(cfg)}
+    assert set(methods.group_members("own")) <= planned

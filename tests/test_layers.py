@@ -16,7 +16,7 @@ PACKAGES = ("suite", "methods")
 # Lowest first. Each entry is a top-level module of suite/ or a whole package folder (a folder's
 # modules share its layer: a folder is one unit). A module may import its own layer or a lower one.
 LAYERS = [
-    ["suite.metrics", "suite.results"],
+    ["suite.metrics", "suite.results", "suite.bundled"],
     ["suite.env", "suite.check", "suite.memtrack", "suite.timing", "suite.summary", "suite.tracking", "suite.lengths",
      "suite.perplexity", "suite.sim"],
     ["suite.config"],

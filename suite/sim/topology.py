@@ -30,7 +30,8 @@ from typing import Any, Optional
 
 import yaml
 
-TOPOLOGY_DIR = Path(__file__).resolve().parents[2] / "configs" / "topologies"
+from suite.bundled import TOPOLOGIES
+
 FABRICS = ("switch", "mesh", "pcie")
 GB = 1e9
 
@@ -40,18 +41,18 @@ class TopologyError(ValueError):
 
 
 def available_topologies() -> list[str]:
-    return sorted(p.stem for p in TOPOLOGY_DIR.glob("*.yaml"))
+    return sorted(p.stem for p in TOPOLOGIES.glob("*.yaml"))
 
 
 def topology_path(name_or_path: str) -> Path:
     p = Path(name_or_path)
     if p.suffix in (".yaml", ".yml") and p.is_file():
         return p
-    q = TOPOLOGY_DIR / f"{name_or_path}.yaml"
+    q = TOPOLOGIES / f"{name_or_path}.yaml"
     if q.is_file():
         return q
     raise TopologyError(f"unknown topology {name_or_path!r}: give a YAML file or one of {available_topologies()} "
-                        f"(in {TOPOLOGY_DIR})")
+                        f"(in {TOPOLOGIES})")
 
 
 def load_topology(name_or_path: str) -> "Topology":

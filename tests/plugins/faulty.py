@@ -16,6 +16,8 @@ from methods.ring import Ring
 
 
 class _FaultyRing(Ring):
+    test_double = True  # never a member of `own`: a sweep runs it only where it names it
+
     def fault(self, rank: int) -> None:
         """Called on every rank before the forward pass."""
 
@@ -61,6 +63,7 @@ class Slow(_FaultyRing):
 
 @register
 class Wrong(Ring):
+    test_double = True
     name, description = "wrong", "test only: ring without the causal mask"
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse):

@@ -1,0 +1,180 @@
+"""The sweep config's schema: every section as a dataclass, every field documented (the
+defaults are the documentation's values). Loading is in load.py, value rules in validate.py."""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING, OmegaConf
+
+from suite.perplexity.config import PerplexityConfig
+
+PASSES = ("fwd", "fwd_bwd")
+KINDS = ("attention", "perplexity")
+EXECUTORS = ("dist", "threads", "sim")
+DEVICES = ("auto", "cpu", "cuda")
+BACKENDS = ("auto", "gloo", "nccl")
+# Sweep axes as they appear in trial identities (and in exclude rules).
+AXES = ("method", "topology", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
+        "causal", "pass", "ulysses_degree", "ring_degree", "workload")
+
+
+class ConfigError(ValueError):
+    """A configuration problem, reported before anything runs."""
+
+
+MAX_NAME = 100              # a sweep name is a folder name and an MLflow experiment name
+MAX_TIMEOUT_S = 7 * 86400   # a week: longer waits are a typo (and inf overflows the waits)
+
+
+@dataclass
+class SweepConfig:
+    """The sweep axes: every list is one axis; trials are their cartesian product minus excludes."""
+
+    methods: list[str] = field(default_factory=lambda: ["reference", "ring", "ulysses"])
+    """Registered method names (`python -m suite list`)."""
+    world_size: list[int] = field(default_factory=lambda: [1, 2, 4])
+    """Number of ranks sharing one sequence."""
+    batch: list[int] = field(default_factory=lambda: [1])
+    seq_len: list[int] = field(default_factory=lambda: [1024])
+    """Global sequence length (tokens over all ranks)."""
+    heads: list[int] = field(default_factory=lambda: [8])
+    kv_heads: list[int] = field(default_factory=lambda: [8])
+    """KV heads; fewer than `heads` is GQA (heads must be a multiple)."""
+    head_dim: list[int] = field(default_factory=lambda: [64])
+    dtype: list[str] = field(default_factory=lambda: ["float32"])
+    causal: list[bool] = field(default_factory=lambda: [True, False])
+    passes: list[str] = field(default_factory=lambda: ["fwd", "fwd_bwd"])
+    """fwd (forward only, no autograd graph) and/or fwd_bwd (forward + backward)."""
+    workload: list[str] = field(default_factory=lambda: ["uniform"])
+    """Length mixes: `uniform` (one document per sequence) and/or names of `documents:` entries
+    (documents drawn from that distribution with run.seed, packed into each sequence, the last cut;
+    the mask is document-causal: a token sees its own document only)."""
+    exclude: list[dict[str, Any]] = field(default_factory=list)
+    """Rules removing trials: each maps axis names (see AXES) or method option names to a value or a
+    list of values; a trial matching every entry of a rule is not planned.
+    E.g. {method: reference, world_size: [2, 4]} or {method: burst, ranks_per_node: 2, world_size: 2}."""
+    method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Per-method constructor options, e.g. {usp: {ulysses_degree: 2}}; a list of values is an axis
+    of that method's trials, e.g. {usp: {ulysses_degree: [1, 2, 4]}} (the USP degree grid)."""
+
+
+@dataclass
+class RunConfig:
+    """How trials run."""
+
+    executor: str = "dist"
+    """dist: real worker processes over torch.distributed (the only executor whose timings are
+    performance); threads: virtual ranks in one process (numerics only); sim: the simulator predicts
+    each trial on every topology of `sim.topology` (nothing runs; rows say executor=sim)."""
+    device: str = "auto"
+    """auto (cuda when available), cpu or cuda."""
+    backend: str = "auto"
+    """torch.distributed backend: auto (nccl on cuda, gloo on cpu), gloo or nccl."""
+    kernel: str = "auto"
+    """Local attention kernel: auto, math, cpu_flash, flash_attn."""
+    warmup: int = 2
+    """Untimed iterations before timing (the first also counts communication bytes)."""
+    repeats: int = 10
+    """Timed iterations; every sample is kept."""
+    check: bool = True
+    """Compare out, lse (and dq, dk, dv for fwd_bwd) with float64 attention on the unsharded inputs."""
+    breakdown: bool = True
+    """After timing: one iteration split into kernel / exposed-communication / bookkeeping time, and
+    `repeats` compute-only and comm-only iterations (CCR, overlap efficiency)."""
+    check_max_seq_len: int = 65536
+    """Above this global length the float64 reference is not computed (the row says checked=false)."""
+    seed: int = 0
+    timeout_s: float = 300.0
+    """Per-trial limit; a trial over it is recorded as timeout and its worker group replaced."""
+    prepare_timeout_s: float = 1800.0
+    """Limit for building a trial's inputs and float64 reference (executor dist); run.timeout_s
+    starts once every rank has them, so a slow reference is never counted against the method."""
+    startup_timeout_s: float = 180.0
+    """Limit for starting a worker group (process spawn + rendezvous)."""
+    fail_grace_s: float = 10.0
+    """After one rank fails, how long to wait for the others to report before replacing the group."""
+    threads_per_rank: int = 0
+    """CPU threads per worker; 0 = available cores / world_size (at least 1)."""
+    max_ranks_per_core: float = 2.0
+    """Local CPU runs (executor dist on cpu): world sizes above this many ranks per available core are
+    refused before start (P = 16 on 2 cores times nothing but contention); raise it to oversubscribe."""
+    hardware: str = "auto"
+    """Hardware label recorded with each trial; auto = detected (GPU name or CPU model)."""
+    plugins: list[str] = field(default_factory=list)
+    """Python modules imported in the parent and every worker to register extra methods."""
+
+
+@dataclass
+class ResultsConfig:
+    root: str = "results"
+    """Results go to <root>/<name>/<timestamp>/ (trials.jsonl, trials.parquet, config, environment)."""
+
+
+@dataclass
+class TrackingConfig:
+    mlflow: bool = True
+    """Log the sweep to MLflow (parent run) with one nested run per trial."""
+    uri: Optional[str] = None
+    """Tracking URI; default: $MLFLOW_TRACKING_URI, else sqlite:///<results.root>/mlflow.db."""
+    experiment: Optional[str] = None
+    """Experiment name; default: the sweep name."""
+
+
+@dataclass
+class DocumentsConfig:
+    """A document-length distribution for packed workloads (suite/lengths.py)."""
+
+    distribution: str = MISSING
+    """fixed (`lengths`, used once in order), lognormal (`median`, `sigma`), powerlaw (`alpha` > 1
+    between `min` and `max`) or histogram (`file`: YAML with bins: [[low, high, weight], ...])."""
+    lengths: list[int] = field(default_factory=list)
+    median: float = 0.0
+    sigma: float = 0.0
+    alpha: float = 0.0
+    min: int = 1
+    """Every drawn length is clipped to [min, max]."""
+    max: int = 0
+    """0: no cap."""
+    file: Optional[str] = None
+
+
+@dataclass
+class SimConfig:
+    """run.executor: sim (suite/sim): each method's own schedule, traced on meta tensors, replayed on
+    a topology model. Nothing is measured; rows carry executor=sim and the topology."""
+
+    topology: list[str] = field(default_factory=lambda: ["h100_sxm"])
+    """Topologies (an axis): names in configs/topologies/ or paths to topology YAML files (e.g. one
+    written by `python -m suite calibrate`). World sizes beyond one node use as many nodes as needed."""
+
+
+@dataclass
+class SuiteConfig:
+    name: str = MISSING
+    """Sweep name (letters, digits, - and _): the results folder and MLflow experiment."""
+    description: str = ""
+    kind: str = "attention"
+    """attention: time and check attention calls; perplexity: train the small model with each
+    method and compare its losses and perplexity with the single-device baseline."""
+    sweep: SweepConfig = field(default_factory=SweepConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+    perplexity: PerplexityConfig = field(default_factory=PerplexityConfig)
+    sim: SimConfig = field(default_factory=SimConfig)
+    documents: dict[str, DocumentsConfig] = field(default_factory=dict)
+    """Named document-length distributions, used by sweep.workload."""
+    results: ResultsConfig = field(default_factory=ResultsConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def option_points(options: dict[str, Any]) -> list[dict[str, Any]]:
+    """Method options with list values are axes: {ulysses_degree: [1, 2]} -> two option sets."""
+    keys = sorted(options)
+    values = [v if isinstance(v, (list, tuple)) else [v] for v in (options[k] for k in keys)]
+    return [dict(zip(keys, combo)) for combo in itertools.product(*values)]
+
+
+def to_dict(cfg: SuiteConfig) -> dict:
+    """Plain dict of the config (for MLflow artifacts and workers)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,90 @@
+"""The perplexity check's section of a sweep config (`perplexity:`; kind: perplexity), with the
+rules its values must meet. suite/config/ merges it into the sweep schema and turns each problem
+into a ConfigError naming the key."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator, Optional
+
+# The model's and the training loop's own defaults (one source for both).
+from suite.perplexity.data import SOURCES
+from suite.perplexity.model import ModelConfig as _Model
+from suite.perplexity.train import PLANTED_BUGS
+from suite.perplexity.train import TrainConfig as _Train
+
+
+@dataclass
+class DataConfig:
+    """The text a perplexity check trains on, as byte tokens (suite/perplexity/data.py)."""
+
+    source: str = "stdlib"
+    """stdlib: the Python standard library's source (no download); file: `path`; hf: `hf_dataset`
+    (needs the `datasets` package)."""
+    path: Optional[str] = None
+    hf_dataset: Optional[str] = None
+    hf_split: str = "train"
+    hf_text_field: str = "text"
+    max_bytes: int = 2_000_000
+    """Bytes of text used (train + validation)."""
+    val_fraction: float = 0.1
+    """The corpus's tail kept for validation."""
+
+
+@dataclass
+class PerplexityConfig:
+    """kind: perplexity. A small LLaMA-style model (RMSNorm, RoPE, SwiGLU, GQA) trained with each
+    method and with a single-device baseline from the same seed (run.seed). The sweep axes give its
+    attention shape (heads, kv_heads, head_dim; model width = heads x head_dim), the training batch
+    (batch, seq_len), dtype, methods and world sizes; sweep.causal must be [true] and sweep.passes
+    is not used."""
+
+    layers: int = _Model.layers
+    mlp_hidden: int = _Model.mlp_hidden
+    """SwiGLU hidden size; 0 = LLaMA's 8/3 x width rounded up to a multiple of 32."""
+    rope_theta: float = _Model.rope_theta
+    steps: int = _Train.steps
+    lr: float = _Train.lr
+    warmup_steps: int = _Train.warmup_steps
+    weight_decay: float = _Train.weight_decay
+    grad_clip: float = _Train.grad_clip
+    eval_batches: int = _Train.eval_batches
+    """Validation batches (of sweep.batch x seq_len tokens) for the final perplexity."""
+    loss_rtol: float = 1e-4
+    """A method passes when every step's loss is within this relative difference of the baseline's..."""
+    ppl_rtol: float = 1e-3
+    """...and its final perplexity within this one."""
+    planted_bug: str = "none"
+    """Self-test of the check: none, local_positions, local_label_shift, no_grad_sync or
+    cross_document_attention (packed documents only) breaks the
+    sequence-parallel model on purpose; every method should then be recorded incorrect."""
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def problems(p: PerplexityConfig, causal: list[bool]) -> Iterator[tuple[str, str]]:
+    """Each value of `p` (and the sweep's `causal` axis) the check cannot run with, as (key, what
+    is wrong and what to set)."""
+    if list(causal) != [True]:
+        yield "sweep.causal", ("a perplexity check trains a causal language model: set sweep.causal: [true] "
+                               f"(got {causal})")
+    for k in ("layers", "steps", "eval_batches"):
+        if getattr(p, k) < 1:
+            yield f"perplexity.{k}", "must be >= 1"
+    if p.data.max_bytes < 1:
+        yield "perplexity.data.max_bytes", "must be >= 1"
+    for k in ("mlp_hidden", "warmup_steps", "weight_decay", "grad_clip"):
+        if getattr(p, k) < 0:
+            yield f"perplexity.{k}", "must be >= 0"
+    for k in ("lr", "rope_theta", "loss_rtol", "ppl_rtol"):
+        if not getattr(p, k) > 0:
+            yield f"perplexity.{k}", "must be > 0"
+    for key, value, allowed in (("perplexity.planted_bug", p.planted_bug, tuple(PLANTED_BUGS)),
+                                ("perplexity.data.source", p.data.source, SOURCES)):
+        if value not in allowed:
+            yield key, f"{value!r} is not allowed; choose one of {list(allowed)}"
+    if not 0 < p.data.val_fraction < 1:
+        yield "perplexity.data.val_fraction", "must be between 0 and 1"
+    if p.data.source == "file" and not (p.data.path and Path(p.data.path).is_file()):
+        yield "perplexity.data.path", f"data.source is file: give an existing text file (got {p.data.path!r})"
+    if p.data.source == "hf" and not p.data.hf_dataset:
+        yield "perplexity.data.hf_dataset", "data.source is hf: name a dataset"
