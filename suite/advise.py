@@ -254,13 +254,9 @@ class Candidate:
 
 
 def candidate_methods() -> list[str]:
-    """Own, multi-rank methods whose schedules the simulator can trace, from the registry."""
-    out = []
-    for name in methods.available():
-        cls = methods.method_class(name)
-        if cls.impl == "own" and not cls.single_device and not cls.needs_processes:
-            out.append(name)
-    return out
+    """The registry's own sequence-parallel methods (the group `own`: multi-rank, no test doubles),
+    whose schedules the simulator can trace."""
+    return [m for m in methods.group_members("own") if not methods.method_class(m).needs_processes]
 
 
 def enumerate_candidates(q: Question) -> list[Candidate]:
