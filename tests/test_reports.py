@@ -311,8 +311,9 @@ def test_wrong_answers_have_no_speedup_and_method_variants_get_their_own_shade(t
 def test_importing_reports_loads_no_torch_hydra_methods_or_planner():
     """Reports read stored rows only: a fresh interpreter importing every reports module must not
     load torch, Hydra/OmegaConf, the methods or the suite's layers above the store."""
-    code = ("import sys, suite.reports, suite.reports.figures, suite.reports.tables, suite.reports.html, "
-            "suite.reports.render, suite.reports.style, suite.reports.load\n"
+    code = ("import sys, suite.reports, suite.reports.figures.plan, suite.reports.figures.draw, "
+            "suite.reports.figures.write, suite.reports.tables, suite.reports.html, suite.reports.render, "
+            "suite.reports.style, suite.reports.load\n"
             "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'hydra', 'omegaconf', 'methods') or "
             "m.startswith(('suite.plan', 'suite.config', 'suite.records', 'suite.workloads', 'suite.trial', "
             "'suite.executors', 'suite.runner', 'suite.tracking'))]\nprint(sorted(bad))")
