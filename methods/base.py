@@ -13,7 +13,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
-from methods import kernels, layouts
+from methods import kernels, layouts, merge
 from methods.comm.base import Comm
 from methods.documents import BlockMasks, Documents
 
@@ -274,7 +274,7 @@ class SPAttention(torch.autograd.Function):
         ctx.others = [x for x in residuals if not isinstance(x, torch.Tensor)]
         ctx.save_for_backward(*[x for x in residuals if isinstance(x, torch.Tensor)])
         if lse is None:
-            lse = out.new_empty(0, dtype=kernels.acc_dtype(q.dtype))
+            lse = out.new_empty(0, dtype=merge.acc_dtype(q.dtype))
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -335,7 +335,7 @@ class DocumentSharding:
 def element_bytes(case: Case) -> tuple[int, int]:
     """(bytes per input element, bytes per accumulator element) of `case`: accumulators (dK/dV
     rings, dQ, LSE) are float32, or float64 for float64 inputs."""
-    return case.torch_dtype.itemsize, kernels.acc_dtype(case.torch_dtype).itemsize
+    return case.torch_dtype.itemsize, merge.acc_dtype(case.torch_dtype).itemsize
 
 
 def option_names(cls: type[Method]) -> list[str]:
