@@ -56,41 +56,42 @@ class OutputAccumulator:
 
     def __init__(self, q: torch.Tensor):
         self.q = q
-        self.first: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self.out: Optional[torch.Tensor] = None
-        self.lse: Optional[torch.Tensor] = None
-        self.result: Optional[torch.Tensor] = None
+        self.first: Optional[tuple[torch.Tensor, torch.Tensor]] = None   # (out, lse) as the kernel returned them
+        self.acc: Optional[tuple[torch.Tensor, torch.Tensor]] = None     # (out fp32, lse)
+        self.result: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (out in q's dtype, lse)
 
     def add(self, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor, last: bool) -> None:
         """Fold one block's (out [B, n, H, D], lse [B, H, n]) of query `rows`; `last`: no block follows."""
-        if self.out is None and self.first is None and rows == slice(None):
+        if self.acc is None and self.first is None and rows == slice(None):
             if last:
-                self.result, self.lse = block_out, block_lse
+                self.result = (block_out, block_lse)
             else:
                 self.first = (block_out, block_lse)
             return
         if self.first is not None:
             (first_out, first_lse), self.first = self.first, None
             if rows == slice(None) and not last:
-                self.out, self.lse = merge_start(first_out, first_lse, block_out, block_lse)
+                self.acc = merge_start(first_out, first_lse, block_out, block_lse)
                 return
-            self.out, self.lse = start_accumulators(first_out, first_lse)
-        if self.out is None:
-            self.out, self.lse = empty_accumulators(self.q)
+            self.acc = start_accumulators(first_out, first_lse)
+        if self.acc is None:
+            self.acc = empty_accumulators(self.q)
+        out, lse = self.acc
         if last and rows == slice(None):
-            self.result = merge_final(self.out, self.lse, block_out, block_lse, self.q.dtype)
+            self.result = (merge_final(out, lse, block_out, block_lse, self.q.dtype), lse)
         else:
-            merge_(self.out[:, rows], self.lse[:, :, rows], block_out, block_lse)
+            merge_(out[:, rows], lse[:, :, rows], block_out, block_lse)
 
     def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(out in q's dtype, lse)."""
         if self.result is not None:
-            return self.result, self.lse
+            return self.result
         if self.first is not None:
             return self.first
-        if self.out is None:  # no block at all: no query saw a key
-            self.out, self.lse = empty_accumulators(self.q)
-        return self.out.to(self.q.dtype), self.lse
+        if self.acc is None:  # no block at all: no query saw a key
+            self.acc = empty_accumulators(self.q)
+        out, lse = self.acc
+        return out.to(self.q.dtype), lse
 
 
 class GradAccumulator:
@@ -151,7 +152,7 @@ def follow_add(acc: Optional[torch.Tensor], contributions: list[tuple[slice, tor
     dtype, accd = like.dtype, acc_dtype(like.dtype)
     items = list(contributions)
     own = acc is None
-    if own:
+    if acc is None:
         if len(items) == 1 and items[0][0] == slice(None):
             return items[0][1].contiguous()   # as the kernel produced it
         acc = torch.zeros(like.shape, dtype=accd, device=like.device)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
 import torch
 
@@ -64,7 +64,7 @@ class Method:
     name: ClassVar[str]
     description: ClassVar[str] = ""
     layout_kind: ClassVar[str] = "contiguous"
-    impl: ClassVar[str] = "own"       # "own", or the library and version for peer adapters
+    impl: str = "own"                 # "own", or the library and version of a peer (an instance may refine it)
     needs_processes: ClassVar[bool] = False  # peers calling torch.distributed themselves
     single_device: ClassVar[bool] = False    # the single-device baseline (world size 1 only)
     gathers_whole_sequence: ClassVar[bool] = False
@@ -290,7 +290,15 @@ class SPAttention(torch.autograd.Function):
 SHARDINGS = ("sequence", "documents")
 
 
-class DocumentSharding:
+# DocumentSharding is mixed into Method subclasses, before Method in their bases; to the type checker
+# it is a Method (it uses the name and super().padded_len), at run time a plain mixin.
+if TYPE_CHECKING:
+    _MethodMixin = Method
+else:
+    _MethodMixin = object
+
+
+class DocumentSharding(_MethodMixin):
     """The `sharding` option of a zigzag method: "sequence" zigzags the whole packed sequence (2P
     chunks); "documents" cuts every document into 2P chunks (Megatron/TE's THD load balancing,
     `layouts.documents`), which balances each document's causal work by itself. Positions then
@@ -340,14 +348,15 @@ def element_bytes(case: Case) -> tuple[int, int]:
 
 def option_names(cls: type[Method]) -> list[str]:
     """Keyword options accepted by a method class (for error messages)."""
-    return list(_option_names(cls))
+    return list(_option_names(cls.__init__))
 
 
 @functools.lru_cache(maxsize=None)
-def _option_names(cls: type[Method]) -> tuple[str, ...]:
-    # once per class: the signature was read for every method built, a quarter of planning the main sweep
+def _option_names(init: Callable[..., None]) -> tuple[str, ...]:
+    # once per class (keyed by its __init__): the signature was read for every method built, a quarter of
+    # planning the main sweep
     import inspect
-    return tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self")
+    return tuple(p for p in inspect.signature(init).parameters if p != "self")
 
 
 def case_from_dict(d: dict) -> Case:

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
 
@@ -58,9 +58,10 @@ class TimedKernel:
         self._watch: Optional[Stopwatch] = None
 
     @contextlib.contextmanager
-    def measure(self, device: torch.device, **block):
-        """Time one block call. `block` describes it (op, q, k, causal_offset) for subclasses that
-        record what runs (the simulator's tracer); timing ignores it."""
+    def measure(self, device: torch.device, *, op: str, q: torch.Tensor, k: torch.Tensor,
+                causal_offset: Optional[int], mask: Optional[BlockMask] = None) -> Iterator[None]:
+        """Time one block call. The block call is described (op "fwd" or "bwd", q, k, causal_offset,
+        mask) for subclasses that record what runs (the simulator's tracer); timing ignores it."""
         if self._watch is None:
             self._watch = Stopwatch(device)
         with self._watch.region():
@@ -97,7 +98,7 @@ class PairCountingKernel(TimedKernel):
 
     @contextlib.contextmanager
     def measure(self, device: torch.device, *, op: str, q: torch.Tensor, k: torch.Tensor,
-                causal_offset: Optional[int], mask: Optional[BlockMask] = None):
+                causal_offset: Optional[int], mask: Optional[BlockMask] = None) -> Iterator[None]:
         if op == "fwd":
             per_head = mask.pairs if mask is not None else q.shape[0] * visible_pairs(q.shape[1], k.shape[1],
                                                                                       causal_offset)
@@ -445,7 +446,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
     if backend == "math":
         return math_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset, delta=delta)
-    if out is None:
+    if delta is not None:  # exactly one of out and delta: the kernels below take out
         out = out_with_delta(dout, delta)
     if backend == "cpu_flash":
         return _cpu_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset)

@@ -184,7 +184,7 @@ class DoubleBuffer:
     caller's own tensors at step 0). Every exchange is waited for before the next one starts, so a
     set is free again when its turn comes."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._sets: dict[tuple, list[torch.Tensor]] = {}
 
     def __call__(self, step: int, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
@@ -228,13 +228,16 @@ def circulate(steps: int, block: list[torch.Tensor], *, move: Callable, compute:
     last step that hop brings every accumulator home. Returns the own block's accumulator (None
     without `follow`).
     """
-    acc = finish_acc = None
+    if (follow is None) != (add is None):
+        raise ValueError("circulate: follow and add go together")
+    acc = None
+    finish_acc: Optional[Callable] = None   # set by each step's follow, for the next step (or home)
     for step in range(steps):
         if step + 1 < steps:
             finish_block = move(step, block)
         pending = compute(step, block)
-        if follow is not None:
-            acc = add(step, finish_acc() if step else None, pending)
+        if follow is not None and add is not None:
+            acc = add(step, None if finish_acc is None else finish_acc(), pending)
             pending = finish_acc = None
             if steps > 1:
                 finish_acc = follow(step, acc)
@@ -242,7 +245,7 @@ def circulate(steps: int, block: list[torch.Tensor], *, move: Callable, compute:
             # drop the finished exchange, which holds the block just sent: it is freed now, not
             # when the next step's exchange replaces it (after that step's buffers exist)
             block, finish_block = finish_block(), None
-    if follow is not None and steps > 1:
+    if finish_acc is not None:
         acc = finish_acc()  # the last hop brings our own block's accumulator home
     return acc
 
