@@ -36,9 +36,11 @@ quickstart: install
 test: install
 	$(PY) -m pytest -q
 
-# ruff (pyproject.toml [tool.ruff]): 120 columns, unused or undefined names, import order.
+# ruff (pyproject.toml [tool.ruff]): 120 columns, unused or undefined names, import order;
+# mypy (pyproject.toml [tool.mypy]) type-checks methods/.
 lint: install
 	$(PY) -m ruff check suite methods tests
+	$(PY) -m mypy methods
 
 test-fast: install  ## everything except multi-process and end-to-end sweeps
 	$(PY) -m pytest -q -m "not slow"

@@ -17,7 +17,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from methods import kernels  # noqa: E402
+from methods import merge  # noqa: E402
 
 
 def unfused(out, lse, block_out, block_lse):
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     shapes = [("overhead_cpu: L=256, 8 heads, D=64, float32", (1, 256, 8, 64), torch.float32),
               ("issue 15: L=1008, 32 heads, D=128, bfloat16", (1, 1008, 32, 128), torch.bfloat16)]
-    compiled = None if args.no_compile else torch.compile(kernels._merge_fused, dynamic=True)
+    compiled = None if args.no_compile else torch.compile(merge._merge_fused, dynamic=True)
     print("| shape | unfused ops | merge_ (eager) | compiled kernel |")
     print("|---|---|---|---|")
     for label, (b, s, h, d), dtype in shapes:
@@ -57,7 +57,7 @@ def main(argv=None) -> int:
         out, lse = torch.randn(b, s, h, d, generator=gen), torch.randn(b, h, s, generator=gen)
         block_out, block_lse = torch.randn(b, s, h, d, generator=gen).to(dtype), torch.randn(b, h, s, generator=gen)
         cells = [timed(unfused, (out, lse, block_out, block_lse), args.repeats),
-                 timed(kernels._merge_eager, (out, lse, block_out, block_lse), args.repeats)]
+                 timed(merge._merge_eager, (out, lse, block_out, block_lse), args.repeats)]
         if compiled is not None:
             cells.append(timed(compiled, (out, lse, block_out, block_lse), args.repeats))
         tail = " | - |" if compiled is None else " |"

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import inspect
 from functools import lru_cache
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -66,7 +66,7 @@ def version() -> Optional[str]:
 
 
 def _window_kwargs(names: set, causal: bool, left: int, right: int) -> dict:
-    kw = {"causal": causal}
+    kw: dict[str, Any] = {"causal": causal}
     if "window_size_left" in names:
         kw.update(window_size_left=left, window_size_right=right)
     elif "window_size" in names:

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from methods import kernels, layouts
+from methods import kernels, layouts, merge
 from methods.base import Case, DocumentSharding, Method, element_bytes
 from methods.comm.base import Comm
 from methods.registry import register
@@ -63,7 +63,7 @@ def _start_full(block: torch.Tensor, seq_len: int) -> torch.Tensor:
     """A gradient accumulator [B, S, Hkv, D] in the accumulator dtype holding the first call's
     gradient block [B, keys, Hkv, D] (its first keys): one cast pass for the block and zeros only
     for the keys it does not cover (zeros for all, then adding it, wrote S twice)."""
-    acc = kernels.acc_dtype(block.dtype)
+    acc = merge.acc_dtype(block.dtype)
     b, keys, h, d = block.shape
     if keys == seq_len:
         return block.to(acc)
@@ -234,7 +234,7 @@ class AllGatherKV(DocumentSharding, Method):
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
         q, k, v, out, lse, masks = residuals
         k_full, v_full, zz = self._gather(comm, causal, masks, q, k, v)
-        acc = kernels.acc_dtype(q.dtype)
+        acc = merge.acc_dtype(q.dtype)
         if zz is not None:  # rank-major fp32 accumulators, the reduce-scatter's input as they are
             shape = (comm.world_size, 2, zz.c, k.shape[0], *k.shape[2:])
             dk_acc = torch.empty(shape, dtype=acc, device=q.device)

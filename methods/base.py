@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar, Optional
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
 import torch
 
-from methods import kernels, layouts
+from methods import kernels, layouts, merge
 from methods.comm.base import Comm
 from methods.documents import BlockMasks, Documents
 
@@ -64,7 +64,7 @@ class Method:
     name: ClassVar[str]
     description: ClassVar[str] = ""
     layout_kind: ClassVar[str] = "contiguous"
-    impl: ClassVar[str] = "own"       # "own", or the library and version for peer adapters
+    impl: str = "own"                 # "own", or the library and version of a peer (an instance may refine it)
     needs_processes: ClassVar[bool] = False  # peers calling torch.distributed themselves
     single_device: ClassVar[bool] = False    # the single-device baseline (world size 1 only)
     test_double: ClassVar[bool] = False
@@ -277,7 +277,7 @@ class SPAttention(torch.autograd.Function):
         ctx.others = [x for x in residuals if not isinstance(x, torch.Tensor)]
         ctx.save_for_backward(*[x for x in residuals if isinstance(x, torch.Tensor)])
         if lse is None:
-            lse = out.new_empty(0, dtype=kernels.acc_dtype(q.dtype))
+            lse = out.new_empty(0, dtype=merge.acc_dtype(q.dtype))
         ctx.mark_non_differentiable(lse)
         return out, lse
 
@@ -293,7 +293,15 @@ class SPAttention(torch.autograd.Function):
 SHARDINGS = ("sequence", "documents")
 
 
-class DocumentSharding:
+# DocumentSharding is mixed into Method subclasses, before Method in their bases; to the type checker
+# it is a Method (it uses the name and super().padded_len), at run time a plain mixin.
+if TYPE_CHECKING:
+    _MethodMixin = Method
+else:
+    _MethodMixin = object
+
+
+class DocumentSharding(_MethodMixin):
     """The `sharding` option of a zigzag method: "sequence" zigzags the whole packed sequence (2P
     chunks); "documents" cuts every document into 2P chunks (Megatron/TE's THD load balancing,
     `layouts.documents`), which balances each document's causal work by itself. Positions then
@@ -338,19 +346,20 @@ class DocumentSharding:
 def element_bytes(case: Case) -> tuple[int, int]:
     """(bytes per input element, bytes per accumulator element) of `case`: accumulators (dK/dV
     rings, dQ, LSE) are float32, or float64 for float64 inputs."""
-    return case.torch_dtype.itemsize, kernels.acc_dtype(case.torch_dtype).itemsize
+    return case.torch_dtype.itemsize, merge.acc_dtype(case.torch_dtype).itemsize
 
 
 def option_names(cls: type[Method]) -> list[str]:
     """Keyword options accepted by a method class (for error messages)."""
-    return list(_option_names(cls))
+    return list(_option_names(cls.__init__))
 
 
 @functools.lru_cache(maxsize=None)
-def _option_names(cls: type[Method]) -> tuple[str, ...]:
-    # once per class: the signature was read for every method built, a quarter of planning the main sweep
+def _option_names(init: Callable[..., None]) -> tuple[str, ...]:
+    # once per class (keyed by its __init__): the signature was read for every method built, a quarter of
+    # planning the main sweep
     import inspect
-    return tuple(p for p in inspect.signature(cls.__init__).parameters if p != "self")
+    return tuple(p for p in inspect.signature(init).parameters if p != "self")
 
 
 def case_from_dict(d: dict) -> Case:

@@ -24,7 +24,7 @@ float64; the dQ accumulator travels in fp32 between its first and last hops: Bur
 released code ships it in the input dtype on every hop, which rounds the partial sums of dQ to bf16
 at every hop; here only the first hop, which carries the owner's own block gradient as the kernel
 produced it, and the hop home, whose sum the owner returns in that dtype, carry the input dtype,
-`kernels.follow_add`):
+`accumulators.follow_add`):
     forward:  sent = received = (P-1) * 2*B*L*Hkv*D*e                        (K, V)
     backward: sent = received = (P-1) * (2*B*L*H*D*e + 2*B*H*L*a)           (Q, dO; D, lse)
                                 + 2 * B*L*H*D*e + (P-2) * B*L*H*D*a          (dQ, P hops; P >= 2)
@@ -34,7 +34,7 @@ Memory beyond inputs and outputs: two packets in flight, two dQ accumulators, fp
 """
 from __future__ import annotations
 
-from methods import kernels
+from methods import accumulators, kernels, merge
 from methods.base import Case, Method, element_bytes
 from methods.kv_ring import Plan, circulate, follow_bytes, kv_ring_forward, make_route
 from methods.registry import register
@@ -93,9 +93,9 @@ class Burst(Method):
         p = comm.world_size
         route = make_route(comm, self.ranks_per_node)
         plan = query_ring_plan(causal, comm.rank, q.shape[1])
-        delta = kernels.softmax_delta(dout, out)           # D: [B, H, L]
+        delta = merge.softmax_delta(dout, out)             # D: [B, H, L]
         packet = [q, dout, delta, lse]                     # the visiting query block (own, at step 0)
-        dk, dv = kernels.GradAccumulator(k), kernels.GradAccumulator(v)   # this rank's keys' gradients
+        dk, dv = accumulators.GradAccumulator(k), accumulators.GradAccumulator(v)   # this rank's keys' gradients
 
         def compute(step, block):
             q_vis, dout_vis, delta_vis, lse_vis = block
@@ -115,7 +115,7 @@ class Burst(Method):
             return pending
 
         def add(step, dq_acc, pending):  # first hop and the hop home in the input dtype, fp32 between
-            return [kernels.follow_add(None if dq_acc is None else dq_acc[0], pending, q, last_hop=step == p - 1)]
+            return [accumulators.follow_add(None if dq_acc is None else dq_acc[0], pending, q, last_hop=step == p - 1)]
 
         dq = circulate(p, packet, move=route.start_move, compute=compute, add=add, follow=route.start_follow)[0]
         return dq, dk.finish(), dv.finish()

@@ -1,7 +1,7 @@
 """Pieces shared by several methods: the Ulysses all-to-all reshuffles.
 
-(The online-softmax merge lives in methods/kernels.py with the kernels it combines; the K/V ring
-loop in methods/kv_ring.py.)
+(The online-softmax merge lives in methods/merge.py, the accumulators built on it in
+methods/accumulators.py; the K/V ring loop in methods/kv_ring.py.)
 """
 from __future__ import annotations
 

@@ -186,7 +186,7 @@ class BlockMask:
             if d == PAD:
                 continue
             qrows, krows = _range_of(qd, d), _range_of(kd, d)
-            if krows is None:
+            if qrows is None or krows is None:   # qrows never is: d is one of qd's documents
                 continue
             for qa, qb in _affine_runs(self.q_pos, qrows):
                 for ka, kb in _affine_runs(self.k_pos, krows):

@@ -1,7 +1,8 @@
-"""Local attention on one block, with its log-sum-exp, and the online-softmax merge.
+"""Local attention on one block, with its log-sum-exp.
 
-Every method computes attention block by block through `block_forward` / `block_backward`, and
-combines partial results with `merge_`; this module is the only place that knows the kernels.
+Every method computes attention block by block through `block_forward` / `block_backward` (and
+combines the partial results with the online-softmax merge of methods/merge.py); this module is
+the only place that knows the kernels.
 
 Conventions (docs/DESIGN.md sections 4 and 6):
 - q: [B, Sq, H, D], k and v: [B, Sk, Hkv, D] with H % Hkv == 0 (GQA: query head h uses KV head
@@ -25,13 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-import threading
-from typing import Optional, Union
+from typing import Iterator, Optional, Union
 
 import torch
-from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from methods.documents import EMPTY, FULL, PARTIAL, BlockMask
+from methods.merge import acc_dtype, empty_accumulators, merge_
 from methods.timing import Stopwatch
 
 KERNELS = ("math", "cpu_flash", "flash_attn")
@@ -58,9 +58,10 @@ class TimedKernel:
         self._watch: Optional[Stopwatch] = None
 
     @contextlib.contextmanager
-    def measure(self, device: torch.device, **block):
-        """Time one block call. `block` describes it (op, q, k, causal_offset) for subclasses that
-        record what runs (the simulator's tracer); timing ignores it."""
+    def measure(self, device: torch.device, *, op: str, q: torch.Tensor, k: torch.Tensor,
+                causal_offset: Optional[int], mask: Optional[BlockMask] = None) -> Iterator[None]:
+        """Time one block call. The block call is described (op "fwd" or "bwd", q, k, causal_offset,
+        mask) for subclasses that record what runs (the simulator's tracer); timing ignores it."""
         if self._watch is None:
             self._watch = Stopwatch(device)
         with self._watch.region():
@@ -97,7 +98,7 @@ class PairCountingKernel(TimedKernel):
 
     @contextlib.contextmanager
     def measure(self, device: torch.device, *, op: str, q: torch.Tensor, k: torch.Tensor,
-                causal_offset: Optional[int], mask: Optional[BlockMask] = None):
+                causal_offset: Optional[int], mask: Optional[BlockMask] = None) -> Iterator[None]:
         if op == "fwd":
             per_head = mask.pairs if mask is not None else q.shape[0] * visible_pairs(q.shape[1], k.shape[1],
                                                                                       causal_offset)
@@ -107,12 +108,6 @@ class PairCountingKernel(TimedKernel):
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
-
-
-def acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of LSE and of accumulators for inputs of `dtype`: float32, or float64 for float64
-    inputs (so that float64 runs are exact to float64 rounding)."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 # ---------------------------------------------------------------------------------------------
@@ -451,7 +446,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
     if backend == "math":
         return math_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset, delta=delta)
-    if out is None:
+    if delta is not None:  # exactly one of out and delta: the kernels below take out
         out = out_with_delta(dout, delta)
     if backend == "cpu_flash":
         return _cpu_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset)
@@ -459,449 +454,6 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         from methods import _flash_attn
         return _flash_attn.backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset)
     raise AssertionError(f"unhandled kernel {backend}")
-
-
-# ---------------------------------------------------------------------------------------------
-# The online-softmax merge: one fused pass per block
-# ---------------------------------------------------------------------------------------------
-# The merge reads the accumulator and the block result once and writes the accumulator once. As
-# chains of separate torch ops it made a method's own tensor work larger than its kernels' traffic
-# (each op a full pass over the fp32 accumulator, plus temporaries of its size). It is one
-# registered operator, so the simulator's tracer sees one op with its real bytes (its fake
-# implementation runs on meta tensors), and on a device it runs as one fused kernel compiled by
-# torch.compile (Inductor: Triton on CUDA, C++ on CPU) or, where compiling is unavailable, fails,
-# or does not pay (small CPU shapes), as the exact eager fallback below (in place, no temporaries
-# of accumulator size).
-
-# Accumulator elements from which compiling the merge pays on CPU: below it Inductor's kernel is
-# no faster than the eager ops (measured: equal at 131k elements, 3x faster at 4M), and a first
-# compile costs tens of seconds on a busy CPU. On CUDA the fused kernel pays from small sizes.
-COMPILE_MIN_NUMEL = {"cpu": 1 << 21, "cuda": 1 << 14}
-
-
-def _merge_weights(lse: torch.Tensor, block_lse: torch.Tensor):
-    """(new_lse [B, H, S], w_old, w_new [B, S, H, 1]): e^(lse - new_lse) and e^(block_lse - new_lse),
-    0 (not NaN) for rows where both sides are empty (-inf). The compiled merges' weights (Inductor
-    fuses them into the one loop over the accumulator)."""
-    new_lse = torch.logaddexp(lse, block_lse)
-    ref = torch.where(torch.isfinite(new_lse), new_lse, 0.0)
-    w_old = torch.exp(lse - ref).transpose(1, 2)      # [B, S, H]
-    w_new = torch.exp(block_lse - ref).transpose(1, 2)
-    return new_lse, w_old.unsqueeze(-1), w_new.unsqueeze(-1)
-
-
-def _eager_weight(lse: torch.Tensor, block_lse: torch.Tensor) -> torch.Tensor:
-    """The eager merges' weight of the block, w = e^(block_lse - new_lse) = sigmoid(block_lse - lse),
-    [B, S, H, 1]; the accumulator's is 1 - w, since the two sum to 1. Updates `lse` to new_lse in place.
-
-    Five small ops of lse size where the exp form takes about ten (on CPU at the overhead config's
-    shard each costs a few us of dispatch: the exp form's took longer than the passes over the
-    accumulator, about 46 vs 23 us, and these take 17 us beside the lerp's 15). w is
-    0 where both sides are empty (-inf - -inf is NaN), so such a row stays as it is; it is laid out
-    [B, S, H] because the ops over the accumulator walk a transposed view with strided loads."""
-    b, h, s = lse.shape
-    w = torch.empty(b, s, h, dtype=lse.dtype, device=lse.device)
-    torch.sigmoid(torch.sub(block_lse, lse).transpose(1, 2), out=w)
-    w.nan_to_num_(nan=0.0)
-    torch.logaddexp(lse, block_lse, out=lse)
-    return w.unsqueeze(-1)
-
-
-def _fold(a: torch.Tensor, b: torch.Tensor, w: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-    """a (1 - w) + b w, the eager merges' pass over the accumulator: into a (`in_place`) or a fresh
-    tensor of the promoted dtype. One `lerp` pass where a, b and w share a dtype; lerp takes only
-    one, and casting a lower-precision b would be an accumulator-sized temporary, so otherwise a
-    mul (bf16 x fp32 computes in fp32) and an addcmul_: two passes."""
-    if a.dtype == b.dtype == w.dtype:
-        return a.lerp_(b, w) if in_place else torch.lerp(a, b, w)
-    return (a.mul_(1 - w) if in_place else torch.mul(a, 1 - w)).addcmul_(b, w)
-
-
-def _merge_eager(out, lse, block_out, block_lse) -> None:
-    _fold(out, block_out, _eager_weight(lse, block_lse), in_place=True)
-
-
-def _merge_final_eager(out, lse, block_out, block_lse, dtype):
-    # the one fresh fp32 buffer of the eager path: the operator reads the accumulator without
-    # writing it (what the fused kernel does), and its result may not alias an input
-    return _fold(out, block_out, _eager_weight(lse, block_lse)).to(dtype)
-
-
-def _merge_fused(out, lse, block_out, block_lse) -> None:
-    # written as one expression so that Inductor emits one loop over the accumulator
-    new_lse, w_old, w_new = _merge_weights(lse, block_lse)
-    out.copy_(out * w_old + block_out.to(out.dtype) * w_new)
-    lse.copy_(new_lse)
-
-
-def _merge_final_fused(out, lse, block_out, block_lse, dtype):
-    new_lse, w_old, w_new = _merge_weights(lse, block_lse)
-    lse.copy_(new_lse)
-    return (out * w_old + block_out.to(out.dtype) * w_new).to(dtype)
-
-
-class _Compiled:
-    """A function compiled by torch.compile on first use, or None where it cannot be (no
-    compiler, no Triton, a compile error: the caller falls back to eager for good). Calls hold
-    a lock: virtual ranks run as threads, and Dynamo's compilation is not meant to be entered by
-    several threads at once."""
-
-    def __init__(self, fn):
-        self._fn, self._compiled, self._broken = fn, None, set()
-        self._lock = threading.Lock()
-
-    def __call__(self, device_type: str, *args):
-        if device_type in self._broken:
-            return NotImplemented
-        with self._lock:
-            try:
-                if self._compiled is None:
-                    self._compiled = torch.compile(self._fn, dynamic=True)
-                return self._compiled(*args)
-            except Exception:  # no C++ compiler, no Triton, an Inductor limitation: the eager path is exact
-                self._broken.add(device_type)
-                return NotImplemented
-
-
-_MERGE_COMPILED = _Compiled(_merge_fused)
-_MERGE_FINAL_COMPILED = _Compiled(_merge_final_fused)
-
-
-def _use_compiled(out: torch.Tensor) -> bool:
-    limit = COMPILE_MIN_NUMEL.get(out.device.type)
-    return limit is not None and out.numel() >= limit
-
-
-def _compiled_or_eager(compiled: _Compiled, eager, like: torch.Tensor, *args):
-    """The compiled function's result where compiling pays for `like`'s size and works, else the
-    exact eager one's (the body of every fused operator here that returns its result)."""
-    if _use_compiled(like):
-        result = compiled(like.device.type, *args)
-        if result is not NotImplemented:
-            return result
-    return eager(*args)
-
-
-@torch.library.custom_op("sp_attention::merge_", mutates_args=("out", "lse"))
-def _merge_op(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    if _use_compiled(out) and _MERGE_COMPILED(out.device.type, out, lse, block_out, block_lse) is not NotImplemented:
-        return
-    _merge_eager(out, lse, block_out, block_lse)
-
-
-@_merge_op.register_fake
-def _merge_op_fake(out, lse, block_out, block_lse) -> None:
-    return None
-
-
-@torch.library.custom_op("sp_attention::merge_final", mutates_args=("lse",))
-def _merge_final_op(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
-                    dtype: torch.dtype) -> torch.Tensor:
-    return _compiled_or_eager(_MERGE_FINAL_COMPILED, _merge_final_eager, out, out, lse, block_out, block_lse, dtype)
-
-
-@_merge_final_op.register_fake
-def _merge_final_op_fake(out, lse, block_out, block_lse, dtype):
-    return torch.empty(out.shape, dtype=dtype, device=out.device)
-
-
-def _merge_start_eager(out_a, lse_a, out_b, lse_b, reuse_lse: bool = False):
-    # fresh: the operator's inputs stay as they are and its results may not alias them; a direct
-    # caller that hands over the block results lets lse_a become the accumulator (no copy)
-    lse = lse_a if reuse_lse else lse_a.clone()
-    return _fold(out_a, out_b, _eager_weight(lse, lse_b)), lse
-
-
-def _merge_start_fused(out_a, lse_a, out_b, lse_b):
-    new_lse, w_a, w_b = _merge_weights(lse_a, lse_b)
-    dt = acc_dtype(out_a.dtype)
-    return out_a.to(dt) * w_a + out_b.to(dt) * w_b, new_lse
-
-
-_MERGE_START_COMPILED = _Compiled(_merge_start_fused)
-
-
-@torch.library.custom_op("sp_attention::merge_start", mutates_args=())
-def _merge_start_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return _compiled_or_eager(_MERGE_START_COMPILED, _merge_start_eager, out_a, out_a, lse_a, out_b, lse_b)
-
-
-@_merge_start_op.register_fake
-def _merge_start_op_fake(out_a, lse_a, out_b, lse_b):
-    return (torch.empty(out_a.shape, dtype=acc_dtype(out_a.dtype), device=out_a.device),
-            torch.empty(lse_a.shape, dtype=lse_a.dtype, device=lse_a.device))
-
-
-def _sum_start_eager(a, b):
-    # fresh: a stays as it is, laid out like a (a travelling accumulator stays contiguous)
-    acc = acc_dtype(a.dtype)
-    if a.dtype == acc == b.dtype:
-        return torch.add(a, b, out=torch.empty_like(a))   # one pass
-    # lower-precision gradients: an add would compute in their dtype, so cast first, then add in fp32
-    return a.to(acc, copy=True).add_(b)
-
-
-_SUM_START_COMPILED = _Compiled(_sum_start_eager)
-
-
-@torch.library.custom_op("sp_attention::sum_start", mutates_args=())
-def _sum_start_op(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    return _compiled_or_eager(_SUM_START_COMPILED, _sum_start_eager, a, a, b)
-
-
-@_sum_start_op.register_fake
-def _sum_start_op_fake(a, b):
-    return torch.empty(a.shape, dtype=acc_dtype(a.dtype), device=a.device)
-
-
-def _delta_eager(dout, out):
-    acc = acc_dtype(dout.dtype)
-    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()   # [B, H, S]
-
-
-_DELTA_COMPILED = _Compiled(_delta_eager)
-
-
-@torch.library.custom_op("sp_attention::softmax_delta", mutates_args=())
-def _delta_op(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    return _compiled_or_eager(_DELTA_COMPILED, _delta_eager, out, dout, out)
-
-
-@_delta_op.register_fake
-def _delta_op_fake(dout, out):
-    b, s, h, _ = out.shape
-    return torch.empty(b, h, s, dtype=acc_dtype(out.dtype), device=out.device)
-
-
-def _direct(out: torch.Tensor) -> bool:
-    """Whether to call the eager merge (or delta) directly instead of through its operator. The
-    operator's dispatch costs about 40 us of CPU per call (measured at [1, 256, 8, 64]: merge 120
-    -> 77 us), half of a small merge. Only where the eager path would run anyway and nothing needs
-    to see the operator: no dispatch mode (the simulator's tracer, fake tensors), no compilation,
-    no autograd (methods merge inside their autograd.Function's forward, where grad is off)."""
-    return (not torch.is_grad_enabled() and not _use_compiled(out) and _get_current_dispatch_mode() is None
-            and not torch.compiler.is_compiling())
-
-
-def softmax_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """D = rowsum(dout * out) [B, H, S] in fp32 (float64 for float64) from dout, out [B, S, H, D]:
-    the backward's per-row term, one fused pass (reads both once) where compiled."""
-    if _direct(out):
-        return _delta_eager(dout, out)
-    return torch.ops.sp_attention.softmax_delta(dout, out)
-
-
-def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
-    """Fold one block's partial attention into running accumulators, in place (online softmax).
-
-    Args:
-        out: [B, S, H, D] float32 accumulator (normalised output so far); may be a view.
-        lse: [B, H, S] float32 accumulator (-inf where nothing was seen yet); may be a view.
-        block_out: [B, S, H, D] any float dtype; block_lse: [B, H, S] float32.
-
-    new_lse = log(e^lse + e^block_lse); out = out * e^(lse - new_lse) + block_out * e^(block_lse - new_lse).
-    Stable for -inf on either side: a row with nothing seen on both sides stays (0, -inf) instead of
-    becoming NaN (the plain sigmoid form, which ring-flash-attn uses, gives NaN there; the eager
-    path here uses that form with the NaN set to 0). One fused pass.
-    """
-    if _direct(out):
-        _merge_eager(out, lse, block_out, block_lse)
-        return
-    torch.ops.sp_attention.merge_(out, lse, block_out, block_lse)
-
-
-def merge_final(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
-    """The last merge with the cast to the output dtype fused in: returns the merged output [B, S, H, D]
-    in `dtype` (a new tensor) and updates `lse` in place; the accumulator `out` is only read. Saves
-    a pass over the fp32 accumulator."""
-    if _direct(out):
-        return _merge_final_eager(out, lse, block_out, block_lse, dtype)
-    return torch.ops.sp_attention.merge_final(out, lse, block_out, block_lse, dtype)
-
-
-def start_accumulators(block_out: torch.Tensor, block_lse: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accumulators (out, lse) holding the first block's result: its output cast to the accumulator
-    dtype (one pass) and its lse as it is (block results are fresh tensors)."""
-    return block_out.to(acc_dtype(block_out.dtype)), block_lse
-
-
-def accumulate_(acc: Optional[torch.Tensor], rows: slice, block: torch.Tensor) -> torch.Tensor:
-    """acc[:, rows] += block, in place, in the accumulator dtype (fp32; float64 for float64 inputs):
-    one pass. With acc None the first block starts the accumulator: a cast copy of it when it covers
-    every row (`rows` is slice(None)), else zeros plus the block. Returns the accumulator."""
-    if acc is None:
-        if rows == slice(None):  # contiguous: accumulators travel (a kernel's gradient may be a transposed view)
-            if block.dtype == acc_dtype(block.dtype) and block.is_contiguous():
-                return block
-            # one pass for the cast and the layout (to() then contiguous() copied a transposed bf16 view twice)
-            return torch.empty(block.shape, dtype=acc_dtype(block.dtype), device=block.device).copy_(block)
-        raise ValueError("accumulate_: the first block must cover every row (or start from zeros)")
-    acc[:, rows].add_(block)
-    return acc
-
-
-def accumulate_final(acc: Optional[torch.Tensor], block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """(acc + block) in `dtype`, the sum and the cast in one pass (the last step of a gradient
-    accumulation over every row); acc None: the block alone."""
-    if acc is None:
-        return block.to(dtype)
-    return torch.add(acc, block, out=torch.empty(acc.shape, dtype=dtype, device=acc.device))
-
-
-def merge_start(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Accumulators (out fp32, lse) holding the merge of two blocks' results over every row: one
-    pass (fused where compiled) instead of casting the first into an accumulator and merging the
-    second into it. The block results are the caller's to give away (lse_a may be reused)."""
-    if _direct(out_a):
-        return _merge_start_eager(out_a, lse_a, out_b, lse_b, reuse_lse=True)
-    return torch.ops.sp_attention.merge_start(out_a, lse_a, out_b, lse_b)
-
-
-def sum_start(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a + b, two gradients of every row in the input dtype, as a fresh accumulator (fp32; float64
-    for float64), summed in the accumulator dtype: one pass where compiled (the eager fallback
-    casts, then adds)."""
-    if _direct(a):
-        return _sum_start_eager(a, b)
-    return torch.ops.sp_attention.sum_start(a, b)
-
-
-class OutputAccumulator:
-    """The online-softmax result of a rank's queries q [B, L, H, D] over the blocks it computes.
-
-    The first block covering every row is held as the kernel returned it (input dtype) until the
-    next one: two blocks start the fp32 accumulators in one pass (`merge_start`), a block that
-    turns out to be the only one is the result as it is, and the last block over every row
-    writes the output in q's dtype (`merge_final`)."""
-
-    def __init__(self, q: torch.Tensor):
-        self.q = q
-        self.first: Optional[tuple[torch.Tensor, torch.Tensor]] = None
-        self.out: Optional[torch.Tensor] = None
-        self.lse: Optional[torch.Tensor] = None
-        self.result: Optional[torch.Tensor] = None
-
-    def add(self, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor, last: bool) -> None:
-        """Fold one block's (out [B, n, H, D], lse [B, H, n]) of query `rows`; `last`: no block follows."""
-        if self.out is None and self.first is None and rows == slice(None):
-            if last:
-                self.result, self.lse = block_out, block_lse
-            else:
-                self.first = (block_out, block_lse)
-            return
-        if self.first is not None:
-            (first_out, first_lse), self.first = self.first, None
-            if rows == slice(None) and not last:
-                self.out, self.lse = merge_start(first_out, first_lse, block_out, block_lse)
-                return
-            self.out, self.lse = start_accumulators(first_out, first_lse)
-        if self.out is None:
-            self.out, self.lse = empty_accumulators(self.q)
-        if last and rows == slice(None):
-            self.result = merge_final(self.out, self.lse, block_out, block_lse, self.q.dtype)
-        else:
-            merge_(self.out[:, rows], self.lse[:, :, rows], block_out, block_lse)
-
-    def finish(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(out in q's dtype, lse)."""
-        if self.result is not None:
-            return self.result, self.lse
-        if self.first is not None:
-            return self.first
-        if self.out is None:  # no block at all: no query saw a key
-            self.out, self.lse = empty_accumulators(self.q)
-        return self.out.to(self.q.dtype), self.lse
-
-
-class GradAccumulator:
-    """The sum of a rank's block gradients of one tensor shaped like `like` (e.g. dQ), in fp32
-    (float64 for float64), returned in like's dtype: the first block over every row is held in the
-    input dtype until the next (two blocks start the accumulator in one pass, `sum_start`), and the
-    last block over every row writes the sum in the input dtype (`accumulate_final`)."""
-
-    def __init__(self, like: torch.Tensor):
-        self.like = like
-        self.first: Optional[torch.Tensor] = None
-        self.acc: Optional[torch.Tensor] = None
-        self.result: Optional[torch.Tensor] = None
-
-    def add(self, rows: slice, block: torch.Tensor, last: bool) -> None:
-        if self.acc is None and self.first is None and rows == slice(None):
-            if last:
-                self.result = block
-            else:
-                self.first = block
-            return
-        if self.first is not None:
-            first, self.first = self.first, None
-            if rows == slice(None) and last:
-                self.result = accumulate_final(first, block, self.like.dtype)
-                return
-            if rows == slice(None):
-                self.acc = sum_start(first, block)
-                return
-            self.acc = accumulate_(None, slice(None), first)
-        if self.acc is None:
-            self.acc = torch.zeros(self.like.shape, dtype=acc_dtype(self.like.dtype), device=self.like.device)
-        if last and rows == slice(None):
-            self.result = accumulate_final(self.acc, block, self.like.dtype)
-        else:
-            accumulate_(self.acc, rows, block)
-
-    def finish(self) -> torch.Tensor:
-        if self.result is not None:
-            return self.result
-        if self.first is not None:
-            return self.first
-        if self.acc is None:  # no block at all
-            return torch.zeros_like(self.like)
-        return self.acc.to(self.like.dtype)
-
-
-def follow_add(acc: Optional[torch.Tensor], contributions: list[tuple[slice, torch.Tensor]], like: torch.Tensor, *,
-               last_hop: bool) -> torch.Tensor:
-    """The accumulator of a circulating block (dK/dV on the K/V ring, BurstAttention's dQ) after this
-    rank's `contributions` [(rows, gradient)], ready for its next hop.
-
-    It travels in the input dtype on its first hop (the owner's own gradient as the kernel produced
-    it: fp32 would add no information) and on its last hop home (the owner returns the input dtype),
-    in fp32 (float64 for float64) in between, so every rank sends the same bytes. acc None: the
-    owner's own block, whose contributions start it (its next hop is its first, or with one rank
-    the only one); `last_hop`: its next hop brings it home."""
-    dtype, accd = like.dtype, acc_dtype(like.dtype)
-    items = list(contributions)
-    own = acc is None
-    if own:
-        if len(items) == 1 and items[0][0] == slice(None):
-            return items[0][1].contiguous()   # as the kernel produced it
-        acc = torch.zeros(like.shape, dtype=accd, device=like.device)
-    elif acc.dtype != accd:                   # arrived from its first hop, in the input dtype
-        if last_hop and len(items) == 1 and items[0][0] == slice(None):
-            return accumulate_final(acc, items[0][1], dtype)
-        if last_hop and not items:
-            return acc
-        if items and items[0][0] == slice(None):
-            acc = sum_start(acc, items.pop(0)[1])
-        else:
-            acc = acc.to(accd)
-    for i, (rows, grad) in enumerate(items):
-        if last_hop and i == len(items) - 1 and rows == slice(None):
-            return accumulate_final(acc, grad, dtype)
-        acc = accumulate_(acc, rows, grad)
-    # the owner's own block in several blocks (no plan here has that): they cover disjoint rows,
-    # each in the input dtype, so the cast for the first hop is exact
-    return acc.to(dtype) if (own or last_hop) and acc.dtype != dtype else acc
-
-
-def empty_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fresh (out, lse) accumulators for queries q [B, S, H, D]: zeros float32 and -inf float32."""
-    b, s, h, d = q.shape
-    dt = acc_dtype(q.dtype)
-    return (torch.zeros(b, s, h, d, dtype=dt, device=q.device),
-            torch.full((b, h, s), float("-inf"), dtype=dt, device=q.device))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ dQ and the dK/dV accumulators are fp32 (float64 for float64 inputs). An accumula
 first hop in the input dtype (it holds only the owner's gradient, which the kernel produced in
 that dtype: fp32 would add no information) and its last hop home in the input dtype too (the
 owner returns that dtype; the cast is fused into the last addition), fp32 in between
-(`kernels.follow_add`): exactly the sums of an all-fp32 accumulator, fewer bytes.
+(`accumulators.follow_add`): exactly the sums of an all-fp32 accumulator, fewer bytes.
 
 Communication per rank and call (L local tokens, e bytes per input element, a bytes per
 accumulator element: 4, or 8 for float64; P ring size):
@@ -36,7 +36,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from methods import kernels
+from methods import accumulators, kernels
 from methods.base import Case, Method, element_bytes
 from methods.comm.base import P2P, Comm
 from methods.documents import BlockMasks
@@ -184,12 +184,12 @@ class DoubleBuffer:
     caller's own tensors at step 0). Every exchange is waited for before the next one starts, so a
     set is free again when its turn comes."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._sets: dict[tuple, list[torch.Tensor]] = {}
 
     def __call__(self, step: int, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # keyed by shape and dtype too: an accumulator's first and last hops carry the input dtype,
-        # the others fp32 (kernels.follow_add)
+        # the others fp32 (accumulators.follow_add)
         key = (step % 2, *((tuple(t.shape), t.dtype) for t in like))
         if key not in self._sets:
             self._sets[key] = [torch.empty_like(t) for t in like]
@@ -228,13 +228,16 @@ def circulate(steps: int, block: list[torch.Tensor], *, move: Callable, compute:
     last step that hop brings every accumulator home. Returns the own block's accumulator (None
     without `follow`).
     """
-    acc = finish_acc = None
+    if (follow is None) != (add is None):
+        raise ValueError("circulate: follow and add go together")
+    acc = None
+    finish_acc: Optional[Callable] = None   # set by each step's follow, for the next step (or home)
     for step in range(steps):
         if step + 1 < steps:
             finish_block = move(step, block)
         pending = compute(step, block)
-        if follow is not None:
-            acc = add(step, finish_acc() if step else None, pending)
+        if follow is not None and add is not None:
+            acc = add(step, None if finish_acc is None else finish_acc(), pending)
             pending = finish_acc = None
             if steps > 1:
                 finish_acc = follow(step, acc)
@@ -242,7 +245,7 @@ def circulate(steps: int, block: list[torch.Tensor], *, move: Callable, compute:
             # drop the finished exchange, which holds the block just sent: it is freed now, not
             # when the next step's exchange replaces it (after that step's buffers exist)
             block, finish_block = finish_block(), None
-    if follow is not None and steps > 1:
+    if finish_acc is not None:
         acc = finish_acc()  # the last hop brings our own block's accumulator home
     return acc
 
@@ -258,7 +261,7 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: 
     """
     route = route or RingRoute(comm)
     p = comm.world_size
-    acc = kernels.OutputAccumulator(q)
+    acc = accumulators.OutputAccumulator(q)
 
     def compute(step, block):
         cur_k, cur_v = block
@@ -283,7 +286,7 @@ def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     The dK/dV accumulator of each K/V block follows it around the ring (`circulate`)."""
     route = route or RingRoute(comm)
     p = comm.world_size
-    dq = kernels.GradAccumulator(q)
+    dq = accumulators.GradAccumulator(q)
 
     def compute(step, block):
         cur_k, cur_v = block
@@ -301,10 +304,10 @@ def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
 
     def add(step, dkv, pending):  # first hop and the hop home in the input dtype, fp32 between
         last = step == p - 1
-        return [kernels.follow_add(None if dkv is None else dkv[0], [(rows, g) for rows, g, _ in pending], k,
-                                   last_hop=last),
-                kernels.follow_add(None if dkv is None else dkv[1], [(rows, g) for rows, _, g in pending], v,
-                                   last_hop=last)]
+        return [accumulators.follow_add(None if dkv is None else dkv[0], [(rows, g) for rows, g, _ in pending], k,
+                                        last_hop=last),
+                accumulators.follow_add(None if dkv is None else dkv[1], [(rows, g) for rows, _, g in pending], v,
+                                        last_hop=last)]
 
     dk, dv = circulate(p, [k, v], move=route.start_move, compute=compute, add=add, follow=route.start_follow)
     return dq.finish(), dk, dv
@@ -316,7 +319,7 @@ def kv_ring_bytes(case: Case, pass_: str, ring_size: Optional[int] = None, kv_he
     K, V on P-1 hops; the backward again, plus the dK/dV accumulators on P hops. `ring_size`,
     `kv_heads` and `local_len` default to the case's world size, KV heads and S/P (USP's inner
     ring differs). `input_dtype_ends`: the accumulators' first and last hops carry the input dtype
-    (`kernels.follow_add`); TASP's carry fp32 on every hop."""
+    (`accumulators.follow_add`); TASP's carry fp32 on every hop."""
     p = ring_size or case.world_size
     hkv = kv_heads or case.kv_heads
     l = local_len or case.seq_len // case.world_size
@@ -331,7 +334,7 @@ def kv_ring_bytes(case: Case, pass_: str, ring_size: Optional[int] = None, kv_he
 
 def follow_bytes(elements: int, p: int, e: int, a: int) -> int:
     """Bytes one rank sends (and receives) for accumulators of `elements` that follow their block
-    round a ring of `p` (`circulate` with `kernels.follow_add`): P hops, the first and the last in
+    round a ring of `p` (`circulate` with `accumulators.follow_add`): P hops, the first and the last in
     the input dtype (e bytes), the others in the accumulator dtype (a bytes); none with one rank."""
     return 2 * elements * e + (p - 2) * elements * a if p > 1 else 0
 

@@ -44,9 +44,11 @@ class Layout:
     _positions: Union[Positions, Callable[[], Positions]]  # the tensors, or how to build them
 
     def _all(self) -> Positions:
-        if callable(self._positions):
-            object.__setattr__(self, "_positions", tuple(self._positions()))
-        return self._positions
+        positions = self._positions
+        if callable(positions):
+            positions = tuple(positions())
+            object.__setattr__(self, "_positions", positions)
+        return positions
 
     def positions(self, rank: int) -> torch.Tensor:
         """Global positions held by `rank`, in local order: LongTensor [S_local]."""
@@ -158,7 +160,8 @@ def granule(kind: str, world_size: int, **params) -> int:
 
 def make(kind: str, seq_len: int, world_size: int, **params) -> Layout:
     """Build the layout named `kind` (one of LAYOUTS); `params` e.g. ulysses_degree for usp."""
-    builders = {"contiguous": contiguous, "zigzag": zigzag, "stripe": stripe, "usp": usp}
+    builders: dict[str, Callable[..., Layout]] = {"contiguous": contiguous, "zigzag": zigzag, "stripe": stripe,
+                                                  "usp": usp}
     if kind not in builders:
         raise ValueError(f"unknown layout {kind!r}; choose one of {LAYOUTS}")
     return builders[kind](seq_len, world_size, **params)

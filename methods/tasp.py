@@ -52,7 +52,7 @@ from functools import lru_cache
 
 import torch
 
-from methods import kernels, layouts
+from methods import accumulators, kernels, layouts, merge
 from methods.base import Case, Method
 from methods.comm.base import P2P, Comm
 from methods.hamilton import hamiltonian_cycles, predecessors, successors
@@ -298,7 +298,7 @@ class TASP(Method):
         masks = self.block_masks(q, k, comm, causal, docs)
         units = _Units(q, p, r, causal, flat=not causal and masks is None)
         buffers = DoubleBuffer()
-        acc = kernels.OutputAccumulator(q)
+        acc = accumulators.OutputAccumulator(q)
 
         def move(step, block):  # units move on while this step computes (double buffering)
             return _exchange(comm, succ, pred, block, units.pieces(step), buffers(step, block),
@@ -328,9 +328,9 @@ class TASP(Method):
         p, r = comm.world_size, comm.rank
         succ, pred = cycle_tables(p)
         units = _Units(q, p, r, causal, flat=not causal and masks is None)
-        acc = kernels.acc_dtype(q.dtype)
+        acc = merge.acc_dtype(q.dtype)
         kv_buffers, acc_buffers = DoubleBuffer(), DoubleBuffer()
-        dq = kernels.GradAccumulator(q)
+        dq = accumulators.GradAccumulator(q)
 
         def exchange(buffers):  # the units (or their accumulators) of `step` go on along their cycles
             return lambda step, block: _exchange(comm, succ, pred, block, units.pieces(step), buffers(step, block),
@@ -356,11 +356,11 @@ class TASP(Method):
 
         def add(step, dkv, pending):
             if units.flat and p > 1:  # a step's units are one [B, L] tensor: the K/V ring's accumulation,
-                # first hop and hop home in the input dtype (kernels.follow_add)
+                # first hop and hop home in the input dtype (accumulators.follow_add)
                 whole = slice(0, units.k)
-                return [units.split(kernels.follow_add(None if dkv is None else units.keys(dkv[i], whole),
-                                                       [(ALL, c[i + 1]) for c in pending], like,
-                                                       last_hop=step == p - 1))
+                return [units.split(accumulators.follow_add(None if dkv is None else units.keys(dkv[i], whole),
+                                                            [(ALL, c[i + 1]) for c in pending], like,
+                                                            last_hop=step == p - 1))
                         for i, like in enumerate((k, v))]
             if dkv is None:  # own units' accumulators, from our own block's dK/dV
                 (_, gk, gv), = pending

@@ -10,7 +10,7 @@ batched exchange, posted *before* the step's compute so that it overlaps it:
   their owner r - (t - 1), and the results computed for our own queries arrive from r + (t - 1).
 At step 2 the results go to r - 1 while the queries go to r + 1: one link, both directions. Step 0
 is the rank's own block, which starts its fp32 accumulators; every arriving result is folded in
-with the shared online-softmax merge (kernels.merge_). After the last step a closing exchange
+with the shared online-softmax merge (merge.merge_). After the last step a closing exchange
 delivers the last results. On a full mesh or a switch every result travels one hop.
 
 Backward, the mirror (BurstAttention's query-ring backward with dQ sent home at once): the packet
@@ -40,7 +40,7 @@ from typing import Optional
 
 import torch
 
-from methods import kernels
+from methods import accumulators, kernels, merge
 from methods.base import Case, Method, element_bytes
 from methods.burst import query_ring_plan
 from methods.comm.base import P2P, Comm, DoneWork
@@ -78,8 +78,8 @@ class _Results:
         return [P2P("recv", t, helper) for _, tensors in self.blocks for t in tensors]
 
     def fold_into(self, acc, last: bool) -> None:
-        """Fold the blocks into the owner's accumulator (a kernels.OutputAccumulator of (out, lse),
-        or a kernels.GradAccumulator of dQ); `last`: no results follow these."""
+        """Fold the blocks into the owner's accumulator (an accumulators.OutputAccumulator of (out, lse),
+        or an accumulators.GradAccumulator of dQ); `last`: no results follow these."""
         for i, (rows, tensors) in enumerate(self.blocks):
             acc.add(rows, *tensors, last=last and i == len(self.blocks) - 1)
 
@@ -147,14 +147,14 @@ class TokenRing(Method):
     def forward(self, q, k, v, *, comm: Comm, causal, scale, return_lse, docs=None):
         p, rank, l = comm.world_size, comm.rank, q.shape[1]
         b, _, h, d = q.shape
-        acc = kernels.acc_dtype(q.dtype)
+        acc = merge.acc_dtype(q.dtype)
         plan = self.plan(causal, rank, l)
         masks = self.block_masks(q, k, comm, causal, docs)
 
         def result_buffers(n: int) -> list[torch.Tensor]:     # block out [B, n, H, D], block lse [B, H, n]
             return [q.new_empty(b, n, h, d), torch.empty(b, h, n, dtype=acc, device=q.device)]
 
-        result = kernels.OutputAccumulator(q)                   # our queries' results, own and returned
+        result = accumulators.OutputAccumulator(q)              # our queries' results, own and returned
         cur_q, done = q, _Results()                             # done: results of the previous step
         q_buffers = DoubleBuffer()
         for step in range(p + 1):
@@ -186,7 +186,7 @@ class TokenRing(Method):
                          last: bool) -> _Results:
         """The block backwards of the visiting packet of `src` (Q, dO, D, lse of its queries) against
         this rank's K/V, with their global lse and D: dK/dV added to this rank's accumulators `dk`,
-        `dv` (kernels.GradAccumulator; `last`: the last step); returns the partial dQ [B, n, H, D]
+        `dv` (accumulators.GradAccumulator; `last`: the last step); returns the partial dQ [B, n, H, D]
         (input dtype) of each block's n query rows."""
         q_vis, dout_vis, delta_vis, lse_vis = packet
         blocks = []
@@ -207,12 +207,12 @@ class TokenRing(Method):
         p, rank, l = comm.world_size, comm.rank, q.shape[1]
         b, _, h, d = q.shape
         plan = self.plan(causal, rank, l)
-        delta = kernels.softmax_delta(dout, out)                                   # D: [B, H, L]
+        delta = merge.softmax_delta(dout, out)                                   # D: [B, H, L]
 
         def dq_buffers(n: int) -> list[torch.Tensor]:         # partial dQ [B, n, H, D], input dtype
             return [q.new_empty(b, n, h, d)]
 
-        dq, dk, dv = kernels.GradAccumulator(q), kernels.GradAccumulator(k), kernels.GradAccumulator(v)
+        dq, dk, dv = accumulators.GradAccumulator(q), accumulators.GradAccumulator(k), accumulators.GradAccumulator(v)
         packet, done = [q, dout, delta, lse], _Results()       # the visiting query block (own at step 0)
         packet_buffers = DoubleBuffer()
         for step in range(p + 1):

@@ -31,7 +31,7 @@ from typing import Optional
 
 import torch
 
-from methods import kernels
+from methods import kernels, merge
 from methods.base import torch_dtype
 from methods.documents import Documents
 
@@ -54,7 +54,7 @@ class Problem:
     def tolerance(self, name: str, world_size: int) -> float:
         """The pass-rule bound for tensor `name` of a method running on `world_size` ranks."""
         eps = torch.finfo(self.q.dtype).eps
-        eps_acc = torch.finfo(kernels.acc_dtype(self.q.dtype)).eps
+        eps_acc = torch.finfo(merge.acc_dtype(self.q.dtype)).eps
         floor = 4 * eps + 4 * max(1, world_size) * eps_acc
         if self.q.dtype == torch.float64:
             # the naive error is 0 here (the naive computation is the reference), so nothing in the
@@ -96,7 +96,7 @@ def reference_attention(q, k, v, dout: Optional[torch.Tensor], *, causal: bool, 
         dout = dout.double() if dout is not None else None
     b, s, h, _ = q.shape
     rows = max(1, min(s, _CHUNK_BYTES // max(1, b * h * s * 8)))
-    acc = kernels.acc_dtype(q.dtype)
+    acc = merge.acc_dtype(q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, s, dtype=acc, device=q.device)
     def visible(c0: int):

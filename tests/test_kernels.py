@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from methods import kernels
+from methods import kernels, merge
 
 
 def naive(q, k, v, offset, scale):
@@ -53,24 +53,24 @@ def test_merge_of_key_blocks_equals_full_attention():
     k = torch.randn(2, 12, 2, 8)
     v = torch.randn(2, 12, 2, 8)
     full, full_lse = kernels.block_forward(q, k, v, scale=0.3, causal_offset=2)
-    out, lse = kernels.empty_accumulators(q)
+    out, lse = merge.empty_accumulators(q)
     for j0, j1 in [(0, 5), (5, 9), (9, 12)]:
         # keys j0.. of a causal block with offset 2: query i sees key j0+j' iff j' <= i + 2 - j0
         bo, bl = kernels.block_forward(q, k[:, j0:j1], v[:, j0:j1], scale=0.3, causal_offset=2 - j0)
-        kernels.merge_(out, lse, bo, bl)
+        merge.merge_(out, lse, bo, bl)
     torch.testing.assert_close(out, full, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(lse, full_lse, rtol=1e-6, atol=1e-6)
 
 
 def test_merge_keeps_empty_rows_finite():
-    out, lse = kernels.empty_accumulators(torch.zeros(1, 3, 2, 4))
+    out, lse = merge.empty_accumulators(torch.zeros(1, 3, 2, 4))
     empty_out = torch.zeros(1, 3, 2, 4)
     empty_lse = torch.full((1, 2, 3), float("-inf"))
-    kernels.merge_(out, lse, empty_out, empty_lse)  # -inf with -inf must not give NaN
+    merge.merge_(out, lse, empty_out, empty_lse)  # -inf with -inf must not give NaN
     assert not torch.isnan(out).any() and torch.isneginf(lse).all()
     block = torch.randn(1, 3, 2, 4)
     block_lse = torch.randn(1, 2, 3)
-    kernels.merge_(out, lse, block, block_lse)
+    merge.merge_(out, lse, block, block_lse)
     torch.testing.assert_close(out, block)
     torch.testing.assert_close(lse, block_lse)
 
@@ -139,7 +139,7 @@ def test_fused_merge_and_final_merge_equal_the_definition(dtype):
     fused in) give the float64 merge, with empty rows on either side; the final merge leaves the
     accumulator untouched."""
     torch.manual_seed(0)
-    acc = kernels.acc_dtype(dtype)
+    acc = merge.acc_dtype(dtype)
     out = torch.randn(2, 9, 3, 4, dtype=acc)
     lse = torch.randn(2, 3, 9, dtype=acc)
     block_out = torch.randn(2, 5, 3, 4).to(dtype)
@@ -153,7 +153,7 @@ def test_fused_merge_and_final_merge_equal_the_definition(dtype):
     want_out, want_lse = _merge_reference(out[:, 4:], lse[:, :, 4:], block_out, block_lse)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     o, l = out.clone(), lse.clone()
-    kernels.merge_(o[:, 4:], l[:, :, 4:], block_out, block_lse)
+    merge.merge_(o[:, 4:], l[:, :, 4:], block_out, block_lse)
     assert torch.equal(o[:, :4], out[:, :4]) and torch.equal(l[:, :, :4], lse[:, :, :4])
     assert (o[:, 4:].double() - want_out).abs().max() < tol
     assert torch.equal(torch.isinf(l[:, :, 4:]), torch.isinf(want_lse))
@@ -161,7 +161,7 @@ def test_fused_merge_and_final_merge_equal_the_definition(dtype):
     assert (l[:, :, 4:].double()[finite] - want_lse[finite]).abs().max() < tol
     o, l = out[:, 4:].clone(), lse[:, :, 4:].clone()
     before = o.clone()
-    result = kernels.merge_final(o, l, block_out, block_lse, dtype)
+    result = merge.merge_final(o, l, block_out, block_lse, dtype)
     assert result.dtype == dtype and torch.equal(o, before)
     assert (result.double() - want_out.to(dtype).double()).abs().max() <= (tol if dtype == torch.float64 else 2 ** -7)
     assert not torch.isnan(result).any()
@@ -175,7 +175,7 @@ def test_two_block_starts_equal_the_definition(dtype, direct):
     the float64 definition, with empty rows on either side and on both; their inputs stay as they
     are, except lse_a, which a direct caller hands over."""
     torch.manual_seed(1)
-    acc = kernels.acc_dtype(dtype)
+    acc = merge.acc_dtype(dtype)
     out_a, out_b = torch.randn(2, 7, 3, 4).to(dtype), torch.randn(2, 7, 3, 4).to(dtype)
     lse_a, lse_b = torch.randn(2, 3, 7, dtype=acc), torch.randn(2, 3, 7, dtype=acc)
     lse_a[0, 1, 2] = float("-inf")
@@ -187,8 +187,8 @@ def test_two_block_starts_equal_the_definition(dtype, direct):
     want_out, want_lse = _merge_reference(out_a.double(), lse_a.double(), out_b.double(), lse_b.double())
     a_before, b_before, lse_b_before = out_a.clone(), out_b.clone(), lse_b.clone()
     with torch.set_grad_enabled(not direct):
-        out, lse = kernels.merge_start(out_a, lse_a.clone(), out_b, lse_b)
-        total = kernels.sum_start(out_a, out_b)
+        out, lse = merge.merge_start(out_a, lse_a.clone(), out_b, lse_b)
+        total = merge.sum_start(out_a, out_b)
     tol = 1e-12 if dtype == torch.float64 else 1e-5
     assert out.dtype == lse.dtype == total.dtype == acc
     assert (out.double() - want_out).abs().max() < tol and not torch.isnan(out).any()
@@ -208,7 +208,7 @@ def test_fused_merge_is_traced_as_one_op_with_its_bytes():
     out, lse = torch.empty(1, 64, 4, 32, **meta), torch.empty(1, 4, 64, **meta)
     block_out, block_lse = torch.empty(1, 64, 4, 32, dtype=torch.bfloat16, **meta), torch.empty(1, 4, 64, **meta)
     with _Bookkeeping(ledger):
-        kernels.merge_(out, lse, block_out, block_lse)
+        merge.merge_(out, lse, block_out, block_lse)
     ledger.flush()
     acc, blk, row = 64 * 4 * 32 * 4, 64 * 4 * 32 * 2, 4 * 64 * 4
     assert ledger.events == [Memory(2 * acc + blk + 3 * row, 1)]

@@ -159,6 +159,7 @@ def test_the_graph_sees_real_edges():
     graph = import_graph()
     assert "suite.plan" in graph["suite.runner"] and "suite.config" in graph["suite.plan"]
     assert "methods.kernels" in graph["methods.base"] and "suite.metrics" in graph["suite.records"]
+    assert "methods.merge" in graph["methods.kernels"] and "methods.merge" in graph["methods.accumulators"]
     assert "suite.workloads.perplexity" in graph["suite.workloads"]  # a function-level import
 
 

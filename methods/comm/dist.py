@@ -42,7 +42,7 @@ class DistComm:
         self.group = group if group is not None else dist.group.WORLD
         self._rank = dist.get_rank(self.group)
         self._world_size = dist.get_world_size(self.group)
-        self._global_ranks = [dist.get_global_rank(self.group, r) for r in range(self._world_size)] \
+        self._global_ranks = [dist.get_global_rank(group, r) for r in range(self._world_size)] \
             if group is not None else list(range(self._world_size))
         self._splits: dict[tuple, DistComm] = {}
 

@@ -32,7 +32,8 @@ class ThreadWorld:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.timeout_s = timeout_s
-        self._mailboxes = {(s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}
+        self._mailboxes: dict[tuple[int, int], queue.SimpleQueue[tuple[torch.Tensor, threading.Event]]] = {
+            (s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}
         self._barrier = threading.Barrier(world_size)
         self._slots: list[Any] = [None] * world_size
         self._lock = threading.Lock()
@@ -131,7 +132,7 @@ class _ThreadWork:
             taken.set()
         for peer, taken in self._sends:
             self._world.wait_taken(taken, self._rank, peer)
-        self._recvs = self._sends = []
+        self._recvs, self._sends = [], []
         self._done = True
 
 

@@ -42,7 +42,7 @@ class _RFA(PeerMethod):
         "ring-flash-attn's ring/zigzag varlen functions need every document's length divisible by the world size "
         "(2 x world size for zigzag), each rank holding a slice of every document, and stripe has no varlen "
         "function: packed documents of any length run through rfa_llama3")
-    impl: ClassVar[str] = f"ring-flash-attn {VERSION}"
+    impl: str = f"ring-flash-attn {VERSION}"
     function: ClassVar[str]
     causal_only: ClassVar[bool] = False
     shim: ClassVar[bool] = False  # set by the test-only CPU test double (tests/plugins/rfa_cpu_shim.py)

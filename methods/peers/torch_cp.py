@@ -10,7 +10,7 @@ torch 2.13 over gloo), so these methods are skipped on CPU with that reason.
 """
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
@@ -18,7 +18,10 @@ from methods.base import Case
 from methods.peers.base import PeerMethod
 from methods.registry import register, register_unavailable
 
-_MESHES: dict[int, object] = {}
+if TYPE_CHECKING:  # imported where a mesh is built, as the import is not free
+    from torch.distributed.device_mesh import DeviceMesh
+
+_MESHES: dict[int, DeviceMesh] = {}
 
 
 def _import_error() -> str | None:
@@ -59,7 +62,7 @@ class _TorchCP(PeerMethod):
     documents_reason = ("PyTorch's context_parallel shards SDPA with its causal flag only: it takes no document "
                         "mask (packed documents or padding)")
     library: ClassVar[str] = "torch"
-    impl: ClassVar[str] = f"torch {torch.__version__.split('+')[0]} context_parallel"
+    impl: str = f"torch {torch.__version__.split('+')[0]} context_parallel"
     rotate: ClassVar[str]
 
     @classmethod

@@ -83,7 +83,7 @@ class _YunchangBase(PeerMethod):
     documents_reason = ("yunchang's LongContextAttention has no varlen path: its ring varlen functions are not "
                         "reachable from the USP layer, so packed documents (and padding) cannot be expressed")
     library: ClassVar[str] = "yunchang"
-    impl: ClassVar[str] = f"yunchang {VERSION}"
+    impl: str = f"yunchang {VERSION}"
 
     def __init__(self, kernel: str = "auto", ulysses_degree: int = 0, ring_impl: str = "basic",
                  kernel_shim: bool = False):
