@@ -9,6 +9,7 @@ wall time and in CPU time (the latter also without the interpreter's start and t
 
     .venv/bin/python benchmarks/harness_scale.py --trials 10000
 """
+
 from __future__ import annotations
 
 import argparse
@@ -109,21 +110,31 @@ def main() -> int:
         run_dir = next((tmp / "results" / "harness_scale").iterdir())
         n = sum(1 for _ in (run_dir / "trials.jsonl").open())
         phases["resume (all recorded)"] = timed(run + ["--resume"], repo)[:2]
-        scan = ("from suite.results import ResultsStore; import sys; "
-                f"s = ResultsStore.open({str(run_dir)!r}); print(len(s.records()), len(s.completed_keys()))")
+        scan = (
+            "from suite.results import ResultsStore; import sys; "
+            f"s = ResultsStore.open({str(run_dir)!r}); print(len(s.records()), len(s.completed_keys()))"
+        )
         phases["store scan"] = timed([py, "-c", scan], repo)[:2]
-        load = ("from pathlib import Path; from suite.reports import load; "
-                f"print(len(load.load_runs([Path({str(run_dir)!r})]).frame))")
+        load = (
+            "from pathlib import Path; from suite.reports import load; "
+            f"print(len(load.load_runs([Path({str(run_dir)!r})]).frame))"
+        )
         phases["report load"] = timed([py, "-c", load], repo)[:2]
         base = timed([py, "-c", "import suite.runner, suite.cli"], repo)[:2]
-    print(f"{repo}: {n} trials; the simulator's own time in the sweep {own['sweep'][0]:.1f}s wall, "
-          f"{own['sweep'][1]:.1f}s CPU; interpreter + suite import {base[0]:.2f}s wall, {base[1]:.2f}s CPU")
-    print("| phase | wall s | CPU s | harness wall ms per trial | harness CPU ms per trial, without start-up |\n"
-          "|---|---:|---:|---:|---:|")
+    print(
+        f"{repo}: {n} trials; the simulator's own time in the sweep {own['sweep'][0]:.1f}s wall, "
+        f"{own['sweep'][1]:.1f}s CPU; interpreter + suite import {base[0]:.2f}s wall, {base[1]:.2f}s CPU"
+    )
+    print(
+        "| phase | wall s | CPU s | harness wall ms per trial | harness CPU ms per trial, without start-up |\n"
+        "|---|---:|---:|---:|---:|"
+    )
     for name, (wall, cpu) in phases.items():
         own_wall, own_cpu = own.get(name, (0.0, 0.0))
-        print(f"| {name} | {wall:.2f} | {cpu:.2f} | {1000 * (wall - own_wall) / n:.3f} | "
-              f"{1000 * max(0.0, cpu - own_cpu - base[1]) / n:.3f} |")
+        print(
+            f"| {name} | {wall:.2f} | {cpu:.2f} | {1000 * (wall - own_wall) / n:.3f} | "
+            f"{1000 * max(0.0, cpu - own_cpu - base[1]) / n:.3f} |"
+        )
     return 0
 
 

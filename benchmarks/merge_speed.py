@@ -5,6 +5,7 @@ that a shared machine's other work disturbs it least; the median of `--repeats` 
 
     .venv/bin/python benchmarks/merge_speed.py          # the overhead config's shape and the issue's
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,12 +44,15 @@ def timed(fn, args, repeats):
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--no-compile", action="store_true",
-                    help="skip the compiled kernel (its first compile takes a while)")
+    ap.add_argument(
+        "--no-compile", action="store_true", help="skip the compiled kernel (its first compile takes a while)"
+    )
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    shapes = [("overhead_cpu: L=256, 8 heads, D=64, float32", (1, 256, 8, 64), torch.float32),
-              ("issue 15: L=1008, 32 heads, D=128, bfloat16", (1, 1008, 32, 128), torch.bfloat16)]
+    shapes = [
+        ("overhead_cpu: L=256, 8 heads, D=64, float32", (1, 256, 8, 64), torch.float32),
+        ("issue 15: L=1008, 32 heads, D=128, bfloat16", (1, 1008, 32, 128), torch.bfloat16),
+    ]
     compiled = None if args.no_compile else torch.compile(merge._merge_fused, dynamic=True)
     print("| shape | unfused ops | merge_ (eager) | compiled kernel |")
     print("|---|---|---|---|")
@@ -56,8 +60,10 @@ def main(argv=None) -> int:
         gen = torch.Generator().manual_seed(0)
         out, lse = torch.randn(b, s, h, d, generator=gen), torch.randn(b, h, s, generator=gen)
         block_out, block_lse = torch.randn(b, s, h, d, generator=gen).to(dtype), torch.randn(b, h, s, generator=gen)
-        cells = [timed(unfused, (out, lse, block_out, block_lse), args.repeats),
-                 timed(merge._merge_eager, (out, lse, block_out, block_lse), args.repeats)]
+        cells = [
+            timed(unfused, (out, lse, block_out, block_lse), args.repeats),
+            timed(merge._merge_eager, (out, lse, block_out, block_lse), args.repeats),
+        ]
         if compiled is not None:
             cells.append(timed(compiled, (out, lse, block_out, block_lse), args.repeats))
         tail = " | - |" if compiled is None else " |"

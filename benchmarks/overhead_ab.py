@@ -24,6 +24,7 @@ a rank that is descheduled or blocked costs nothing; per (method, mask, pass) th
 iteration spends outside kernels and communication calls (median over iterations, mean over
 ranks), i.e. the code's own bookkeeping.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,15 +46,23 @@ KEYS = ["method", "causal", "pass"]
 def ensure_tree(rev: str, where: Path) -> Path:
     """A detached worktree of `rev` at `where` (made if missing)."""
     if not (where / "suite").is_dir():
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), rev], check=True,
-                       stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(where), rev],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
     return where
 
 
 def check_imports(tree: Path) -> None:
     """The child process run in `tree` must import that tree's code, not this one's."""
-    out = subprocess.run([sys.executable, "-c", "import suite, methods; print(suite.__file__, methods.__file__)"],
-                         cwd=tree, capture_output=True, text=True, check=True).stdout.split()
+    out = subprocess.run(
+        [sys.executable, "-c", "import suite, methods; print(suite.__file__, methods.__file__)"],
+        cwd=tree,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     for path in out:
         if not Path(path).resolve().is_relative_to(tree.resolve()):
             raise SystemExit(f"{tree}: imports {path}, not its own code")
@@ -66,7 +75,7 @@ def world_size_4_config(tree: Path, methods, out: Path) -> Path:
     sweep = cfg["sweep"]
     sweep["methods"] = [m for m in (methods or sweep["methods"]) if m != "reference"]
     sweep["world_size"] = [4]
-    sweep.pop("exclude", None)   # they only pair the reference with world size 1
+    sweep.pop("exclude", None)  # they only pair the reference with world size 1
     sweep["method_options"] = {m: o for m, o in sweep.get("method_options", {}).items() if m in sweep["methods"]}
     out.write_text(yaml.safe_dump(cfg, sort_keys=False))
     return out
@@ -76,9 +85,19 @@ def run_once(tree: Path, out_root: Path, args) -> pd.DataFrame:
     """One run of the overhead sweep in `tree`: its world-size-4 rows."""
     out_root.mkdir(parents=True)
     config = world_size_4_config(tree, args.methods, out_root / "overhead_ab.yaml")
-    cmd = [sys.executable, "-m", "suite", "run", str(config), "--no-progress",
-           "run.breakdown=true", f"run.repeats={args.repeats}", f"run.warmup={args.warmup}",
-           "tracking.mlflow=false", f"results.root={out_root}"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "suite",
+        "run",
+        str(config),
+        "--no-progress",
+        "run.breakdown=true",
+        f"run.repeats={args.repeats}",
+        f"run.warmup={args.warmup}",
+        "tracking.mlflow=false",
+        f"results.root={out_root}",
+    ]
     env = {**os.environ, "MLFLOW_TRACKING_URI": ""}
     subprocess.run(cmd, cwd=tree, env=env, check=True, stdout=subprocess.DEVNULL)
     rows = [json.loads(line) for f in out_root.glob("*/*/trials.jsonl") for line in f.read_text().splitlines()]
@@ -147,11 +166,24 @@ def cpu_time_once(tree: Path, args) -> pd.DataFrame:
     """The CPU-time diagnostic (see the module's docstring) run once in `tree`."""
     cfg = yaml.safe_load((tree / "configs" / "overhead_cpu.yaml").read_text())["sweep"]
     methods = [m for m in (args.methods or cfg["methods"]) if m != "reference"]
-    probe = {"methods": methods, "options": cfg.get("method_options", {}), "seq_len": cfg["seq_len"][0],
-             "batch": cfg["batch"][0], "heads": cfg["heads"][0], "head_dim": cfg["head_dim"][0],
-             "warmup": args.warmup, "repeats": args.repeats}
-    out = subprocess.run([sys.executable, "-c", CPU_TIME_PROBE, json.dumps(probe)], cwd=tree, check=True,
-                         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}).stdout
+    probe = {
+        "methods": methods,
+        "options": cfg.get("method_options", {}),
+        "seq_len": cfg["seq_len"][0],
+        "batch": cfg["batch"][0],
+        "heads": cfg["heads"][0],
+        "head_dim": cfg["head_dim"][0],
+        "warmup": args.warmup,
+        "repeats": args.repeats,
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", CPU_TIME_PROBE, json.dumps(probe)],
+        cwd=tree,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    ).stdout
     return pd.DataFrame([json.loads(line) for line in out.splitlines() if line.startswith("{")])
 
 
@@ -180,22 +212,29 @@ def summarize(frames: dict[str, list[pd.DataFrame]]) -> pd.DataFrame:
 
 
 def markdown(df: pd.DataFrame) -> str:
-    lines = ["| method | mask | pass | overhead ratio before | after | overhead ms before | after "
-             "| iteration ms before | after |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| method | mask | pass | overhead ratio before | after | overhead ms before | after "
+        "| iteration ms before | after |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
 
     def cell(r, col, name, fmt):
-        return (f"{r[f'{col}_{name}']:{fmt}} ({r[f'{col}_{name}_min']:{fmt}}-{r[f'{col}_{name}_max']:{fmt}})")
+        return f"{r[f'{col}_{name}']:{fmt}} ({r[f'{col}_{name}_min']:{fmt}}-{r[f'{col}_{name}_max']:{fmt}})"
+
     for _, r in df.sort_values(KEYS).iterrows():
-        lines.append(f"| {r['method']} | {'causal' if r['causal'] else 'full'} | {r['pass']} | "
-                     f"{cell(r, 'overhead_ratio', 'before', '.3f')} | {cell(r, 'overhead_ratio', 'after', '.3f')} | "
-                     f"{cell(r, 'overhead_ms', 'before', '.2f')} | {cell(r, 'overhead_ms', 'after', '.2f')} | "
-                     f"{cell(r, 'time_ms_median', 'before', '.1f')} | {cell(r, 'time_ms_median', 'after', '.1f')} |")
+        lines.append(
+            f"| {r['method']} | {'causal' if r['causal'] else 'full'} | {r['pass']} | "
+            f"{cell(r, 'overhead_ratio', 'before', '.3f')} | {cell(r, 'overhead_ratio', 'after', '.3f')} | "
+            f"{cell(r, 'overhead_ms', 'before', '.2f')} | {cell(r, 'overhead_ms', 'after', '.2f')} | "
+            f"{cell(r, 'time_ms_median', 'before', '.1f')} | {cell(r, 'time_ms_median', 'after', '.1f')} |"
+        )
     n = len(df)
     lines.append("")
-    lines.append(f"overhead ratio lower after (medians over rounds): {int(df['ratio_lower'].sum())} of {n}; "
-                 f"lower with the ranges apart: {int(df['ratio_lower_beyond_range'].sum())} of {n}; "
-                 f"overhead ms lower with the ranges apart: {int(df['overhead_ms_lower_beyond_range'].sum())} of {n}")
+    lines.append(
+        f"overhead ratio lower after (medians over rounds): {int(df['ratio_lower'].sum())} of {n}; "
+        f"lower with the ranges apart: {int(df['ratio_lower_beyond_range'].sum())} of {n}; "
+        f"overhead ms lower with the ranges apart: {int(df['overhead_ms_lower_beyond_range'].sum())} of {n}"
+    )
     return "\n".join(lines)
 
 
@@ -214,30 +253,48 @@ def by_method(frames: dict[str, list[pd.DataFrame]], col: str) -> pd.DataFrame:
     out = []
     for method, g in df.groupby("method"):
         q = list(g["quotient"])
-        out.append({"method": method, "median": statistics.median(q), "min": min(q), "max": max(q),
-                    "rounds_lower": sum(x < 1 for x in q), "rounds": len(q)})
+        out.append(
+            {
+                "method": method,
+                "median": statistics.median(q),
+                "min": min(q),
+                "max": max(q),
+                "rounds_lower": sum(x < 1 for x in q),
+                "rounds": len(q),
+            }
+        )
     return pd.DataFrame(out)
 
 
 def method_markdown(df: pd.DataFrame, what: str) -> str:
-    lines = [f"| method | {what} after / before (geometric mean over its trials; median over rounds, range) "
-             "| rounds lower |", "|---|---|---|"]
+    lines = [
+        f"| method | {what} after / before (geometric mean over its trials; median over rounds, range) "
+        "| rounds lower |",
+        "|---|---|---|",
+    ]
     for _, r in df.sort_values("method").iterrows():
-        lines.append(f"| {r['method']} | {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f}) "
-                     f"| {int(r['rounds_lower'])} of {int(r['rounds'])} |")
+        lines.append(
+            f"| {r['method']} | {r['median']:.3f} ({r['min']:.3f}-{r['max']:.3f}) "
+            f"| {int(r['rounds_lower'])} of {int(r['rounds'])} |"
+        )
     return "\n".join(lines)
 
 
 def cpu_markdown(df: pd.DataFrame) -> str:
     lines = ["| method | mask | pass | own CPU ms before | after |", "|---|---|---|---|---|"]
     for _, r in df.sort_values(KEYS).iterrows():
-        cells = [f"{r[f'own_cpu_ms_{n}']:.2f} ({r[f'own_cpu_ms_{n}_min']:.2f}-{r[f'own_cpu_ms_{n}_max']:.2f})"
-                 for n in ("before", "after")]
+        cells = [
+            f"{r[f'own_cpu_ms_{n}']:.2f} ({r[f'own_cpu_ms_{n}_min']:.2f}-{r[f'own_cpu_ms_{n}_max']:.2f})"
+            for n in ("before", "after")
+        ]
         mask = "causal" if r["causal"] else "full"
         lines.append(f"| {r['method']} | {mask} | {r['pass']} | {cells[0]} | {cells[1]} |")
     lower = int((df["own_cpu_ms_after"] < df["own_cpu_ms_before"]).sum())
-    lines += ["", f"own CPU ms lower after (medians over rounds): {lower} of {len(df)}; "
-                  f"lower with the ranges apart: {int(df['own_cpu_ms_lower_beyond_range'].sum())} of {len(df)}"]
+    lines += [
+        "",
+        f"own CPU ms lower after (medians over rounds): {lower} of {len(df)}; "
+        f"lower with the ranges apart: {int(df['own_cpu_ms_lower_beyond_range'].sum())} of {len(df)}",
+    ]
     return "\n".join(lines)
 
 
@@ -265,21 +322,30 @@ def main(argv=None) -> int:
     cpu: dict[str, list[pd.DataFrame]] = {"before": [], "after": []}
     with tempfile.TemporaryDirectory(prefix="overhead_ab_") as scratch:
         for i in range(args.rounds):
-            order = ("before", "after") if i % 2 == 0 else ("after", "before")   # A B B A ...
+            order = ("before", "after") if i % 2 == 0 else ("after", "before")  # A B B A ...
             for name in order:
                 if not args.cpu_time_only:
                     frames[name].append(run_once(trees[name], Path(scratch) / f"{name}{i}", args))
                 if args.cpu_time or args.cpu_time_only:
                     cpu[name].append(cpu_time_once(trees[name], args))
                 print(f"round {i + 1}/{args.rounds}: {name} done", file=sys.stderr)
-    print(f"# before = {args.before_rev} ({before}), after = {args.after_dir}; {args.rounds} rounds, "
-          f"run.repeats={args.repeats}, run.warmup={args.warmup}; medians over rounds (range)")
+    print(
+        f"# before = {args.before_rev} ({before}), after = {args.after_dir}; {args.rounds} rounds, "
+        f"run.repeats={args.repeats}, run.warmup={args.warmup}; medians over rounds (range)"
+    )
     out = {}
     # the ratio's excess over 1 is the overhead; its quotient is what the target asks to be below 1
     for kind, got, table, col, what, title in (
-            ("wall", frames, markdown, "overhead_ratio", "overhead ratio", ""),
-            ("cpu_time", cpu, cpu_markdown, "own_cpu_ms", "own CPU ms",
-             "\n## CPU-time diagnostic (thread CPU time outside kernels and communication, per rank)\n")):
+        ("wall", frames, markdown, "overhead_ratio", "overhead ratio", ""),
+        (
+            "cpu_time",
+            cpu,
+            cpu_markdown,
+            "own_cpu_ms",
+            "own CPU ms",
+            "\n## CPU-time diagnostic (thread CPU time outside kernels and communication, per rank)\n",
+        ),
+    ):
         if not got["before"]:
             continue
         summary, per_method = summarize(got), by_method(got, col)
@@ -290,8 +356,11 @@ def main(argv=None) -> int:
         print(method_markdown(per_method, what))
         out[kind], out[f"{kind}_by_method"] = summary.to_dict(orient="records"), per_method.to_dict(orient="records")
     # every round's rows, so that a later reading can pair or pool them differently
-    out["rounds"] = {kind: {name: [f.to_dict(orient="records") for f in fs] for name, fs in d.items()}
-                     for kind, d in (("wall", frames), ("cpu_time", cpu)) if d["before"]}
+    out["rounds"] = {
+        kind: {name: [f.to_dict(orient="records") for f in fs] for name, fs in d.items()}
+        for kind, d in (("wall", frames), ("cpu_time", cpu))
+        if d["before"]
+    }
     if args.json:
         args.json.write_text(json.dumps(out, indent=1, default=lambda x: x.item() if hasattr(x, "item") else float(x)))
     return 0

@@ -11,6 +11,7 @@ command gives the before/after table of a change:
 Passes: "full fwd" (no mask, forward) and "causal fwd_bwd" (causal, forward + backward), and the
 forward part of the latter; "ops/step" is the forward's ops divided by the world size.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,8 +29,10 @@ from suite.sim.trace import Memory, trace  # noqa: E402
 
 def worst_rank(tr) -> tuple[int, int]:
     """(ops, bytes) of the rank with the most tensor-work bytes."""
-    per_rank = [(sum(e.ops for e in r if isinstance(e, Memory)), sum(e.bytes for e in r if isinstance(e, Memory)))
-                for r in tr.ranks]
+    per_rank = [
+        (sum(e.ops for e in r if isinstance(e, Memory)), sum(e.bytes for e in r if isinstance(e, Memory)))
+        for r in tr.ranks
+    ]
     return max(per_rank, key=lambda x: (x[1], x[0]))
 
 
@@ -61,22 +64,27 @@ def main(argv=None) -> int:
     rows = []
     for name in args.methods or candidate_methods():
         for causal, pass_ in ((False, "fwd"), (True, "fwd_bwd")):
-            case = Case(args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim, args.dtype, causal,
-                        args.world_size)
+            case = Case(
+                args.batch, args.seq_len, args.heads, args.kv_heads, args.head_dim, args.dtype, causal, args.world_size
+            )
             ok, why = methods.get_method(name).supports(case)
             if not ok:
                 print(f"# {name} {pass_}: skipped ({why})")
                 continue
             rows.append(measure(name, case, pass_))
-    print(f"# B={args.batch} S={args.seq_len} H={args.heads}/{args.kv_heads} D={args.head_dim} "
-          f"{args.dtype} P={args.world_size}; worst rank")
+    print(
+        f"# B={args.batch} S={args.seq_len} H={args.heads}/{args.kv_heads} D={args.head_dim} "
+        f"{args.dtype} P={args.world_size}; worst rank"
+    )
     print("| method | pass | tensor-work ops | tensor-work bytes | fwd ops / step | fwd bytes |")
     print("|---|---|---|---|---|---|")
     for r in rows:
         label = "causal fwd_bwd" if r["pass"] == "fwd_bwd" else "full fwd"
         fwd_bytes = r.get("fwd_bytes", r["bytes"])
-        print(f"| {r['method']} | {label} | {r['ops']} | {r['bytes'] / 1e9:.3f} GB | "
-              f"{r['fwd_ops_per_step']:.2f} | {fwd_bytes / 1e9:.3f} GB |")
+        print(
+            f"| {r['method']} | {label} | {r['ops']} | {r['bytes'] / 1e9:.3f} GB | "
+            f"{r['fwd_ops_per_step']:.2f} | {fwd_bytes / 1e9:.3f} GB |"
+        )
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     return 0

@@ -6,6 +6,7 @@ process CPU time and kernel time (methods.kernels.TimedKernel) of rank 0, and th
 Shape of reports/recorded/advise_cpu_check.md: 8 heads, 4 KV heads, head dim 64, S=2400, float32,
 causal, fwd_bwd. Usage: .venv/bin/python benchmarks/ulysses_usp_ab.py [--repeats N]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,7 +40,7 @@ def worker(rank: int, port: int, repeats: int, results) -> None:
     scale = default_scale(D)
     rows = {n: [] for n in methods}
     for it in range(repeats + 1):  # iteration 0 is a warm-up
-        for name in (list(methods) if it % 2 == 0 else list(methods)[::-1]):
+        for name in list(methods) if it % 2 == 0 else list(methods)[::-1]:
             m = methods[name]
             m.kernel = TimedKernel("cpu_flash")
             dist.barrier()
@@ -69,8 +70,10 @@ def main() -> None:
     for p in procs:
         p.join()
     for name, rs in rows.items():
-        print(f"{name:8s} wall ms {[round(r[0] * 1e3) for r in rs]}  cpu ms {[round(r[1] * 1e3) for r in rs]}  "
-              f"kernel ms {[round(r[2] * 1e3) for r in rs]}  kernel calls {rs[0][3]}")
+        print(
+            f"{name:8s} wall ms {[round(r[0] * 1e3) for r in rs]}  cpu ms {[round(r[1] * 1e3) for r in rs]}  "
+            f"kernel ms {[round(r[2] * 1e3) for r in rs]}  kernel calls {rs[0][3]}"
+        )
     for i, what in enumerate(("wall", "cpu", "kernel")):
         a = statistics.median(r[i] for r in rows["ulysses"])
         b = statistics.median(r[i] for r in rows["usp4"])

@@ -7,34 +7,47 @@
 
 This package never imports `suite` or Hydra.
 """
+
 # Own methods register themselves on import.
 from methods import (  # noqa: E402,F401
-                              allgather_kv,
-                              burst,
-                              peers,  # noqa: E402,F401  (registered only where the library imports)
-                              reference,
-                              ring,
-                              stripe_ring,
-                              tasp,
-                              token_ring,
-                              ulysses,
-                              usp,
-                              zigzag_ring,
+    allgather_kv,
+    burst,
+    peers,  # noqa: E402,F401  (registered only where the library imports)
+    reference,
+    ring,
+    stripe_ring,
+    tasp,
+    token_ring,
+    ulysses,
+    usp,
+    zigzag_ring,
 )
 from methods.base import Case, Method, SPAttention
 from methods.registry import (
-                              GROUPS,
-                              available,
-                              expand_groups,
-                              get_method,
-                              group_members,
-                              load_plugins,
-                              method_class,
-                              register,
-                              register_unavailable,
-                              unavailable,
+    GROUPS,
+    available,
+    expand_groups,
+    get_method,
+    group_members,
+    load_plugins,
+    method_class,
+    register,
+    register_unavailable,
+    unavailable,
 )
 
-__all__ = ["GROUPS", "Case", "Method", "SPAttention", "available", "expand_groups", "get_method", "group_members",
-           "load_plugins",
-           "method_class", "register", "register_unavailable", "unavailable"]
+__all__ = [
+    "GROUPS",
+    "Case",
+    "Method",
+    "SPAttention",
+    "available",
+    "expand_groups",
+    "get_method",
+    "group_members",
+    "load_plugins",
+    "method_class",
+    "register",
+    "register_unavailable",
+    "unavailable",
+]

@@ -10,6 +10,7 @@ j <= i + Sk - Sq). Our causal_offset c maps to: c == Sk - Sq -> causal; c > Sk -
 with right edge c - (Sk - Sq); c < Sk - Sq with Sq == Sk -> the shift trick (q[d:] against
 k[:-d] with d = -c; the first d rows see nothing), which is how striped attention runs on flash.
 """
+
 from __future__ import annotations
 
 import inspect
@@ -122,11 +123,22 @@ def backward(dout, q, k, v, out, lse, *, scale: float, causal_offset: Optional[i
     d, causal, right = _mask_plan(sq, sk, causal_offset)
     qs, ks, vs = _unit_stride(q[:, d:]), _unit_stride(k[:, : sk - d]), _unit_stride(v[:, : sk - d])
     dq_s, dk_s, dv_s = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
-    kwargs = dict(dropout_p=0.0, softmax_scale=scale, softcap=0.0, alibi_slopes=None,
-                  deterministic=False, rng_state=None)
+    kwargs = dict(
+        dropout_p=0.0, softmax_scale=scale, softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None
+    )
     kwargs.update(_window_kwargs(bnames, causal, -1, right))
-    bwd(_unit_stride(dout[:, d:]), qs, ks, vs, _unit_stride(out[:, d:]), lse[..., d:].contiguous(),
-        dq_s, dk_s, dv_s, **{k_: v_ for k_, v_ in kwargs.items() if k_ in bnames})
+    bwd(
+        _unit_stride(dout[:, d:]),
+        qs,
+        ks,
+        vs,
+        _unit_stride(out[:, d:]),
+        lse[..., d:].contiguous(),
+        dq_s,
+        dk_s,
+        dv_s,
+        **{k_: v_ for k_, v_ in kwargs.items() if k_ in bnames},
+    )
     if d == 0:
         return dq_s, dk_s, dv_s
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)

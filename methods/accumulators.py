@@ -9,6 +9,7 @@ its block gradients, each started, added to in place and finished in as few pass
   after one rank's contributions, in the dtype its next hop carries.
 - `start_accumulators`, `accumulate_`, `accumulate_final`: the steps these are made of.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -46,6 +47,7 @@ def accumulate_final(acc: Optional[torch.Tensor], block: torch.Tensor, dtype: to
         return block.to(dtype)
     return torch.add(acc, block, out=torch.empty(acc.shape, dtype=dtype, device=acc.device))
 
+
 class OutputAccumulator:
     """The online-softmax result of a rank's queries q [B, L, H, D] over the blocks it computes.
 
@@ -56,8 +58,8 @@ class OutputAccumulator:
 
     def __init__(self, q: torch.Tensor):
         self.q = q
-        self.first: Optional[tuple[torch.Tensor, torch.Tensor]] = None   # (out, lse) as the kernel returned them
-        self.acc: Optional[tuple[torch.Tensor, torch.Tensor]] = None     # (out fp32, lse)
+        self.first: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (out, lse) as the kernel returned them
+        self.acc: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (out fp32, lse)
         self.result: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (out in q's dtype, lse)
 
     def add(self, rows: slice, block_out: torch.Tensor, block_lse: torch.Tensor, last: bool) -> None:
@@ -139,8 +141,9 @@ class GradAccumulator:
         return self.acc.to(self.like.dtype)
 
 
-def follow_add(acc: Optional[torch.Tensor], contributions: list[tuple[slice, torch.Tensor]], like: torch.Tensor, *,
-               last_hop: bool) -> torch.Tensor:
+def follow_add(
+    acc: Optional[torch.Tensor], contributions: list[tuple[slice, torch.Tensor]], like: torch.Tensor, *, last_hop: bool
+) -> torch.Tensor:
     """The accumulator of a circulating block (dK/dV on the K/V ring, BurstAttention's dQ) after this
     rank's `contributions` [(rows, gradient)], ready for its next hop.
 
@@ -154,9 +157,9 @@ def follow_add(acc: Optional[torch.Tensor], contributions: list[tuple[slice, tor
     own = acc is None
     if acc is None:
         if len(items) == 1 and items[0][0] == slice(None):
-            return items[0][1].contiguous()   # as the kernel produced it
+            return items[0][1].contiguous()  # as the kernel produced it
         acc = torch.zeros(like.shape, dtype=accd, device=like.device)
-    elif acc.dtype != accd:                   # arrived from its first hop, in the input dtype
+    elif acc.dtype != accd:  # arrived from its first hop, in the input dtype
         if last_hop and len(items) == 1 and items[0][0] == slice(None):
             return accumulate_final(acc, items[0][1], dtype)
         if last_hop and not items:

@@ -21,6 +21,7 @@ Communication per rank (L = S/P = 2c, e bytes per input element, a = 4 bytes per
 Memory beyond inputs and outputs: the full sequence's K and V (2*B*S*Hkv*D*e), and in the
 backward the full fp32 dK and dV: the one method here that does not stay within two K/V blocks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,11 +38,11 @@ def _gather_global(comm: Comm, x: torch.Tensor, order: torch.Tensor) -> torch.Te
     p = comm.world_size
     b, l, h, d = x.shape
     gathered = torch.empty(p, b, l, h, d, dtype=x.dtype, device=x.device)
-    comm.all_gather(gathered, x.unsqueeze(0))                              # [P, B, L, Hkv, D]
+    comm.all_gather(gathered, x.unsqueeze(0))  # [P, B, L, Hkv, D]
     full = torch.empty(b, p * l, h, d, dtype=x.dtype, device=x.device)
     # one indexed pass for any batch, reading the rank-major tokens through a permuted view
     # (reshaping that view to [B, S, ...] first copied it whenever B > 1)
-    full[:, order] = gathered.permute(1, 0, 2, 3, 4)                       # [B, P, L, Hkv, D] -> global
+    full[:, order] = gathered.permute(1, 0, 2, 3, 4)  # [B, P, L, Hkv, D] -> global
     return full
 
 
@@ -53,7 +54,7 @@ def _reduce_scatter_global(comm: Comm, full: torch.Tensor, where: tuple[torch.Te
     rank_major = torch.empty(p, b, s // p, h, d, dtype=full.dtype, device=full.device)
     # one indexed pass into the collective's rank-major buffer (indexing then .contiguous() made
     # two when B > 1), reading the global order through a transposed view
-    rank_major[where[0], :, where[1]] = full.transpose(0, 1)               # [S, B, Hkv, D] -> [P, B, L, Hkv, D]
+    rank_major[where[0], :, where[1]] = full.transpose(0, 1)  # [S, B, Hkv, D] -> [P, B, L, Hkv, D]
     out = torch.empty(1, b, s // p, h, d, dtype=full.dtype, device=full.device)
     comm.reduce_scatter(out, rank_major)
     return out[0]
@@ -103,8 +104,8 @@ class _Zigzag:
         if self.causal:
             pieces = gathered.view(p, 2, c, b, *rest)
             full = torch.empty(2, p, c, b, *rest, dtype=x.dtype, device=x.device)
-            full[0].copy_(pieces[:, 0])                                   # fronts: chunk r = rank r
-            full[1].index_copy_(0, self.reverse, pieces[:, 1])            # backs: chunk 2P-1-r = rank r
+            full[0].copy_(pieces[:, 0])  # fronts: chunk r = rank r
+            full[1].index_copy_(0, self.reverse, pieces[:, 1])  # backs: chunk 2P-1-r = rank r
             gathered = full
         return gathered.view(p * l, b, *rest).transpose(0, 1)
 
@@ -127,7 +128,7 @@ class _Zigzag:
         if start:
             acc[:fronts, 0].copy_(g[:fronts])
             acc[fronts:, 0].zero_()
-            acc[:2 * p - chunks, 1].zero_()
+            acc[: 2 * p - chunks, 1].zero_()
         else:
             acc[:fronts, 0].add_(g[:fronts])
         # back chunks, global index P.. = ranks P-1, P-2, ...: one op each (a reversed run is no
@@ -171,7 +172,6 @@ class AllGatherKV(DocumentSharding, Method):
     def layout(self, case: Case) -> layouts.Layout:
         return self.document_layout(case) if self.by_documents else super().layout(case)
 
-
     def _calls(self, causal: bool, comm: Comm, local_len: int, masks):
         """(local query rows, number of global keys, causal offset) per kernel call: the zigzag's
         two bottom-right-aligned calls, or by documents one call against every key (masked)."""
@@ -183,9 +183,9 @@ class AllGatherKV(DocumentSharding, Method):
         p, l = case.world_size, case.seq_len // case.world_size
         e, a = element_bytes(case)
         kv = 2 * case.batch * l * case.kv_heads * case.head_dim
-        n = (p - 1) * kv * e                              # all-gather K, V
+        n = (p - 1) * kv * e  # all-gather K, V
         if pass_ == "fwd_bwd":
-            n += (p - 1) * kv * e + (p - 1) * kv * a      # again; reduce-scatter the fp32 dK, dV
+            n += (p - 1) * kv * e + (p - 1) * kv * a  # again; reduce-scatter the fp32 dK, dV
         return n, n
 
     def _order(self, comm: Comm, local_len: int, masks) -> torch.Tensor:
@@ -199,7 +199,7 @@ class AllGatherKV(DocumentSharding, Method):
     @staticmethod
     def _where(order: torch.Tensor, device) -> tuple[torch.Tensor, torch.Tensor]:
         """The inverse of `order` [P, L]: (rank, token) [S] each of every global position, on `device`."""
-        flat = torch.argsort(order.flatten())                                  # [S] global -> rank-major
+        flat = torch.argsort(order.flatten())  # [S] global -> rank-major
         l = order.shape[1]
         return (flat // l).to(device), (flat % l).to(device)
 
@@ -214,9 +214,15 @@ class AllGatherKV(DocumentSharding, Method):
         k_full, v_full, _ = self._gather(comm, causal, masks, q, k, v)
         outs, lses = [], []
         for rows, keys, offset in self._calls(causal, comm, q.shape[1], masks):
-            o, l = kernels.block_forward(q[:, rows], k_full[:, :keys], v_full[:, :keys], scale=scale,
-                                         causal_offset=offset, kernel=self.kernel,
-                                         mask=self._mask(masks, comm, rows, keys))
+            o, l = kernels.block_forward(
+                q[:, rows],
+                k_full[:, :keys],
+                v_full[:, :keys],
+                scale=scale,
+                causal_offset=offset,
+                kernel=self.kernel,
+                mask=self._mask(masks, comm, rows, keys),
+            )
             outs.append(o)
             lses.append(l)
         out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, dim=1), torch.cat(lses, dim=2))
@@ -242,14 +248,22 @@ class AllGatherKV(DocumentSharding, Method):
         else:  # packed documents: the first call's gradients start the accumulators
             dk_acc = dv_acc = None
         calls = sorted(self._calls(causal, comm, q.shape[1], masks), key=lambda call: -call[1])
-        dq = torch.empty_like(q) if len(calls) > 1 else None   # one call: its dq is the result
+        dq = torch.empty_like(q) if len(calls) > 1 else None  # one call: its dq is the result
         # the call over the most keys first: it covers every key another call reads, so it starts
         # the accumulators
         for i, (rows, keys, offset) in enumerate(calls):
-            bdq, bdk, bdv = kernels.block_backward(dout[:, rows], q[:, rows], k_full[:, :keys], v_full[:, :keys],
-                                                   out[:, rows], lse[:, :, rows], scale=scale,
-                                                   causal_offset=offset, kernel=self.kernel,
-                                                   mask=self._mask(masks, comm, rows, keys))
+            bdq, bdk, bdv = kernels.block_backward(
+                dout[:, rows],
+                q[:, rows],
+                k_full[:, :keys],
+                v_full[:, :keys],
+                out[:, rows],
+                lse[:, :, rows],
+                scale=scale,
+                causal_offset=offset,
+                kernel=self.kernel,
+                mask=self._mask(masks, comm, rows, keys),
+            )
             if len(calls) == 1:
                 dq = bdq
             else:

@@ -5,6 +5,7 @@ A method is a class with two plain functions, `forward` and `backward`, written 
 all methods), so no method writes its own autograd code. Tensors are BSHD at every public
 boundary: q [B, S_local, H, D], k and v [B, S_local, Hkv, D]; lse [B, H, S_local] float32.
 """
+
 from __future__ import annotations
 
 import functools
@@ -17,8 +18,7 @@ from methods import kernels, layouts, merge
 from methods.comm.base import Comm
 from methods.documents import BlockMasks, Documents
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 
 def torch_dtype(name: str) -> torch.dtype:
@@ -37,14 +37,14 @@ class Case:
     """One attention problem as a method sees it: global shapes, mask, world size, device."""
 
     batch: int
-    seq_len: int          # global number of tokens
+    seq_len: int  # global number of tokens
     heads: int
     kv_heads: int
     head_dim: int
-    dtype: str            # a key of DTYPES
+    dtype: str  # a key of DTYPES
     causal: bool
     world_size: int
-    device: str = "cpu"   # "cpu" or "cuda"
+    device: str = "cpu"  # "cpu" or "cuda"
     documents: Optional[Documents] = None
     """Packed documents (their lengths and the padded length, which is then `seq_len`), or None:
     one document per sequence, no padding (methods/documents.py)."""
@@ -64,9 +64,9 @@ class Method:
     name: ClassVar[str]
     description: ClassVar[str] = ""
     layout_kind: ClassVar[str] = "contiguous"
-    impl: str = "own"                 # "own", or the library and version of a peer (an instance may refine it)
+    impl: str = "own"  # "own", or the library and version of a peer (an instance may refine it)
     needs_processes: ClassVar[bool] = False  # peers calling torch.distributed themselves
-    single_device: ClassVar[bool] = False    # the single-device baseline (world size 1 only)
+    single_device: ClassVar[bool] = False  # the single-device baseline (world size 1 only)
     test_double: ClassVar[bool] = False
     """True for methods that exist to test the harness (a planted fault): they run only where named,
     never as a member of a method group (methods.registry.GROUPS)."""
@@ -162,9 +162,18 @@ class Method:
         return kernels.resolve_kernel(self.kernel, device, dtype, head_dim)
 
     # -- the algorithm: plain functions, written by each method ----------------------------------
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Comm, causal: bool,
-                scale: float, return_lse: bool, docs: Optional[Documents] = None
-                ) -> tuple[torch.Tensor, Optional[torch.Tensor], tuple]:
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        comm: Comm,
+        causal: bool,
+        scale: float,
+        return_lse: bool,
+        docs: Optional[Documents] = None,
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor], tuple]:
         """Local shards in, local output out. `docs`: packed documents (or None), whose
         document-causal mask and padding the method computes exactly.
 
@@ -174,24 +183,51 @@ class Method:
         """
         raise NotImplementedError
 
-    def backward(self, dout: torch.Tensor, residuals: tuple, *, comm: Comm, causal: bool,
-                 scale: float, docs: Optional[Documents] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def backward(
+        self,
+        dout: torch.Tensor,
+        residuals: tuple,
+        *,
+        comm: Comm,
+        causal: bool,
+        scale: float,
+        docs: Optional[Documents] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Gradients (dq, dk, dv) of the local shards, in the inputs' dtypes."""
         raise NotImplementedError
 
-    def block_masks(self, q: torch.Tensor, k: torch.Tensor, comm: Comm, causal: bool,
-                    docs: Optional[Documents]) -> Optional[BlockMasks]:
+    def block_masks(
+        self, q: torch.Tensor, k: torch.Tensor, comm: Comm, causal: bool, docs: Optional[Documents]
+    ) -> Optional[BlockMasks]:
         """The document masks of this call's blocks on this method's layout (None without documents)."""
         if docs is None:
             return None
-        case = Case(batch=q.shape[0], seq_len=docs.padded_len, heads=q.shape[2], kv_heads=k.shape[2],
-                    head_dim=q.shape[3], dtype=dtype_name(q.dtype), causal=causal, world_size=comm.world_size,
-                    documents=docs)
+        case = Case(
+            batch=q.shape[0],
+            seq_len=docs.padded_len,
+            heads=q.shape[2],
+            kv_heads=k.shape[2],
+            head_dim=q.shape[3],
+            dtype=dtype_name(q.dtype),
+            causal=causal,
+            world_size=comm.world_size,
+            documents=docs,
+        )
         return BlockMasks(docs, self.layout(case).positions, causal)
 
     # -- the public, differentiable entry point ------------------------------------------------
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, comm: Comm,
-                  softmax_scale: Optional[float] = None, return_lse: bool = False, docs: Optional[Documents] = None):
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        comm: Comm,
+        softmax_scale: Optional[float] = None,
+        return_lse: bool = False,
+        docs: Optional[Documents] = None,
+    ):
         """Sequence-parallel attention on local shards (differentiable).
 
         Args:
@@ -214,9 +250,18 @@ class Method:
         out, lse = SPAttention.apply(q, k, v, self, comm, bool(causal), scale, bool(return_lse), docs)
         return (out, lse) if return_lse else out
 
-    def attention_fwd_bwd(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, *,
-                          causal: bool, comm: Comm, softmax_scale: Optional[float] = None,
-                          docs: Optional[Documents] = None):
+    def attention_fwd_bwd(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        dout: torch.Tensor,
+        *,
+        causal: bool,
+        comm: Comm,
+        softmax_scale: Optional[float] = None,
+        docs: Optional[Documents] = None,
+    ):
         """Forward and backward by direct calls, without the autograd engine.
 
         Same computation as `attention` followed by autograd; needed for virtual ranks as threads on
@@ -230,10 +275,12 @@ class Method:
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         extra = {"docs": docs} if docs is not None else {}
         with torch.no_grad():
-            out, lse, residuals = self.forward(q, k, v, comm=comm, causal=bool(causal), scale=scale, return_lse=True,
-                                               **extra)
-            dq, dk, dv = self.backward(dout.contiguous(), residuals, comm=comm, causal=bool(causal), scale=scale,
-                                       **extra)
+            out, lse, residuals = self.forward(
+                q, k, v, comm=comm, causal=bool(causal), scale=scale, return_lse=True, **extra
+            )
+            dq, dk, dv = self.backward(
+                dout.contiguous(), residuals, comm=comm, causal=bool(causal), scale=scale, **extra
+            )
         return out, lse, dq, dk, dv
 
     def options(self) -> dict[str, Any]:
@@ -253,8 +300,9 @@ def check_local_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Non
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[1] != k.shape[1]:
-        raise ValueError(f"q and k must hold the same tokens (self-attention); got local lengths "
-                         f"{q.shape[1]} and {k.shape[1]}")
+        raise ValueError(
+            f"q and k must hold the same tokens (self-attention); got local lengths {q.shape[1]} and {k.shape[1]}"
+        )
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head_dim")
     if q.shape[2] % k.shape[2] != 0:
@@ -265,12 +313,23 @@ class SPAttention(torch.autograd.Function):
     """The shared autograd wrapper: forward and backward are the method's own distributed code."""
 
     @staticmethod
-    def forward(ctx, q, k, v, method: Method, comm: Comm, causal: bool, scale: float, return_lse: bool,
-                docs: Optional[Documents]):
+    def forward(
+        ctx,
+        q,
+        k,
+        v,
+        method: Method,
+        comm: Comm,
+        causal: bool,
+        scale: float,
+        return_lse: bool,
+        docs: Optional[Documents],
+    ):
         # documents only when given: peer adapters take none (they refuse packed trials)
         ctx.extra = {"docs": docs} if docs is not None else {}
-        out, lse, residuals = method.forward(q, k, v, comm=comm, causal=causal, scale=scale,
-                                             return_lse=return_lse, **ctx.extra)
+        out, lse, residuals = method.forward(
+            q, k, v, comm=comm, causal=causal, scale=scale, return_lse=return_lse, **ctx.extra
+        )
         ctx.method, ctx.comm, ctx.causal, ctx.scale = method, comm, causal, scale
         # Tensors go through save_for_backward (version checks); other residuals (ints) ride on ctx.
         ctx.is_tensor = [isinstance(x, torch.Tensor) for x in residuals]
@@ -285,8 +344,9 @@ class SPAttention(torch.autograd.Function):
     def backward(ctx, dout, _dlse):
         tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
         residuals = tuple(next(tensors) if t else next(others) for t in ctx.is_tensor)
-        dq, dk, dv = ctx.method.backward(dout.contiguous(), residuals, comm=ctx.comm,
-                                         causal=ctx.causal, scale=ctx.scale, **ctx.extra)
+        dq, dk, dv = ctx.method.backward(
+            dout.contiguous(), residuals, comm=ctx.comm, causal=ctx.causal, scale=ctx.scale, **ctx.extra
+        )
         return dq, dk, dv, None, None, None, None, None, None
 
 
@@ -323,8 +383,10 @@ class DocumentSharding(_MethodMixin):
         if case.documents is None:
             return layouts.documents([case.seq_len], case.world_size)
         if len(set(case.documents.lengths)) > 1:
-            raise ValueError(f"{self.name}: sharding=documents needs every sequence of the batch packed alike "
-                             f"(THD format packs the batch into one sequence: use batch 1)")
+            raise ValueError(
+                f"{self.name}: sharding=documents needs every sequence of the batch packed alike "
+                f"(THD format packs the batch into one sequence: use batch 1)"
+            )
         return layouts.documents(case.documents.lengths[0], case.world_size)
 
     def padded_len(self, case: Case) -> int:
@@ -359,6 +421,7 @@ def _option_names(init: Callable[..., None]) -> tuple[str, ...]:
     # once per class (keyed by its __init__): the signature was read for every method built, a quarter of
     # planning the main sweep
     import inspect
+
     return tuple(p for p in inspect.signature(init).parameters if p != "self")
 
 

@@ -32,6 +32,7 @@ With GQA the query packet carries H heads where a K/V ring carries Hkv: for H/Hk
 backward moves more bytes than the K/V + dK/dV ring (a property of the algorithm, not a bug).
 Memory beyond inputs and outputs: two packets in flight, two dQ accumulators, fp32 dK/dV.
 """
+
 from __future__ import annotations
 
 from methods import accumulators, kernels, merge
@@ -69,23 +70,31 @@ class Burst(Method):
         p, l = case.world_size, case.seq_len // case.world_size
         e, a = element_bytes(case)
         b, h, d = case.batch, case.heads, case.head_dim
-        n = (p - 1) * 2 * b * l * case.kv_heads * d * e                    # forward: K, V
+        n = (p - 1) * 2 * b * l * case.kv_heads * d * e  # forward: K, V
         if pass_ == "fwd_bwd":
-            n += (p - 1) * (2 * b * l * h * d * e + 2 * b * h * l * a)    # Q, dO; D, lse
-            n += follow_bytes(b * l * h * d, p, e, a)                     # the dQ accumulator
+            n += (p - 1) * (2 * b * l * h * d * e + 2 * b * h * l * a)  # Q, dO; D, lse
+            n += follow_bytes(b * l * h * d, p, e, a)  # the dQ accumulator
         return n, n
 
     def supports(self, case: Case) -> tuple[bool, str]:
-        if self.ranks_per_node and case.world_size % self.ranks_per_node != 0 and \
-                self.ranks_per_node < case.world_size:
+        if self.ranks_per_node and case.world_size % self.ranks_per_node != 0 and self.ranks_per_node < case.world_size:
             return False, f"burst: ranks_per_node {self.ranks_per_node} does not divide world_size {case.world_size}"
         return super().supports(case)
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         route = make_route(comm, self.ranks_per_node)
         masks = self.block_masks(q, k, comm, causal, docs)
-        out, lse = kv_ring_forward(q, k, v, comm=comm, plan=zigzag_plan(causal, comm.rank, q.shape[1]),
-                                   scale=scale, kernel=self.kernel, route=route, masks=masks)
+        out, lse = kv_ring_forward(
+            q,
+            k,
+            v,
+            comm=comm,
+            plan=zigzag_plan(causal, comm.rank, q.shape[1]),
+            scale=scale,
+            kernel=self.kernel,
+            route=route,
+            masks=masks,
+        )
         return out, lse, (q, k, v, out, lse, masks)
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
@@ -93,9 +102,9 @@ class Burst(Method):
         p = comm.world_size
         route = make_route(comm, self.ranks_per_node)
         plan = query_ring_plan(causal, comm.rank, q.shape[1])
-        delta = merge.softmax_delta(dout, out)             # D: [B, H, L]
-        packet = [q, dout, delta, lse]                     # the visiting query block (own, at step 0)
-        dk, dv = accumulators.GradAccumulator(k), accumulators.GradAccumulator(v)   # this rank's keys' gradients
+        delta = merge.softmax_delta(dout, out)  # D: [B, H, L]
+        packet = [q, dout, delta, lse]  # the visiting query block (own, at step 0)
+        dk, dv = accumulators.GradAccumulator(k), accumulators.GradAccumulator(v)  # this rank's keys' gradients
 
         def compute(step, block):
             q_vis, dout_vis, delta_vis, lse_vis = block
@@ -104,10 +113,18 @@ class Burst(Method):
             blocks = plan(src)
             for i, blk in enumerate(blocks):  # the visiting queries are src's rows; the keys are this rank's
                 bdq, bdk, bdv = kernels.block_backward(
-                    dout_vis[:, blk.q_rows], q_vis[:, blk.q_rows], k[:, blk.k_rows], v[:, blk.k_rows], None,
-                    lse_vis[:, :, blk.q_rows], delta=delta_vis[:, :, blk.q_rows], scale=scale,
-                    causal_offset=blk.causal_offset, kernel=self.kernel,
-                    mask=masks(src, blk.q_rows, comm.rank, blk.k_rows) if masks else None)
+                    dout_vis[:, blk.q_rows],
+                    q_vis[:, blk.q_rows],
+                    k[:, blk.k_rows],
+                    v[:, blk.k_rows],
+                    None,
+                    lse_vis[:, :, blk.q_rows],
+                    delta=delta_vis[:, :, blk.q_rows],
+                    scale=scale,
+                    causal_offset=blk.causal_offset,
+                    kernel=self.kernel,
+                    mask=masks(src, blk.q_rows, comm.rank, blk.k_rows) if masks else None,
+                )
                 last = step == p - 1 and i == len(blocks) - 1
                 dk.add(blk.k_rows, bdk, last)
                 dv.add(blk.k_rows, bdv, last)

@@ -3,6 +3,7 @@
 (The online-softmax merge lives in methods/merge.py, the accumulators built on it in
 methods/accumulators.py; the K/V ring loop in methods/kv_ring.py.)
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,8 @@ def seq_to_heads(comm: Comm, x: torch.Tensor, rep: int = 1, contiguous: bool = T
     else:  # h * rep == p: rank g gets head g // rep
         send.view(h, rep, s, b, d).copy_(x.permute(2, 1, 0, 3).unsqueeze(1).expand(h, rep, s, b, d))
     recv = torch.empty_like(send)
-    comm.all_to_all(recv, send)                                                # [P(src), S_local, B, H/P, D]
-    out = recv.view(p * s, b, hp, d).transpose(0, 1)                           # [B, S, H/P, D]
+    comm.all_to_all(recv, send)  # [P(src), S_local, B, H/P, D]
+    out = recv.view(p * s, b, hp, d).transpose(0, 1)  # [B, S, H/P, D]
     return out.contiguous() if contiguous else out
 
 
@@ -50,14 +51,14 @@ def heads_to_seq(comm: Comm, x: torch.Tensor, rep: int = 1) -> torch.Tensor:
     p = comm.world_size
     b, s, hp, d = x.shape
     sl = s // p
-    send = x.reshape(b, p, sl, hp, d).permute(1, 2, 0, 3, 4)                   # [P, S_local, B, H/P, D]
+    send = x.reshape(b, p, sl, hp, d).permute(1, 2, 0, 3, 4)  # [P, S_local, B, H/P, D]
     if not send.is_contiguous():
         send = send.contiguous()
     recv = torch.empty_like(send)
-    comm.all_to_all(recv, send)                                                # [P(head group), S_local, B, H/P, D]
+    comm.all_to_all(recv, send)  # [P(head group), S_local, B, H/P, D]
     out = torch.empty(b, sl, p * hp // rep, d, dtype=x.dtype, device=x.device)
     if rep == 1:
-        out.view(b, sl, p, hp, d).copy_(recv.permute(2, 1, 0, 3, 4))           # [B, S_local, H, D]
+        out.view(b, sl, p, hp, d).copy_(recv.permute(2, 1, 0, 3, 4))  # [B, S_local, H, D]
     else:  # hp == 1: head group g holds a replica of head g // rep
         torch.sum(recv.view(p // rep, rep, sl, b, d), dim=1, out=out.permute(2, 1, 0, 3))
     return out
@@ -67,10 +68,10 @@ def lse_heads_to_seq(comm: Comm, lse: torch.Tensor) -> torch.Tensor:
     """[B, H/P, S] (all tokens, this rank's heads) -> [B, H, S/P] (this rank's tokens, all heads)."""
     p = comm.world_size
     b, hp, s = lse.shape
-    send = lse.reshape(b, hp, p, s // p).permute(2, 0, 1, 3).contiguous()       # [P, B, H/P, S_local]
+    send = lse.reshape(b, hp, p, s // p).permute(2, 0, 1, 3).contiguous()  # [P, B, H/P, S_local]
     recv = torch.empty_like(send)
-    comm.all_to_all(recv, send)                                                # [P(head group), B, H/P, S_local]
-    return recv.permute(1, 0, 2, 3).reshape(b, p * hp, s // p)                  # [B, H, S_local]
+    comm.all_to_all(recv, send)  # [P(head group), B, H/P, S_local]
+    return recv.permute(1, 0, 2, 3).reshape(b, p * hp, s // p)  # [B, H, S_local]
 
 
 # -- Ulysses head scatter (DeepSpeed-Ulysses, and the Ulysses half of USP) ---------------------------
@@ -88,8 +89,10 @@ def check_ulysses_heads(heads: int, kv_heads: int, degree: int) -> str:
     if heads % degree != 0:
         return f"ulysses needs heads divisible by the ulysses degree: {heads} % {degree} != 0"
     if kv_heads % degree != 0 and degree % kv_heads != 0:
-        return (f"ulysses needs kv_heads divisible by the ulysses degree or the degree divisible by kv_heads "
-                f"(KV replication): kv_heads={kv_heads}, degree={degree}")
+        return (
+            f"ulysses needs kv_heads divisible by the ulysses degree or the degree divisible by kv_heads "
+            f"(KV replication): kv_heads={kv_heads}, degree={degree}"
+        )
     return ""
 
 
@@ -113,8 +116,12 @@ def ulysses_scatter_heads(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch
     if reason:
         raise ValueError(reason)
     rep = kv_replication(k.shape[2], degree)
-    return (seq_to_heads(comm, q, contiguous=contiguous), seq_to_heads(comm, k, rep, contiguous),
-            seq_to_heads(comm, v, rep, contiguous), rep)
+    return (
+        seq_to_heads(comm, q, contiguous=contiguous),
+        seq_to_heads(comm, k, rep, contiguous),
+        seq_to_heads(comm, v, rep, contiguous),
+        rep,
+    )
 
 
 def ulysses_gather_grads(comm: Comm, dq_h: torch.Tensor, dk_h: torch.Tensor, dv_h: torch.Tensor, rep: int):

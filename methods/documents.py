@@ -17,6 +17,7 @@ causal offset (the kernels' fast path), or partly visible (a dense mask on CPU, 
 document piece on CUDA). Its visible-pair count (the FLOPs the block really needs) comes from
 searches over the sorted (document, position) keys, so it is cheap at any length.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,7 +28,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-PAD = -1                  # the document id of padding tokens
+PAD = -1  # the document id of padding tokens
 EMPTY, FULL, OFFSET, PARTIAL = "empty", "full", "offset", "partial"
 
 
@@ -35,8 +36,8 @@ EMPTY, FULL, OFFSET, PARTIAL = "empty", "full", "offset", "partial"
 class Documents:
     """Document lengths per batch element, and the padded sequence length."""
 
-    lengths: tuple[tuple[int, ...], ...]   # per batch element: document lengths in order (sum = seq_len)
-    padded_len: int                         # the layout's length: seq_len plus tail padding
+    lengths: tuple[tuple[int, ...], ...]  # per batch element: document lengths in order (sum = seq_len)
+    padded_len: int  # the layout's length: seq_len plus tail padding
 
     def __post_init__(self):
         if not self.lengths:
@@ -81,7 +82,7 @@ class Documents:
         """[B, padded_len] int64: each position's document index, PAD (-1) for padding."""
         ids = torch.full((self.batch, self.padded_len), PAD, dtype=torch.int64)
         for b, ls in enumerate(self.lengths):
-            ids[b, :self.seq_len] = torch.repeat_interleave(torch.arange(len(ls)), torch.tensor(ls))
+            ids[b, : self.seq_len] = torch.repeat_interleave(torch.arange(len(ls)), torch.tensor(ls))
         return ids
 
     @cached_property
@@ -91,7 +92,7 @@ class Documents:
         st = torch.arange(self.padded_len).repeat(self.batch, 1)
         for b, ls in enumerate(self.lengths):
             offsets = torch.tensor([0] + list(ls[:-1])).cumsum(0)
-            st[b, :self.seq_len] = torch.repeat_interleave(offsets, torch.tensor(ls))
+            st[b, : self.seq_len] = torch.repeat_interleave(offsets, torch.tensor(ls))
         return st
 
     def real(self, positions: torch.Tensor) -> torch.Tensor:
@@ -112,11 +113,11 @@ class BlockMask:
     """The document mask of one block, classified (see the module docstring)."""
 
     docs: Documents
-    q_pos: torch.Tensor    # [Sq] global positions of the block's queries, increasing
-    k_pos: torch.Tensor    # [Sk]
+    q_pos: torch.Tensor  # [Sq] global positions of the block's queries, increasing
+    k_pos: torch.Tensor  # [Sk]
     causal: bool
     kind: str = field(init=False)
-    causal_offset: Optional[int] = field(init=False, default=None)   # kind OFFSET: query i sees key j iff j <= i + c
+    causal_offset: Optional[int] = field(init=False, default=None)  # kind OFFSET: query i sees key j iff j <= i + c
     per_batch_pairs: list[int] = field(init=False)
 
     def __post_init__(self):
@@ -145,7 +146,7 @@ class BlockMask:
         n = self.docs.padded_len + 1
         last_doc = self.docs.padded_len  # padding sorts after every document (it is at the tail)
         qd, kd = ids[self.q_pos], ids[self.k_pos]
-        kkey = torch.where(kd == PAD, last_doc, kd) * n + self.k_pos   # increasing along the keys
+        kkey = torch.where(kd == PAD, last_doc, kd) * n + self.k_pos  # increasing along the keys
         first = torch.searchsorted(kkey, qd * n)
         if self.causal:
             last = torch.searchsorted(kkey, qd * n + self.q_pos, right=True)
@@ -170,7 +171,7 @@ class BlockMask:
     def dense(self, device=None) -> torch.Tensor:
         """[B, Sq, Sk] bool: the visible pairs (for the kernels that take a mask)."""
         ids = self.docs.doc_ids
-        qd, kd = ids[:, self.q_pos], ids[:, self.k_pos]                  # [B, Sq], [B, Sk]
+        qd, kd = ids[:, self.q_pos], ids[:, self.k_pos]  # [B, Sq], [B, Sk]
         vis = (qd.unsqueeze(2) == kd.unsqueeze(1)) & (qd != PAD).unsqueeze(2)
         if self.causal:
             vis &= self.k_pos.unsqueeze(0) <= self.q_pos.unsqueeze(1)
@@ -186,16 +187,16 @@ class BlockMask:
             if d == PAD:
                 continue
             qrows, krows = _range_of(qd, d), _range_of(kd, d)
-            if qrows is None or krows is None:   # qrows never is: d is one of qd's documents
+            if qrows is None or krows is None:  # qrows never is: d is one of qd's documents
                 continue
             for qa, qb in _affine_runs(self.q_pos, qrows):
                 for ka, kb in _affine_runs(self.k_pos, krows):
                     q_run, k_run = self.q_pos[qa:qb], self.k_pos[ka:kb]
                     if not self.causal or int(k_run[-1]) <= int(q_run[0]):
-                        yield slice(qa, qb), slice(ka, kb), None      # every pair visible
+                        yield slice(qa, qb), slice(ka, kb), None  # every pair visible
                         continue
                     if int(k_run[0]) > int(q_run[-1]):
-                        continue                                       # no key precedes any query
+                        continue  # no key precedes any query
                     offset = _affine_offset(q_run, k_run)
                     if offset is not None:
                         yield slice(qa, qb), slice(ka, kb), offset
@@ -280,8 +281,9 @@ class BlockMasks:
     def __call__(self, q_rank: int, q_rows, k_rank: int, k_rows) -> BlockMask:
         key = (q_rank, _key(q_rows), k_rank, _key(k_rows))
         if key not in self._masks:
-            self._masks[key] = self.docs.block(self.positions(q_rank)[q_rows], self.positions(k_rank)[k_rows],
-                                               self.causal)
+            self._masks[key] = self.docs.block(
+                self.positions(q_rank)[q_rows], self.positions(k_rank)[k_rows], self.causal
+            )
         return self._masks[key]
 
 

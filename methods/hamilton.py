@@ -34,6 +34,7 @@ References:
 
 Standard library only (no torch), so the tables can be built and tested anywhere.
 """
+
 from __future__ import annotations
 
 import operator
@@ -100,6 +101,7 @@ def _neighbours(cycles: Cycles, *, after: bool) -> list[list[int]]:
 
 
 # --- construction --------------------------------------------------------------------------------
+
 
 @lru_cache(maxsize=None)
 def _cycles(n: int) -> tuple[tuple[int, ...], ...]:

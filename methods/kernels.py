@@ -22,6 +22,7 @@ Backends:
 - "flash_attn": flash-attn 2 on CUDA (fp16/bf16), when importable; see methods/_flash_attn.py.
 "auto" picks flash_attn on CUDA when possible, cpu_flash on CPU, math otherwise.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -58,8 +59,16 @@ class TimedKernel:
         self._watch: Optional[Stopwatch] = None
 
     @contextlib.contextmanager
-    def measure(self, device: torch.device, *, op: str, q: torch.Tensor, k: torch.Tensor,
-                causal_offset: Optional[int], mask: Optional[BlockMask] = None) -> Iterator[None]:
+    def measure(
+        self,
+        device: torch.device,
+        *,
+        op: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        causal_offset: Optional[int],
+        mask: Optional[BlockMask] = None,
+    ) -> Iterator[None]:
         """Time one block call. The block call is described (op "fwd" or "bwd", q, k, causal_offset,
         mask) for subclasses that record what runs (the simulator's tracer); timing ignores it."""
         if self._watch is None:
@@ -81,8 +90,8 @@ def visible_pairs(sq: int, sk: int, causal_offset: Optional[int]) -> int:
     if causal_offset is None:
         return sq * sk
     c = causal_offset
-    i1 = min(max(-c, 0), sq)              # first query that sees a key
-    i2 = min(max(sk - c - 1, i1), sq)     # first query that sees every key
+    i1 = min(max(-c, 0), sq)  # first query that sees a key
+    i2 = min(max(sk - c - 1, i1), sq)  # first query that sees every key
     partial = (i2 - i1) * (c + 1) + (i1 + i2 - 1) * (i2 - i1) // 2
     return partial + (sq - i2) * sk
 
@@ -97,11 +106,20 @@ class PairCountingKernel(TimedKernel):
         self.pairs = 0
 
     @contextlib.contextmanager
-    def measure(self, device: torch.device, *, op: str, q: torch.Tensor, k: torch.Tensor,
-                causal_offset: Optional[int], mask: Optional[BlockMask] = None) -> Iterator[None]:
+    def measure(
+        self,
+        device: torch.device,
+        *,
+        op: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        causal_offset: Optional[int],
+        mask: Optional[BlockMask] = None,
+    ) -> Iterator[None]:
         if op == "fwd":
-            per_head = mask.pairs if mask is not None else q.shape[0] * visible_pairs(q.shape[1], k.shape[1],
-                                                                                      causal_offset)
+            per_head = (
+                mask.pairs if mask is not None else q.shape[0] * visible_pairs(q.shape[1], k.shape[1], causal_offset)
+            )
             self.pairs += per_head * q.shape[2]
         yield
 
@@ -121,6 +139,7 @@ def kernel_status(name: str) -> tuple[bool, str]:
         return True, "aten._scaled_dot_product_flash_attention_for_cpu (CPU tensors)"
     if name == "flash_attn":
         from methods import _flash_attn
+
         return _flash_attn.status()
     raise ValueError(f"unknown kernel {name!r}; choose one of {KERNEL_CHOICES}")
 
@@ -132,10 +151,15 @@ def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim
     if name not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernel {name!r}; choose one of {KERNEL_CHOICES}")
     from methods import _flash_attn
+
     flash_head_ok = head_dim is None or _flash_attn.head_dim_ok(head_dim)
     if name == "auto":
-        if device.type == "cuda" and dtype in (torch.float16, torch.bfloat16) and flash_head_ok \
-                and kernel_status("flash_attn")[0]:
+        if (
+            device.type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16)
+            and flash_head_ok
+            and kernel_status("flash_attn")[0]
+        ):
             return "flash_attn"
         if device.type == "cpu":
             return "cpu_flash"
@@ -214,9 +238,9 @@ def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
 def _math_scores(q, k, scale, causal_offset, cd, visible=None):
     """Scaled scores [B, H, Sq, Sk] in dtype `cd`, masked with -inf (by `causal_offset`, or by a
     [B, Sq, Sk] bool `visible` mask of packed documents)."""
-    qh = q.to(cd).transpose(1, 2)                                   # [B, H, Sq, D]
-    kh = _repeat_kv(k, q.shape[2]).to(cd).transpose(1, 2)           # [B, H, Sk, D]
-    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale              # [B, H, Sq, Sk]
+    qh = q.to(cd).transpose(1, 2)  # [B, H, Sq, D]
+    kh = _repeat_kv(k, q.shape[2]).to(cd).transpose(1, 2)  # [B, H, Sk, D]
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
     if visible is not None:
         s = s.masked_fill(~visible.unsqueeze(1), float("-inf"))
     elif not is_full(q.shape[1], k.shape[1], causal_offset):
@@ -236,10 +260,10 @@ def math_forward(q, k, v, *, scale, causal_offset, upcast=True, visible=None):
     Returns out [B, Sq, H, D] in q.dtype and lse [B, H, Sq] float32 (float64 for float64)."""
     cd = _compute_dtype(q.dtype, upcast)
     s = _math_scores(q, k, scale, causal_offset, cd, visible)
-    lse = torch.logsumexp(s, dim=-1)                                # [B, H, Sq]; -inf if no key
+    lse = torch.logsumexp(s, dim=-1)  # [B, H, Sq]; -inf if no key
     p = _probs(s, lse)
-    vh = _repeat_kv(v, q.shape[2]).to(cd).transpose(1, 2)           # [B, H, Sk, D]
-    out = torch.matmul(p, vh).transpose(1, 2)                       # [B, Sq, H, D]
+    vh = _repeat_kv(v, q.shape[2]).to(cd).transpose(1, 2)  # [B, H, Sk, D]
+    out = torch.matmul(p, vh).transpose(1, 2)  # [B, Sq, H, D]
     return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
 
@@ -249,20 +273,20 @@ def math_backward(dout, q, k, v, out, lse, *, scale, causal_offset, upcast=True,
     cd = _compute_dtype(q.dtype, upcast)
     h, hkv = q.shape[2], k.shape[2]
     s = _math_scores(q, k, scale, causal_offset, cd, visible)
-    p = _probs(s, lse.to(cd))                                       # [B, H, Sq, Sk]
-    do = dout.to(cd).transpose(1, 2)                                # [B, H, Sq, D]
-    vh = _repeat_kv(v, h).to(cd).transpose(1, 2)                    # [B, H, Sk, D]
+    p = _probs(s, lse.to(cd))  # [B, H, Sq, Sk]
+    do = dout.to(cd).transpose(1, 2)  # [B, H, Sq, D]
+    vh = _repeat_kv(v, h).to(cd).transpose(1, 2)  # [B, H, Sk, D]
     qh = q.to(cd).transpose(1, 2)
     kh = _repeat_kv(k, h).to(cd).transpose(1, 2)
     if delta is None:
         delta = (do * out.to(cd).transpose(1, 2)).sum(-1, keepdim=True)  # [B, H, Sq, 1]
     else:
         delta = delta.to(cd).unsqueeze(-1)
-    dv = torch.matmul(p.transpose(-1, -2), do)                      # [B, H, Sk, D]
-    dp = torch.matmul(do, vh.transpose(-1, -2))                     # [B, H, Sq, Sk]
+    dv = torch.matmul(p.transpose(-1, -2), do)  # [B, H, Sk, D]
+    dp = torch.matmul(do, vh.transpose(-1, -2))  # [B, H, Sq, Sk]
     ds = p * (dp - delta)
-    dq = torch.matmul(ds, kh) * scale                               # [B, H, Sq, D]
-    dk = torch.matmul(ds.transpose(-1, -2), qh) * scale             # [B, H, Sk, D]
+    dq = torch.matmul(ds, kh) * scale  # [B, H, Sq, D]
+    dk = torch.matmul(ds.transpose(-1, -2), qh) * scale  # [B, H, Sk, D]
     dq = dq.transpose(1, 2)
     dk = _sum_kv_groups(dk.transpose(1, 2), hkv)
     dv = _sum_kv_groups(dv.transpose(1, 2), hkv)
@@ -295,16 +319,17 @@ def _cpu_forward(q, k, v, *, scale, causal_offset):
     sq, sk = q.shape[1], k.shape[1]
     d = _shift(sq, sk, causal_offset)
     if d:
-        out_s, lse_s = _cpu_forward(q[:, d:], k[:, :sk - d], v[:, :sk - d], scale=scale, causal_offset=0)
+        out_s, lse_s = _cpu_forward(q[:, d:], k[:, : sk - d], v[:, : sk - d], scale=scale, causal_offset=0)
         out = torch.zeros_like(q)
         out[:, d:] = out_s
         lse = torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=lse_s.dtype, device=q.device)
         lse[..., d:] = lse_s
         return out, lse
     is_causal, mask = _cpu_mask(sq, sk, causal_offset, q.dtype, q.device)
-    out, lse = _CPU_FWD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, is_causal,
-                        attn_mask=mask, scale=scale)
-    out = out.transpose(1, 2)                                       # [B, Sq, H, D]
+    out, lse = _CPU_FWD(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, is_causal, attn_mask=mask, scale=scale
+    )
+    out = out.transpose(1, 2)  # [B, Sq, H, D]
     if causal_offset is not None and causal_offset < 0:
         # Rows i < -offset see no key: the op reports lse 0 there; the truth is -inf.
         lse = lse.clone()
@@ -316,17 +341,35 @@ def _cpu_backward(dout, q, k, v, out, lse, *, scale, causal_offset):
     sq, sk = q.shape[1], k.shape[1]
     d = _shift(sq, sk, causal_offset)
     if d:
-        gq, gk, gv = _cpu_backward(dout[:, d:], q[:, d:], k[:, :sk - d], v[:, :sk - d], out[:, d:], lse[..., d:],
-                                   scale=scale, causal_offset=0)
+        gq, gk, gv = _cpu_backward(
+            dout[:, d:],
+            q[:, d:],
+            k[:, : sk - d],
+            v[:, : sk - d],
+            out[:, d:],
+            lse[..., d:],
+            scale=scale,
+            causal_offset=0,
+        )
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dq[:, d:], dk[:, :sk - d], dv[:, :sk - d] = gq, gk, gv
+        dq[:, d:], dk[:, : sk - d], dv[:, : sk - d] = gq, gk, gv
         return dq, dk, dv
     is_causal, mask = _cpu_mask(sq, sk, causal_offset, q.dtype, q.device)
     # A row that sees no key (lse = -inf) would give exp(-inf - -inf) = NaN inside the op;
     # lse = +inf makes its probabilities exactly 0, which is the true gradient (none).
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
-    dq, dk, dv = _CPU_BWD(dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                          out.transpose(1, 2), lse.to(acc_dtype(q.dtype)), 0.0, is_causal, attn_mask=mask, scale=scale)
+    dq, dk, dv = _CPU_BWD(
+        dout.transpose(1, 2),
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        out.transpose(1, 2),
+        lse.to(acc_dtype(q.dtype)),
+        0.0,
+        is_causal,
+        attn_mask=mask,
+        scale=scale,
+    )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
@@ -336,9 +379,16 @@ def _cpu_backward(dout, q, k, v, out, lse, *, scale, causal_offset):
 KernelChoice = Union[str, TimedKernel]
 
 
-def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float,
-                  causal_offset: Optional[int], kernel: KernelChoice = "auto",
-                  mask: Optional[BlockMask] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def block_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    scale: float,
+    causal_offset: Optional[int],
+    kernel: KernelChoice = "auto",
+    mask: Optional[BlockMask] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block of queries against one block of keys.
 
     Args:
@@ -366,13 +416,16 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
             return _partial_forward(q, k, v, scale=scale, mask=mask, kernel=kernel)
         causal_offset = _plain_offset(mask, sq)
     if is_empty(sq, sk, causal_offset):
-        return (torch.zeros_like(q),
-                torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device))
+        return (
+            torch.zeros_like(q),
+            torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device),
+        )
     backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
     if backend == "cpu_flash":
         out, lse = _cpu_forward(q, k, v, scale=scale, causal_offset=causal_offset)
     elif backend == "flash_attn":
         from methods import _flash_attn
+
         out, lse = _flash_attn.forward(q, k, v, scale=scale, causal_offset=causal_offset)
     else:
         out, lse = math_forward(q, k, v, scale=scale, causal_offset=causal_offset)
@@ -389,7 +442,7 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: f
 def _dense(x: torch.Tensor) -> bool:
     """Whether x's elements fill its storage span with no gap or overlap (some order of its dims
     is contiguous)."""
-    if x.is_contiguous():   # the common case, asked on every block call (inside the timed kernel region)
+    if x.is_contiguous():  # the common case, asked on every block call (inside the timed kernel region)
         return True
     expected = 1
     for size, stride in sorted(zip(x.shape, x.stride()), key=lambda d: d[1]):
@@ -409,15 +462,25 @@ def out_with_delta(dout: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
     """
     dt = acc_dtype(dout.dtype)
     d = dout.to(dt)
-    norm = (d * d).sum(-1)                                            # [B, S, H]
+    norm = (d * d).sum(-1)  # [B, S, H]
     ratio = torch.where(norm > 0, delta.to(dt).transpose(1, 2) / norm.clamp_min(1e-30), torch.zeros_like(norm))
     return (d * ratio.unsqueeze(-1)).to(dout.dtype)
 
 
-def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                   out: Optional[torch.Tensor], lse: torch.Tensor, *, scale: float, causal_offset: Optional[int],
-                   kernel: KernelChoice = "auto", delta: Optional[torch.Tensor] = None,
-                   mask: Optional[BlockMask] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def block_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: Optional[torch.Tensor],
+    lse: torch.Tensor,
+    *,
+    scale: float,
+    causal_offset: Optional[int],
+    kernel: KernelChoice = "auto",
+    delta: Optional[torch.Tensor] = None,
+    mask: Optional[BlockMask] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block (see `block_forward`).
 
     Args:
@@ -434,8 +497,19 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         raise ValueError("block_backward needs exactly one of out and delta")
     if isinstance(kernel, TimedKernel):
         with kernel.measure(q.device, op="bwd", q=q, k=k, causal_offset=causal_offset, mask=mask):
-            return block_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset,
-                                  kernel=kernel.name, delta=delta, mask=mask)
+            return block_backward(
+                dout,
+                q,
+                k,
+                v,
+                out,
+                lse,
+                scale=scale,
+                causal_offset=causal_offset,
+                kernel=kernel.name,
+                delta=delta,
+                mask=mask,
+            )
     sq, sk = q.shape[1], k.shape[1]
     if mask is not None and kernel != NOOP:
         if mask.kind == PARTIAL:
@@ -452,6 +526,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
         return _cpu_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset)
     if backend == "flash_attn":
         from methods import _flash_attn
+
         return _flash_attn.backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset)
     raise AssertionError(f"unhandled kernel {backend}")
 
@@ -462,7 +537,7 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
 def _plain_offset(mask: BlockMask, sq: int) -> Optional[int]:
     """The causal offset that expresses an empty, full or single-offset block mask."""
     if mask.kind == EMPTY:
-        return -sq          # no query row reaches a key: is_empty holds
+        return -sq  # no query row reaches a key: is_empty holds
     if mask.kind == FULL:
         return None
     return mask.causal_offset
@@ -472,13 +547,20 @@ def _partial_forward(q, k, v, *, scale: float, mask: BlockMask, kernel: str):
     backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
     if backend == "flash_attn":  # it takes no dense mask: one call per document piece
         return forward_by_pieces(q, k, v, scale=scale, mask=mask, kernel=backend)
-    visible = mask.dense(q.device)                                   # [B, Sq, Sk]
+    visible = mask.dense(q.device)  # [B, Sq, Sk]
     if backend == "cpu_flash":
-        out, lse = _CPU_FWD(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, False,
-                            attn_mask=_additive(visible, q.dtype), scale=scale)
+        out, lse = _CPU_FWD(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            0.0,
+            False,
+            attn_mask=_additive(visible, q.dtype),
+            scale=scale,
+        )
         out, lse = out.transpose(1, 2), lse.to(acc_dtype(q.dtype))
         # rows that see no key: the op reports out 0 and lse 0; the truth is lse -inf
-        seen = visible.any(-1)                                       # [B, Sq]
+        seen = visible.any(-1)  # [B, Sq]
         lse = torch.where(seen.unsqueeze(1), lse, torch.full_like(lse, float("-inf")))
         out = torch.where(seen[:, :, None, None], out, torch.zeros_like(out))
     else:
@@ -496,16 +578,28 @@ def _partial_backward(dout, q, k, v, out, lse, *, scale: float, mask: BlockMask,
     if out is None:
         out = out_with_delta(dout, delta)
     lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)  # rows that see nothing
-    dq, dk, dv = _CPU_BWD(dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                          out.transpose(1, 2), lse.to(acc_dtype(q.dtype)), 0.0, False,
-                          attn_mask=_additive(visible, q.dtype), scale=scale)
+    dq, dk, dv = _CPU_BWD(
+        dout.transpose(1, 2),
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        out.transpose(1, 2),
+        lse.to(acc_dtype(q.dtype)),
+        0.0,
+        False,
+        attn_mask=_additive(visible, q.dtype),
+        scale=scale,
+    )
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
 def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """[B, 1, Sq, Sk] additive mask (0 or -inf) from a [B, Sq, Sk] bool mask."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(
-        ~visible, float("-inf")).unsqueeze(1)
+    return (
+        torch.zeros(visible.shape, dtype=dtype, device=visible.device)
+        .masked_fill_(~visible, float("-inf"))
+        .unsqueeze(1)
+    )
 
 
 def forward_by_pieces(q, k, v, *, scale: float, mask: BlockMask, kernel: str):
@@ -516,8 +610,9 @@ def forward_by_pieces(q, k, v, *, scale: float, mask: BlockMask, kernel: str):
     for b in range(q.shape[0]):
         one = slice(b, b + 1)
         for rows, cols, offset in mask.pieces(b):
-            piece_out, piece_lse = block_forward(q[one, rows], k[one, cols], v[one, cols], scale=scale,
-                                                 causal_offset=offset, kernel=kernel)
+            piece_out, piece_lse = block_forward(
+                q[one, rows], k[one, cols], v[one, cols], scale=scale, causal_offset=offset, kernel=kernel
+            )
             merge_(out[one, rows], lse[one, :, rows], piece_out, piece_lse)
     return out.to(q.dtype), lse
 
@@ -530,9 +625,17 @@ def backward_by_pieces(dout, q, k, v, out, lse, *, scale: float, mask: BlockMask
         one = slice(b, b + 1)
         for rows, cols, offset in mask.pieces(b):
             gq, gk, gv = block_backward(
-                dout[one, rows], q[one, rows], k[one, cols], v[one, cols],
-                None if out is None else out[one, rows], lse[one, :, rows], scale=scale, causal_offset=offset,
-                kernel=kernel, delta=None if delta is None else delta[one, :, rows])
+                dout[one, rows],
+                q[one, rows],
+                k[one, cols],
+                v[one, cols],
+                None if out is None else out[one, rows],
+                lse[one, :, rows],
+                scale=scale,
+                causal_offset=offset,
+                kernel=kernel,
+                delta=None if delta is None else delta[one, :, rows],
+            )
             dq[one, rows] += gq
             dk[one, cols] += gk
             dv[one, cols] += gv

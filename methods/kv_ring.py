@@ -29,6 +29,7 @@ accumulator element: 4, or 8 for float64; P ring size):
 sent and received alike (P >= 2). Memory beyond inputs and outputs: two K/V blocks in flight, the fp32
 out/lse accumulators; backward: the fp32 dQ and two dK/dV accumulators.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -77,12 +78,12 @@ class Route:
         raise NotImplementedError
 
     def start_move(self, step: int, tensors: Sequence[torch.Tensor]):
-        return self._swap(tensors, self.next_holder(step), self.prev_holder(step + 1),
-                          into=self._moved(step, tensors))
+        return self._swap(tensors, self.next_holder(step), self.prev_holder(step + 1), into=self._moved(step, tensors))
 
     def start_follow(self, step: int, tensors: Sequence[torch.Tensor]):
-        return self._swap(tensors, self.next_holder(step), self.prev_holder(step + 1),
-                          into=self._followed(step, tensors))
+        return self._swap(
+            tensors, self.next_holder(step), self.prev_holder(step + 1), into=self._followed(step, tensors)
+        )
 
     def _swap(self, tensors, to: int, frm: int, comm: Optional[Comm] = None, into=None):
         """Send `tensors` to `to`, receive same-shaped ones from `frm` (ranks of `comm`, default the
@@ -94,6 +95,7 @@ class Route:
         def finish() -> list[torch.Tensor]:
             work.wait()
             return recv
+
         return finish
 
 
@@ -162,11 +164,13 @@ class TwoLevelRoute(Route):
         if i == 0 and k < self.nodes - 1:
             # the cycle's block goes on to the next node now, behind this cycle's intra steps
             # (inter_comm ranks are node indices)
-            self._inter = self._swap(tensors, (self.node + 1) % self.nodes, (self.node - 1) % self.nodes,
-                                     self.inter_comm)
+            self._inter = self._swap(
+                tensors, (self.node + 1) % self.nodes, (self.node - 1) % self.nodes, self.inter_comm
+            )
         if i < self.per_node - 1:  # intra_comm ranks are local indices
-            return self._swap(tensors, (self.local + 1) % self.per_node, (self.local - 1) % self.per_node,
-                              self.intra_comm)
+            return self._swap(
+                tensors, (self.local + 1) % self.per_node, (self.local - 1) % self.per_node, self.intra_comm
+            )
         inter, self._inter = self._inter, None
         return inter
 
@@ -213,8 +217,15 @@ def full_plan(src: int) -> list[Block]:
     return [Block(ALL, ALL, None)]
 
 
-def circulate(steps: int, block: list[torch.Tensor], *, move: Callable, compute: Callable,
-              follow: Optional[Callable] = None, add: Optional[Callable] = None):
+def circulate(
+    steps: int,
+    block: list[torch.Tensor],
+    *,
+    move: Callable,
+    compute: Callable,
+    follow: Optional[Callable] = None,
+    add: Optional[Callable] = None,
+):
     """The loop every circulating method runs, written once (kv_ring, burst, tasp).
 
     At step t this rank holds `block` (at step 0 its own: K/V, or BurstAttention's query packet).
@@ -231,7 +242,7 @@ def circulate(steps: int, block: list[torch.Tensor], *, move: Callable, compute:
     if (follow is None) != (add is None):
         raise ValueError("circulate: follow and add go together")
     acc = None
-    finish_acc: Optional[Callable] = None   # set by each step's follow, for the next step (or home)
+    finish_acc: Optional[Callable] = None  # set by each step's follow, for the next step (or home)
     for step in range(steps):
         if step + 1 < steps:
             finish_block = move(step, block)
@@ -250,9 +261,18 @@ def circulate(steps: int, block: list[torch.Tensor], *, move: Callable, compute:
     return acc
 
 
-def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: Comm, plan: Plan,
-                    scale: float, kernel: str, route: Optional[Route] = None,
-                    masks: Optional[BlockMasks] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def kv_ring_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    comm: Comm,
+    plan: Plan,
+    scale: float,
+    kernel: str,
+    route: Optional[Route] = None,
+    masks: Optional[BlockMasks] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of local q [B, L, H, D] against the K/V [B, L, Hkv, D] of every ring rank.
 
     Returns out [B, L, H, D] in q.dtype and lse [B, H, L] (fp32; float64 for float64 inputs).
@@ -269,19 +289,35 @@ def kv_ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, comm: 
         blocks = plan(src)
         for i, blk in enumerate(blocks):
             block_out, block_lse = kernels.block_forward(
-                q[:, blk.q_rows], cur_k[:, blk.k_rows], cur_v[:, blk.k_rows], scale=scale,
-                causal_offset=blk.causal_offset, kernel=kernel,
-                mask=masks(comm.rank, blk.q_rows, src, blk.k_rows) if masks else None)
+                q[:, blk.q_rows],
+                cur_k[:, blk.k_rows],
+                cur_v[:, blk.k_rows],
+                scale=scale,
+                causal_offset=blk.causal_offset,
+                kernel=kernel,
+                mask=masks(comm.rank, blk.q_rows, src, blk.k_rows) if masks else None,
+            )
             acc.add(blk.q_rows, block_out, block_lse, last=step == p - 1 and i == len(blocks) - 1)
 
     circulate(p, [k, v], move=route.start_move, compute=compute)
     return acc.finish()
 
 
-def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
-                     lse: torch.Tensor, *, comm: Comm, plan: Plan, scale: float, kernel: str,
-                     route: Optional[Route] = None, masks: Optional[BlockMasks] = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def kv_ring_backward(
+    dout: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    *,
+    comm: Comm,
+    plan: Plan,
+    scale: float,
+    kernel: str,
+    route: Optional[Route] = None,
+    masks: Optional[BlockMasks] = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of `kv_ring_forward` (same plan and route), given the forward's global out and lse.
     The dK/dV accumulator of each K/V block follows it around the ring (`circulate`)."""
     route = route or RingRoute(comm)
@@ -295,26 +331,44 @@ def kv_ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
         blocks = plan(src)
         for i, blk in enumerate(blocks):
             bdq, bdk, bdv = kernels.block_backward(
-                dout[:, blk.q_rows], q[:, blk.q_rows], cur_k[:, blk.k_rows], cur_v[:, blk.k_rows],
-                out[:, blk.q_rows], lse[:, :, blk.q_rows], scale=scale, causal_offset=blk.causal_offset,
-                kernel=kernel, mask=masks(comm.rank, blk.q_rows, src, blk.k_rows) if masks else None)
+                dout[:, blk.q_rows],
+                q[:, blk.q_rows],
+                cur_k[:, blk.k_rows],
+                cur_v[:, blk.k_rows],
+                out[:, blk.q_rows],
+                lse[:, :, blk.q_rows],
+                scale=scale,
+                causal_offset=blk.causal_offset,
+                kernel=kernel,
+                mask=masks(comm.rank, blk.q_rows, src, blk.k_rows) if masks else None,
+            )
             dq.add(blk.q_rows, bdq, last=step == p - 1 and i == len(blocks) - 1)
             pending.append((blk.k_rows, bdk, bdv))
         return pending
 
     def add(step, dkv, pending):  # first hop and the hop home in the input dtype, fp32 between
         last = step == p - 1
-        return [accumulators.follow_add(None if dkv is None else dkv[0], [(rows, g) for rows, g, _ in pending], k,
-                                        last_hop=last),
-                accumulators.follow_add(None if dkv is None else dkv[1], [(rows, g) for rows, _, g in pending], v,
-                                        last_hop=last)]
+        return [
+            accumulators.follow_add(
+                None if dkv is None else dkv[0], [(rows, g) for rows, g, _ in pending], k, last_hop=last
+            ),
+            accumulators.follow_add(
+                None if dkv is None else dkv[1], [(rows, g) for rows, _, g in pending], v, last_hop=last
+            ),
+        ]
 
     dk, dv = circulate(p, [k, v], move=route.start_move, compute=compute, add=add, follow=route.start_follow)
     return dq.finish(), dk, dv
 
 
-def kv_ring_bytes(case: Case, pass_: str, ring_size: Optional[int] = None, kv_heads: Optional[int] = None,
-                  local_len: Optional[int] = None, input_dtype_ends: bool = True) -> tuple[int, int]:
+def kv_ring_bytes(
+    case: Case,
+    pass_: str,
+    ring_size: Optional[int] = None,
+    kv_heads: Optional[int] = None,
+    local_len: Optional[int] = None,
+    input_dtype_ends: bool = True,
+) -> tuple[int, int]:
     """Bytes one rank sends (and receives) on the K/V ring (the formula of this module's docstring):
     K, V on P-1 hops; the backward again, plus the dK/dV accumulators on P hops. `ring_size`,
     `kv_heads` and `local_len` default to the case's world size, KV heads and S/P (USP's inner
@@ -327,8 +381,8 @@ def kv_ring_bytes(case: Case, pass_: str, ring_size: Optional[int] = None, kv_he
     kv = 2 * case.batch * l * hkv * case.head_dim
     n = (p - 1) * kv * e
     if pass_ == "fwd_bwd":
-        n += (p - 1) * kv * e                   # K, V again
-        n += follow_bytes(kv, p, e, a) if input_dtype_ends else (p * kv * a if p > 1 else 0)   # dK, dV
+        n += (p - 1) * kv * e  # K, V again
+        n += follow_bytes(kv, p, e, a) if input_dtype_ends else (p * kv * a if p > 1 else 0)  # dK, dV
     return n, n
 
 
@@ -358,5 +412,16 @@ class KVRingMethod(Method):
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
         q, k, v, out, lse, masks = residuals
-        return kv_ring_backward(dout, q, k, v, out, lse, comm=comm, plan=self.plan(causal, comm.rank, q.shape[1]),
-                                scale=scale, kernel=self.kernel, masks=masks)
+        return kv_ring_backward(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            comm=comm,
+            plan=self.plan(causal, comm.rank, q.shape[1]),
+            scale=scale,
+            kernel=self.kernel,
+            masks=masks,
+        )

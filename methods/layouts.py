@@ -16,6 +16,7 @@ positions (what RoPE and the loss labels need). Layouts:
   2P-1-r of every document, so each document's causal work is balanced by itself; the tail is
   padded so that every rank holds as many tokens.
 """
+
 from __future__ import annotations
 
 import math
@@ -101,13 +102,15 @@ def zigzag(seq_len: int, world_size: int) -> Layout:
     def build() -> Positions:
         chunks = torch.arange(seq_len).chunk(2 * world_size)
         return tuple(torch.cat([chunks[r], chunks[2 * world_size - 1 - r]]) for r in range(world_size))
+
     return Layout("zigzag", seq_len, world_size, build)
 
 
 def stripe(seq_len: int, world_size: int) -> Layout:
     _check("stripe", seq_len, world_size, world_size)
-    return Layout("stripe", seq_len, world_size,
-                  lambda: tuple(torch.arange(r, seq_len, world_size) for r in range(world_size)))
+    return Layout(
+        "stripe", seq_len, world_size, lambda: tuple(torch.arange(r, seq_len, world_size) for r in range(world_size))
+    )
 
 
 def usp(seq_len: int, world_size: int, ulysses_degree: int) -> Layout:
@@ -116,14 +119,17 @@ def usp(seq_len: int, world_size: int, ulysses_degree: int) -> Layout:
     ring_degree = world_size // ulysses_degree
     divisor = granule("usp", world_size, ulysses_degree=ulysses_degree)
     if seq_len % divisor != 0:
-        raise ValueError(f"usp layout needs seq_len divisible by 2 x ring_degree ({2 * ring_degree}) and by "
-                         f"world_size ({world_size}); got seq_len={seq_len}")
+        raise ValueError(
+            f"usp layout needs seq_len divisible by 2 x ring_degree ({2 * ring_degree}) and by "
+            f"world_size ({world_size}); got seq_len={seq_len}"
+        )
     # ring degree 1 is plain Ulysses: one ring rank holds the whole sequence in order, which needs no
     # even split into a zigzag pair
     pairs = zigzag(seq_len, ring_degree) if ring_degree > 1 else contiguous(seq_len, 1)
 
     def build() -> Positions:
         return tuple(piece for r in range(ring_degree) for piece in pairs.positions(r).chunk(ulysses_degree))
+
     return Layout("usp", seq_len, world_size, build)
 
 
@@ -140,7 +146,7 @@ def documents(doc_lengths: Sequence[int], world_size: int) -> Layout:
                 mine[r].extend(range(bounds[c], bounds[c + 1]))
         start += n
     local = max(len(m) for m in mine)
-    pad = iter(range(start, start + p * local))   # the tail padding, dealt to the ranks that hold fewer
+    pad = iter(range(start, start + p * local))  # the tail padding, dealt to the ranks that hold fewer
     for m in mine:
         m.extend(next(pad) for _ in range(local - len(m)))
     return Layout("documents", p * local, p, tuple(torch.tensor(m, dtype=torch.long) for m in mine))
@@ -160,8 +166,12 @@ def granule(kind: str, world_size: int, **params) -> int:
 
 def make(kind: str, seq_len: int, world_size: int, **params) -> Layout:
     """Build the layout named `kind` (one of LAYOUTS); `params` e.g. ulysses_degree for usp."""
-    builders: dict[str, Callable[..., Layout]] = {"contiguous": contiguous, "zigzag": zigzag, "stripe": stripe,
-                                                  "usp": usp}
+    builders: dict[str, Callable[..., Layout]] = {
+        "contiguous": contiguous,
+        "zigzag": zigzag,
+        "stripe": stripe,
+        "usp": usp,
+    }
     if kind not in builders:
         raise ValueError(f"unknown layout {kind!r}; choose one of {LAYOUTS}")
     return builders[kind](seq_len, world_size, **params)

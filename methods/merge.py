@@ -18,6 +18,7 @@ simulator's tracer sees one op with its real bytes) that runs one torch.compile'
 that pays and the eager function otherwise; where nothing needs the operator, the public
 functions call the eager function directly (`_direct`).
 """
+
 from __future__ import annotations
 
 import threading
@@ -36,8 +37,10 @@ def empty_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Fresh (out, lse) accumulators for queries q [B, S, H, D]: zeros float32 and -inf float32."""
     b, s, h, d = q.shape
     dt = acc_dtype(q.dtype)
-    return (torch.zeros(b, s, h, d, dtype=dt, device=q.device),
-            torch.full((b, h, s), float("-inf"), dtype=dt, device=q.device))
+    return (
+        torch.zeros(b, s, h, d, dtype=dt, device=q.device),
+        torch.full((b, h, s), float("-inf"), dtype=dt, device=q.device),
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -89,14 +92,14 @@ def _sum_start_eager(a, b):
     # fresh: a stays as it is, laid out like a (a travelling accumulator stays contiguous)
     acc = acc_dtype(a.dtype)
     if a.dtype == acc == b.dtype:
-        return torch.add(a, b, out=torch.empty_like(a))   # one pass
+        return torch.add(a, b, out=torch.empty_like(a))  # one pass
     # lower-precision gradients: an add would compute in their dtype, so cast first, then add in fp32
     return a.to(acc, copy=True).add_(b)
 
 
 def _delta_eager(dout, out):
     acc = acc_dtype(dout.dtype)
-    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()   # [B, H, S]
+    return (dout.to(acc) * out.to(acc)).sum(-1).transpose(1, 2).contiguous()  # [B, H, S]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,8 +124,9 @@ def merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_
     torch.ops.sp_attention.merge_(out, lse, block_out, block_lse)
 
 
-def merge_final(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:
+def merge_final(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     """The last merge with the cast to the output dtype fused in: returns the merged output [B, S, H, D]
     in `dtype` (a new tensor) and updates `lse` in place; the accumulator `out` is only read. Saves
     a pass over the fp32 accumulator."""
@@ -131,8 +135,9 @@ def merge_final(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, b
     return torch.ops.sp_attention.merge_final(out, lse, block_out, block_lse, dtype)
 
 
-def merge_start(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def merge_start(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Accumulators (out fp32, lse) holding the merge of two blocks' results over every row: one
     pass (fused where compiled) instead of casting the first into an accumulator and merging the
     second into it. The block results are the caller's to give away (lse_a may be reused)."""
@@ -182,7 +187,7 @@ def _merge_weights(lse: torch.Tensor, block_lse: torch.Tensor):
     fuses them into the one loop over the accumulator)."""
     new_lse = torch.logaddexp(lse, block_lse)
     ref = torch.where(torch.isfinite(new_lse), new_lse, 0.0)
-    w_old = torch.exp(lse - ref).transpose(1, 2)      # [B, S, H]
+    w_old = torch.exp(lse - ref).transpose(1, 2)  # [B, S, H]
     w_new = torch.exp(block_lse - ref).transpose(1, 2)
     return new_lse, w_old.unsqueeze(-1), w_new.unsqueeze(-1)
 
@@ -257,8 +262,12 @@ def _direct(out: torch.Tensor) -> bool:
     the eager path would run anyway and nothing needs to see the operator: no dispatch mode (the
     simulator's tracer, fake tensors), no compilation, no autograd (methods merge inside their
     autograd.Function's forward, where grad is off)."""
-    return (not torch.is_grad_enabled() and not _use_compiled(out) and _get_current_dispatch_mode() is None
-            and not torch.compiler.is_compiling())
+    return (
+        not torch.is_grad_enabled()
+        and not _use_compiled(out)
+        and _get_current_dispatch_mode() is None
+        and not torch.compiler.is_compiling()
+    )
 
 
 @torch.library.custom_op("sp_attention::merge_", mutates_args=("out", "lse"))
@@ -274,8 +283,9 @@ def _merge_op_fake(out, lse, block_out, block_lse) -> None:
 
 
 @torch.library.custom_op("sp_attention::merge_final", mutates_args=("lse",))
-def _merge_final_op(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor,
-                    dtype: torch.dtype) -> torch.Tensor:
+def _merge_final_op(
+    out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
     return _compiled_or_eager(_MERGE_FINAL_COMPILED, _merge_final_eager, out, out, lse, block_out, block_lse, dtype)
 
 
@@ -285,15 +295,18 @@ def _merge_final_op_fake(out, lse, block_out, block_lse, dtype):
 
 
 @torch.library.custom_op("sp_attention::merge_start", mutates_args=())
-def _merge_start_op(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                    lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_start_op(
+    out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor, lse_b: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _compiled_or_eager(_MERGE_START_COMPILED, _merge_start_eager, out_a, out_a, lse_a, out_b, lse_b)
 
 
 @_merge_start_op.register_fake
 def _merge_start_op_fake(out_a, lse_a, out_b, lse_b):
-    return (torch.empty(out_a.shape, dtype=acc_dtype(out_a.dtype), device=out_a.device),
-            torch.empty(lse_a.shape, dtype=lse_a.dtype, device=lse_a.device))
+    return (
+        torch.empty(out_a.shape, dtype=acc_dtype(out_a.dtype), device=out_a.device),
+        torch.empty(lse_a.shape, dtype=lse_a.dtype, device=lse_a.device),
+    )
 
 
 @torch.library.custom_op("sp_attention::sum_start", mutates_args=())

@@ -6,6 +6,7 @@ world_size 1 only.
 
 Communication: none. Memory: q, k, v, out and lse of the whole sequence.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,19 +31,22 @@ class Reference(Method):
 
     def supports(self, case: Case) -> tuple[bool, str]:
         if case.world_size != 1:
-            return False, ("reference is the single-device baseline and runs at world_size 1 only "
-                           f"(got {case.world_size})")
+            return False, (
+                f"reference is the single-device baseline and runs at world_size 1 only (got {case.world_size})"
+            )
         return super().supports(case)
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         if comm.world_size != 1:
             raise ValueError(f"reference runs on one rank; this comm has {comm.world_size}")
         mask = docs.block(torch.arange(docs.padded_len), torch.arange(docs.padded_len), causal) if docs else None
-        out, lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=0 if causal else None,
-                                         kernel=self.kernel, mask=mask)
+        out, lse = kernels.block_forward(
+            q, k, v, scale=scale, causal_offset=0 if causal else None, kernel=self.kernel, mask=mask
+        )
         return out, lse, (q, k, v, out, lse, mask)
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
         q, k, v, out, lse, mask = residuals
-        return kernels.block_backward(dout, q, k, v, out, lse, scale=scale,
-                                      causal_offset=0 if causal else None, kernel=self.kernel, mask=mask)
+        return kernels.block_backward(
+            dout, q, k, v, out, lse, scale=scale, causal_offset=0 if causal else None, kernel=self.kernel, mask=mask
+        )

@@ -1,4 +1,5 @@
 """The method registry: names -> method classes, with clear errors for unknown names/options."""
+
 from __future__ import annotations
 
 import importlib

@@ -15,6 +15,7 @@ element, 8 for float64 inputs):
               (the dK/dV accumulators' first and last hops in the input dtype; methods/kv_ring.py)
 (none at P = 1). Memory: see methods/kv_ring.py (two K/V blocks in flight).
 """
+
 from __future__ import annotations
 
 from methods.kv_ring import ALL, Block, KVRingMethod, Plan, full_plan
@@ -30,6 +31,7 @@ def ring_plan(causal: bool, rank: int) -> Plan:
         if src == rank:
             return [Block(ALL, ALL, 0)]
         return [Block(ALL, ALL, None)] if src < rank else []
+
     return plan
 
 

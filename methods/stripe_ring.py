@@ -9,6 +9,7 @@ c pairs per step. Without a mask it is the plain ring over this layout.
 
 Communication: exactly the ring's (methods/ring.py), with L = S/P.
 """
+
 from __future__ import annotations
 
 from methods.kv_ring import ALL, Block, KVRingMethod, Plan, full_plan
@@ -21,6 +22,7 @@ def stripe_plan(causal: bool, rank: int) -> Plan:
 
     def plan(src: int) -> list[Block]:
         return [Block(ALL, ALL, 0 if src <= rank else -1)]
+
     return plan
 
 

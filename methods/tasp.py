@@ -46,6 +46,7 @@ unit is two sequence-major pieces placed each step so that each kernel call's ke
 of pieces (`placement`), a view for any batch, and its dK/dV are added back in one op; the split
 of the own K/V into pieces and the join of dK/dV are one copy each.
 """
+
 from __future__ import annotations
 
 from functools import lru_cache
@@ -107,8 +108,10 @@ class _Units:
         self.world_size, self.rank, self.causal, self.flat = world_size, rank, causal, flat
         self.k = k = num_cycles(world_size)
         self.c = c = self.local_len // (2 * k)
-        self.cpu_rows = [torch.cat([torch.arange(j * c, (j + 1) * c), torch.arange(k * c + j * c, k * c + (j + 1) * c)])
-                         for j in range(k)]   # for the packed documents' masks (host-side positions)
+        self.cpu_rows = [
+            torch.cat([torch.arange(j * c, (j + 1) * c), torch.arange(k * c + j * c, k * c + (j + 1) * c)])
+            for j in range(k)
+        ]  # for the packed documents' masks (host-side positions)
 
     def pieces(self, step: int) -> tuple[tuple[int, ...], ...]:
         """For each cycle j, the pieces holding its unit at `step` (the owner's layout after the last)."""
@@ -146,7 +149,7 @@ class _Units:
         """The keys held in a run of pieces as one sequence [B, n, ...]: a view."""
         if self.flat:  # a call always reads every unit of the step
             return buf.view(self.batch, self.local_len, *buf.shape[2:])
-        part = buf[pieces]                               # [n, c, B, ...], contiguous
+        part = buf[pieces]  # [n, c, B, ...], contiguous
         n, c, b, *rest = part.shape
         return part.view(n * c, b, *rest).transpose(0, 1)
 
@@ -155,13 +158,12 @@ class _Units:
         if self.flat:
             acc.view(self.batch, self.local_len, *acc.shape[2:]).add_(grad)
             return
-        part = acc[pieces]                               # [n, c, B, ...]
+        part = acc[pieces]  # [n, c, B, ...]
         n, c, b, *rest = part.shape
         part.add_(grad.view(b, n, c, *rest).permute(1, 2, 0, *range(3, 3 + len(rest))))
 
 
-def _exchange(comm: Comm, succ, pred, sends: list[torch.Tensor], send_pieces, recvs: list[torch.Tensor],
-              recv_pieces):
+def _exchange(comm: Comm, succ, pred, sends: list[torch.Tensor], send_pieces, recvs: list[torch.Tensor], recv_pieces):
     """For every cycle j, send the unit of cycle j of each buffer in `sends` (e.g. K and V; the
     pieces send_pieces[j]) to the successor on cycle j, and receive the next ones from the
     predecessor into `recvs` (pieces recv_pieces[j]); finish() returns `recvs`.
@@ -177,6 +179,7 @@ def _exchange(comm: Comm, succ, pred, sends: list[torch.Tensor], send_pieces, re
     def finish() -> list[torch.Tensor]:
         work.wait()
         return recvs
+
     return finish
 
 
@@ -201,7 +204,7 @@ def step_calls(causal: bool, rank: int, world_size: int, step: int, c: int):
     calls = []
     if before:  # every local query sees the front halves of units that came from earlier ranks
         calls.append((slice(None), tuple((j, slice(0, c)) for j in before)))
-    if after:   # our back-half queries see the whole units that came from later ranks
+    if after:  # our back-half queries see the whole units that came from later ranks
         calls.append((slice(k * c, 2 * k * c), tuple((j, slice(None)) for j in after)))
     return tuple(calls)
 
@@ -270,9 +273,11 @@ class TASP(Method):
     def layout(self, case: Case) -> layouts.Layout:
         k = num_cycles(case.world_size)
         if case.seq_len % (2 * case.world_size * k) != 0:
-            raise ValueError(f"tasp layout needs seq_len divisible by 2 x world_size x cycles = "
-                             f"{2 * case.world_size * k} ({k} cycles at world_size {case.world_size}); "
-                             f"got seq_len={case.seq_len}")
+            raise ValueError(
+                f"tasp layout needs seq_len divisible by 2 x world_size x cycles = "
+                f"{2 * case.world_size * k} ({k} cycles at world_size {case.world_size}); "
+                f"got seq_len={case.seq_len}"
+            )
         return layouts.zigzag(case.seq_len, case.world_size)
 
     def _calls(self, masks, causal, r, step, units: _Units):
@@ -301,22 +306,33 @@ class TASP(Method):
         acc = accumulators.OutputAccumulator(q)
 
         def move(step, block):  # units move on while this step computes (double buffering)
-            return _exchange(comm, succ, pred, block, units.pieces(step), buffers(step, block),
-                             units.pieces(step + 1))
+            return _exchange(comm, succ, pred, block, units.pieces(step), buffers(step, block), units.pieces(step + 1))
 
         def compute(step, block):
             held_k, held_v = block
             if step == 0:  # our own tokens: one aligned causal block
-                block_out, block_lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=0 if causal else None,
-                                                             kernel=self.kernel,
-                                                             mask=masks(r, ALL, r, ALL) if masks else None)
+                block_out, block_lse = kernels.block_forward(
+                    q,
+                    k,
+                    v,
+                    scale=scale,
+                    causal_offset=0 if causal else None,
+                    kernel=self.kernel,
+                    mask=masks(r, ALL, r, ALL) if masks else None,
+                )
                 acc.add(ALL, block_out, block_lse, last=p == 1)
                 return
             calls = self._calls(masks, causal, r, step, units)
             for i, (rows, pieces, mask) in enumerate(calls):
-                block_out, block_lse = kernels.block_forward(q[:, rows], units.keys(held_k, pieces),
-                                                             units.keys(held_v, pieces), scale=scale,
-                                                             causal_offset=None, kernel=self.kernel, mask=mask)
+                block_out, block_lse = kernels.block_forward(
+                    q[:, rows],
+                    units.keys(held_k, pieces),
+                    units.keys(held_v, pieces),
+                    scale=scale,
+                    causal_offset=None,
+                    kernel=self.kernel,
+                    mask=mask,
+                )
                 acc.add(rows, block_out, block_lse, last=step == p - 1 and i == len(calls) - 1)
 
         circulate(p, [units.split(k), units.split(v)], move=move, compute=compute)
@@ -333,23 +349,42 @@ class TASP(Method):
         dq = accumulators.GradAccumulator(q)
 
         def exchange(buffers):  # the units (or their accumulators) of `step` go on along their cycles
-            return lambda step, block: _exchange(comm, succ, pred, block, units.pieces(step), buffers(step, block),
-                                                 units.pieces(step + 1))
+            return lambda step, block: _exchange(
+                comm, succ, pred, block, units.pieces(step), buffers(step, block), units.pieces(step + 1)
+            )
 
         def compute(step, block):
             held_k, held_v = block
             if step == 0:
-                gq, gk, gv = kernels.block_backward(dout, q, k, v, out, lse, scale=scale,
-                                                    causal_offset=0 if causal else None, kernel=self.kernel,
-                                                    mask=masks(r, ALL, r, ALL) if masks else None)
+                gq, gk, gv = kernels.block_backward(
+                    dout,
+                    q,
+                    k,
+                    v,
+                    out,
+                    lse,
+                    scale=scale,
+                    causal_offset=0 if causal else None,
+                    kernel=self.kernel,
+                    mask=masks(r, ALL, r, ALL) if masks else None,
+                )
                 dq.add(ALL, gq, last=p == 1)
                 return [(None, gk, gv)]
             calls = self._calls(masks, causal, r, step, units)
             pending = []  # contributions, added once the units' accumulators have arrived
             for i, (rows, pieces, mask) in enumerate(calls):
-                gq, gk, gv = kernels.block_backward(dout[:, rows], q[:, rows], units.keys(held_k, pieces),
-                                                    units.keys(held_v, pieces), out[:, rows], lse[:, :, rows],
-                                                    scale=scale, causal_offset=None, kernel=self.kernel, mask=mask)
+                gq, gk, gv = kernels.block_backward(
+                    dout[:, rows],
+                    q[:, rows],
+                    units.keys(held_k, pieces),
+                    units.keys(held_v, pieces),
+                    out[:, rows],
+                    lse[:, :, rows],
+                    scale=scale,
+                    causal_offset=None,
+                    kernel=self.kernel,
+                    mask=mask,
+                )
                 dq.add(rows, gq, last=step == p - 1 and i == len(calls) - 1)
                 pending.append((pieces, gk, gv))
             return pending
@@ -358,12 +393,19 @@ class TASP(Method):
             if units.flat and p > 1:  # a step's units are one [B, L] tensor: the K/V ring's accumulation,
                 # first hop and hop home in the input dtype (accumulators.follow_add)
                 whole = slice(0, units.k)
-                return [units.split(accumulators.follow_add(None if dkv is None else units.keys(dkv[i], whole),
-                                                            [(ALL, c[i + 1]) for c in pending], like,
-                                                            last_hop=step == p - 1))
-                        for i, like in enumerate((k, v))]
+                return [
+                    units.split(
+                        accumulators.follow_add(
+                            None if dkv is None else units.keys(dkv[i], whole),
+                            [(ALL, c[i + 1]) for c in pending],
+                            like,
+                            last_hop=step == p - 1,
+                        )
+                    )
+                    for i, like in enumerate((k, v))
+                ]
             if dkv is None:  # own units' accumulators, from our own block's dK/dV
-                (_, gk, gv), = pending
+                ((_, gk, gv),) = pending
                 return [gk, gv] if p == 1 else [units.split(gk, acc), units.split(gv, acc)]
             for pieces, gk, gv in pending:
                 units.add_keys_grad_(dkv[0], pieces, gk)
@@ -371,8 +413,14 @@ class TASP(Method):
             return dkv
 
         # accumulators follow their units one round behind; after the last step the hop reaches each owner
-        dk_acc, dv_acc = circulate(p, [units.split(k), units.split(v)], move=exchange(kv_buffers), compute=compute,
-                                   add=add, follow=exchange(acc_buffers))
+        dk_acc, dv_acc = circulate(
+            p,
+            [units.split(k), units.split(v)],
+            move=exchange(kv_buffers),
+            compute=compute,
+            add=add,
+            follow=exchange(acc_buffers),
+        )
         if p == 1:
             return dq.finish(), dk_acc, dv_acc
         return dq.finish(), units.join(dk_acc, k.dtype), units.join(dv_acc, v.dtype)

@@ -7,6 +7,7 @@ their elapsed times (the stream's time, stalls included). Every measurement of t
 through this class: an iteration's time, the time in block kernels, the time blocked on
 communication.
 """
+
 from __future__ import annotations
 
 import contextlib

@@ -34,6 +34,7 @@ received, without a mask L*(P-1) both):
 Rank 0 sends the most results, rank P-1 receives the most. Memory beyond inputs and outputs: two
 query blocks (packets) in flight, one step's results out and one step's in, fp32 accumulators.
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -87,8 +88,10 @@ class _Results:
 @register
 class TokenRing(Method):
     name = "token_ring"
-    description = ("TokenRing: queries around the ring one way, partial outputs straight back to their owners "
-                   "(K/V stay home), zigzag layout")
+    description = (
+        "TokenRing: queries around the ring one way, partial outputs straight back to their owners "
+        "(K/V stay home), zigzag layout"
+    )
     layout_kind = "zigzag"
     # A rank holds its largest blocks at once (all-row results going out, coming in and being
     # computed while the queries hop) at step t only if src(t-1) and src(t) are later ranks and
@@ -111,11 +114,11 @@ class TokenRing(Method):
             rows_recv = l * rank + l // 2 * (p - 1 - rank)
         else:
             rows_sent = rows_recv = l * (p - 1)
-        hops = (p - 1) * b * l * h * d * e                                  # Q
+        hops = (p - 1) * b * l * h * d * e  # Q
         sent, recv = hops + rows_sent * b * h * (d * e + a), hops + rows_recv * b * h * (d * e + a)  # out, lse
         if pass_ == "fwd_bwd":
-            hops = (p - 1) * b * l * h * (2 * d * e + 2 * a)                # Q, dO; D, lse
-            sent += hops + rows_sent * b * h * d * e                        # partial dQ
+            hops = (p - 1) * b * l * h * (2 * d * e + 2 * a)  # Q, dO; D, lse
+            sent += hops + rows_sent * b * h * d * e  # partial dQ
             recv += hops + rows_recv * b * h * d * e
         return sent, recv
 
@@ -138,9 +141,14 @@ class TokenRing(Method):
         blocks = []
         for blk in plan(src):
             block_out, block_lse = kernels.block_forward(
-                q_vis[:, blk.q_rows], k[:, blk.k_rows], v[:, blk.k_rows], scale=scale,
-                causal_offset=blk.causal_offset, kernel=self.kernel,
-                mask=masks(src, blk.q_rows, rank, blk.k_rows) if masks else None)
+                q_vis[:, blk.q_rows],
+                k[:, blk.k_rows],
+                v[:, blk.k_rows],
+                scale=scale,
+                causal_offset=blk.causal_offset,
+                kernel=self.kernel,
+                mask=masks(src, blk.q_rows, rank, blk.k_rows) if masks else None,
+            )
             blocks.append((blk.q_rows, [block_out, block_lse]))
         return _Results(blocks)
 
@@ -151,39 +159,41 @@ class TokenRing(Method):
         plan = self.plan(causal, rank, l)
         masks = self.block_masks(q, k, comm, causal, docs)
 
-        def result_buffers(n: int) -> list[torch.Tensor]:     # block out [B, n, H, D], block lse [B, H, n]
+        def result_buffers(n: int) -> list[torch.Tensor]:  # block out [B, n, H, D], block lse [B, H, n]
             return [q.new_empty(b, n, h, d), torch.empty(b, h, n, dtype=acc, device=q.device)]
 
-        result = accumulators.OutputAccumulator(q)              # our queries' results, own and returned
-        cur_q, done = q, _Results()                             # done: results of the previous step
+        result = accumulators.OutputAccumulator(q)  # our queries' results, own and returned
+        cur_q, done = q, _Results()  # done: results of the previous step
         q_buffers = DoubleBuffer()
         for step in range(p + 1):
             ops, next_q, incoming = [], None, _Results()
-            if step + 1 < p:                                    # the query hop, double-buffered
-                next_q, = q_buffers(step, [q])
+            if step + 1 < p:  # the query hop, double-buffered
+                (next_q,) = q_buffers(step, [q])
                 ops += [P2P("send", cur_q, (rank + 1) % p), P2P("recv", next_q, (rank - 1) % p)]
-            peers = result_peers(rank, p, step)                 # none at steps 0, 1: step 0's were our own
+            peers = result_peers(rank, p, step)  # none at steps 0, 1: step 0's were our own
             if peers:
                 owner, helper = peers
                 incoming = self._incoming(causal, rank, helper, l, result_buffers)
                 ops += done.sends(owner) + incoming.recvs(helper)
             work = comm.exchange(ops) if ops else DoneWork()
             if step < p:
-                computed = self._forward_blocks(cur_q, k, v, src=(rank - step) % p, rank=rank, plan=plan,
-                                                masks=masks, scale=scale)
-                if step == 0:                                   # our own queries
+                computed = self._forward_blocks(
+                    cur_q, k, v, src=(rank - step) % p, rank=rank, plan=plan, masks=masks, scale=scale
+                )
+                if step == 0:  # our own queries
                     computed.fold_into(result, last=p == 1)
                 else:
                     done = computed
             work.wait()
-            incoming.fold_into(result, last=step == p)          # the last: the cast fused into their merge
+            incoming.fold_into(result, last=step == p)  # the last: the cast fused into their merge
             if next_q is not None:
                 cur_q = next_q
         out, lse = result.finish()
         return out, lse, (q, k, v, out, lse, masks)
 
-    def _backward_blocks(self, packet, k, v, dk, dv, *, src: int, rank: int, plan: Plan, masks, scale,
-                         last: bool) -> _Results:
+    def _backward_blocks(
+        self, packet, k, v, dk, dv, *, src: int, rank: int, plan: Plan, masks, scale, last: bool
+    ) -> _Results:
         """The block backwards of the visiting packet of `src` (Q, dO, D, lse of its queries) against
         this rank's K/V, with their global lse and D: dK/dV added to this rank's accumulators `dk`,
         `dv` (accumulators.GradAccumulator; `last`: the last step); returns the partial dQ [B, n, H, D]
@@ -193,10 +203,18 @@ class TokenRing(Method):
         blks = plan(src)
         for i, blk in enumerate(blks):
             bdq, bdk, bdv = kernels.block_backward(
-                dout_vis[:, blk.q_rows], q_vis[:, blk.q_rows], k[:, blk.k_rows], v[:, blk.k_rows], None,
-                lse_vis[:, :, blk.q_rows], delta=delta_vis[:, :, blk.q_rows], scale=scale,
-                causal_offset=blk.causal_offset, kernel=self.kernel,
-                mask=masks(src, blk.q_rows, rank, blk.k_rows) if masks else None)
+                dout_vis[:, blk.q_rows],
+                q_vis[:, blk.q_rows],
+                k[:, blk.k_rows],
+                v[:, blk.k_rows],
+                None,
+                lse_vis[:, :, blk.q_rows],
+                delta=delta_vis[:, :, blk.q_rows],
+                scale=scale,
+                causal_offset=blk.causal_offset,
+                kernel=self.kernel,
+                mask=masks(src, blk.q_rows, rank, blk.k_rows) if masks else None,
+            )
             dk.add(blk.k_rows, bdk, last=last and i == len(blks) - 1)
             dv.add(blk.k_rows, bdv, last=last and i == len(blks) - 1)
             blocks.append((blk.q_rows, [bdq.contiguous()]))
@@ -207,13 +225,13 @@ class TokenRing(Method):
         p, rank, l = comm.world_size, comm.rank, q.shape[1]
         b, _, h, d = q.shape
         plan = self.plan(causal, rank, l)
-        delta = merge.softmax_delta(dout, out)                                   # D: [B, H, L]
+        delta = merge.softmax_delta(dout, out)  # D: [B, H, L]
 
-        def dq_buffers(n: int) -> list[torch.Tensor]:         # partial dQ [B, n, H, D], input dtype
+        def dq_buffers(n: int) -> list[torch.Tensor]:  # partial dQ [B, n, H, D], input dtype
             return [q.new_empty(b, n, h, d)]
 
         dq, dk, dv = accumulators.GradAccumulator(q), accumulators.GradAccumulator(k), accumulators.GradAccumulator(v)
-        packet, done = [q, dout, delta, lse], _Results()       # the visiting query block (own at step 0)
+        packet, done = [q, dout, delta, lse], _Results()  # the visiting query block (own at step 0)
         packet_buffers = DoubleBuffer()
         for step in range(p + 1):
             ops, next_packet, incoming = [], None, _Results()
@@ -222,20 +240,31 @@ class TokenRing(Method):
                 ops += [P2P("send", t, (rank + 1) % p) for t in packet]
                 ops += [P2P("recv", t, (rank - 1) % p) for t in next_packet]
             peers = result_peers(rank, p, step)
-            if peers:                                           # the partial dQ of the previous step, home
+            if peers:  # the partial dQ of the previous step, home
                 owner, helper = peers
                 incoming = self._incoming(causal, rank, helper, l, dq_buffers)
                 ops += done.sends(owner) + incoming.recvs(helper)
             work = comm.exchange(ops) if ops else DoneWork()
             if step < p:
-                computed = self._backward_blocks(packet, k, v, dk, dv, src=(rank - step) % p, rank=rank, plan=plan,
-                                                 masks=masks, scale=scale, last=step == p - 1)
+                computed = self._backward_blocks(
+                    packet,
+                    k,
+                    v,
+                    dk,
+                    dv,
+                    src=(rank - step) % p,
+                    rank=rank,
+                    plan=plan,
+                    masks=masks,
+                    scale=scale,
+                    last=step == p - 1,
+                )
                 if step == 0:
                     computed.fold_into(dq, last=p == 1)
                 else:
                     done = computed
             work.wait()
-            incoming.fold_into(dq, last=step == p)              # the last: the cast fused into their sum
+            incoming.fold_into(dq, last=step == p)  # the last: the cast fused into their sum
             if next_packet is not None:
                 packet = next_packet
         return dq.finish(), dk.finish(), dv.finish()

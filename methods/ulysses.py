@@ -20,6 +20,7 @@ local, so (P-1)/P of it leaves the rank):
 Memory beyond inputs and outputs: q, k, v, out in the head layout (full sequence, H/P heads),
 saved for the backward.
 """
+
 from __future__ import annotations
 
 import torch
@@ -60,24 +61,26 @@ class Ulysses(Method):
         # after the all-to-all every rank holds the whole sequence in order: one block, all positions
         mask = docs.block(torch.arange(docs.padded_len), torch.arange(docs.padded_len), causal) if docs else None
         if comm.world_size == 1:
-            out, lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=offset, kernel=self.kernel,
-                                             mask=mask)
+            out, lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=offset, kernel=self.kernel, mask=mask)
             return out, lse, (q, k, v, out, lse, 1, mask)
         # [B, S, H/P, D], sequence-major views: the one local kernel reads them as they are
         q_h, k_h, v_h, rep = ulysses_scatter_heads(comm, q, k, v, contiguous=False)
-        out_h, lse_h = kernels.block_forward(q_h, k_h, v_h, scale=scale, causal_offset=offset,
-                                             kernel=self.kernel, mask=mask)  # [B, S, H/P, D], [B, H/P, S]
-        out = heads_to_seq(comm, out_h)                                      # [B, L, H, D]
-        lse = lse_heads_to_seq(comm, lse_h) if return_lse else None          # [B, H, L]
+        out_h, lse_h = kernels.block_forward(
+            q_h, k_h, v_h, scale=scale, causal_offset=offset, kernel=self.kernel, mask=mask
+        )  # [B, S, H/P, D], [B, H/P, S]
+        out = heads_to_seq(comm, out_h)  # [B, L, H, D]
+        lse = lse_heads_to_seq(comm, lse_h) if return_lse else None  # [B, H, L]
         return out, lse, (q_h, k_h, v_h, out_h, lse_h, rep, mask)
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
         q_h, k_h, v_h, out_h, lse_h, rep, mask = residuals
         offset = 0 if causal else None
         if comm.world_size == 1:
-            return kernels.block_backward(dout, q_h, k_h, v_h, out_h, lse_h, scale=scale,
-                                          causal_offset=offset, kernel=self.kernel, mask=mask)
+            return kernels.block_backward(
+                dout, q_h, k_h, v_h, out_h, lse_h, scale=scale, causal_offset=offset, kernel=self.kernel, mask=mask
+            )
         dout_h = seq_to_heads(comm, dout, contiguous=False)
-        dq_h, dk_h, dv_h = kernels.block_backward(dout_h, q_h, k_h, v_h, out_h, lse_h, scale=scale,
-                                                  causal_offset=offset, kernel=self.kernel, mask=mask)
+        dq_h, dk_h, dv_h = kernels.block_backward(
+            dout_h, q_h, k_h, v_h, out_h, lse_h, scale=scale, causal_offset=offset, kernel=self.kernel, mask=mask
+        )
         return ulysses_gather_grads(comm, dq_h, dk_h, dv_h, rep)

@@ -25,6 +25,7 @@ Hkv' = max(kv_heads, U) the KV heads sent, Hkv'/U of them per rank in the ring):
               + (R-1) * 2*B*(U*L)*(Hkv'/U)*D*e + R * 2*B*(U*L)*(Hkv'/U)*D*a
 sent and received alike (lse all-to-all only when the caller asks for it, as in Ulysses).
 """
+
 from __future__ import annotations
 
 from typing import Optional
@@ -52,15 +53,20 @@ MAX_AUTO_ULYSSES = 8
 
 def auto_ulysses_degree(world_size: int, heads: int, kv_heads: int) -> int:
     """The largest Ulysses degree <= 8 that divides world_size and that the heads allow."""
-    return max(d for d in range(1, min(world_size, MAX_AUTO_ULYSSES) + 1)
-               if world_size % d == 0 and not check_ulysses_heads(heads, kv_heads, d))
+    return max(
+        d
+        for d in range(1, min(world_size, MAX_AUTO_ULYSSES) + 1)
+        if world_size % d == 0 and not check_ulysses_heads(heads, kv_heads, d)
+    )
 
 
 def mesh_groups(world_size: int, ulysses_degree: int) -> tuple[list[list[int]], list[list[int]]]:
     """(Ulysses groups, ring groups) with Ulysses on the fast axis: g = ring_rank * U + ulysses_rank."""
     u, r = ulysses_degree, world_size // ulysses_degree
-    return ([[ring * u + x for x in range(u)] for ring in range(r)],
-            [[ring * u + x for ring in range(r)] for x in range(u)])
+    return (
+        [[ring * u + x for x in range(u)] for ring in range(r)],
+        [[ring * u + x for ring in range(r)] for x in range(u)],
+    )
 
 
 @register
@@ -71,10 +77,12 @@ class USP(Method):
 
     def __init__(self, kernel: str = "auto", ulysses_degree: Optional[int] = None):
         super().__init__(kernel)
-        if ulysses_degree is not None and (isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int)
-                                           or ulysses_degree < 1):
-            raise ValueError(f"usp: ulysses_degree must be an integer >= 1 (or null for automatic), "
-                             f"got {ulysses_degree!r}")
+        if ulysses_degree is not None and (
+            isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int) or ulysses_degree < 1
+        ):
+            raise ValueError(
+                f"usp: ulysses_degree must be an integer >= 1 (or null for automatic), got {ulysses_degree!r}"
+            )
         self.ulysses_degree = ulysses_degree
 
     def options(self):
@@ -103,8 +111,9 @@ class USP(Method):
         a2a = ulysses_bytes(case, u) * (2 if pass_ == "fwd_bwd" else 1)
         kv_sent = case.kv_heads * kv_replication(case.kv_heads, u)
         # the inner zigzag ring: R ranks holding U local lengths of Hkv'/U heads each
-        ring, _ = kv_ring_bytes(case, pass_, ring_size=r, kv_heads=kv_sent // u,
-                                local_len=u * (case.seq_len // case.world_size))
+        ring, _ = kv_ring_bytes(
+            case, pass_, ring_size=r, kv_heads=kv_sent // u, local_len=u * (case.seq_len // case.world_size)
+        )
         return a2a + ring, a2a + ring
 
     def supports(self, case: Case) -> tuple[bool, str]:
@@ -139,7 +148,7 @@ class USP(Method):
         out_h, lse_h = kv_ring_forward(q, k, v, comm=ring, plan=plan, scale=scale, kernel=self.kernel, masks=masks)
         if u == 1:
             return out_h, lse_h, (q, k, v, out_h, lse_h, u, rep, masks)
-        out = heads_to_seq(uly, out_h)                                       # [B, L, H, D]
+        out = heads_to_seq(uly, out_h)  # [B, L, H, D]
         lse = lse_heads_to_seq(uly, lse_h) if return_lse else None
         return out, lse, (q, k, v, out_h, lse_h, u, rep, masks)
 
@@ -147,8 +156,18 @@ class USP(Method):
         q_h, k_h, v_h, out_h, lse_h, u, rep, masks = residuals
         uly, ring = self._comms(comm, u)
         if u > 1:
-            dout = seq_to_heads(uly, dout, contiguous=False)   # read by the kernels only, never sent
-        grads = kv_ring_backward(dout, q_h, k_h, v_h, out_h, lse_h, comm=ring,
-                                 plan=zigzag_plan(causal, ring.rank, q_h.shape[1]), scale=scale, kernel=self.kernel,
-                                 masks=masks)
+            dout = seq_to_heads(uly, dout, contiguous=False)  # read by the kernels only, never sent
+        grads = kv_ring_backward(
+            dout,
+            q_h,
+            k_h,
+            v_h,
+            out_h,
+            lse_h,
+            comm=ring,
+            plan=zigzag_plan(causal, ring.rank, q_h.shape[1]),
+            scale=scale,
+            kernel=self.kernel,
+            masks=masks,
+        )
         return ulysses_gather_grads(uly, *grads, rep) if u > 1 else grads

@@ -14,6 +14,7 @@ Without a mask it is the plain ring over this layout.
 
 Communication: exactly the ring's (methods/ring.py), with L = S/P = 2c.
 """
+
 from __future__ import annotations
 
 from methods import layouts
@@ -35,6 +36,7 @@ def zigzag_plan(causal: bool, rank: int, local_len: int) -> Plan:
         if src < rank:
             return [Block(ALL, front, None)]
         return [Block(back, ALL, None)]
+
     return plan
 
 
@@ -55,14 +57,21 @@ class ZigzagRing(DocumentSharding, KVRingMethod):
     def layout(self, case: Case) -> layouts.Layout:
         return self.document_layout(case) if self.by_documents else super().layout(case)
 
-
     def plan(self, causal: bool, rank: int, local_len: int) -> Plan:
         # by documents, every block runs with the documents' mask (which holds the causal part)
         return full_plan if self.by_documents else zigzag_plan(causal, rank, local_len)
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
-        return super().forward(q, k, v, comm=comm, causal=causal, scale=scale, return_lse=return_lse,
-                               docs=self.documents_for(q, comm, docs))
+        return super().forward(
+            q,
+            k,
+            v,
+            comm=comm,
+            causal=causal,
+            scale=scale,
+            return_lse=return_lse,
+            docs=self.documents_for(q, comm, docs),
+        )
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
         return super().backward(dout, residuals, comm=comm, causal=causal, scale=scale)

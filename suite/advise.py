@@ -13,6 +13,7 @@ question (model shape, topology x nodes, length, length mix, memory budget, pass
 Candidates come from `methods.available()`, so a newly registered method is weighed without a change
 here; only option *names* are known here (OPTION_VALUES), never method names.
 """
+
 from __future__ import annotations
 
 import csv
@@ -78,13 +79,22 @@ def load_model(text: str) -> ModelShape:
     else:
         path = Path(text) if text.endswith((".yaml", ".yml")) else MODELS / f"{text}.yaml"
         if not path.is_file():
-            raise AdviceError("--model", f"unknown model {text!r}: choose one of {available_models()} or give "
-                                         f"heads/kv_heads/head_dim (e.g. 32/8/128)")
+            raise AdviceError(
+                "--model",
+                f"unknown model {text!r}: choose one of {available_models()} or give "
+                f"heads/kv_heads/head_dim (e.g. 32/8/128)",
+            )
         d = yaml.safe_load(path.read_text()) or {}
         try:
-            shape = ModelShape(str(d.get("name", path.stem)), int(d["heads"]), int(d["kv_heads"]),
-                               int(d["head_dim"]), int(d.get("layers", 1)), int(d.get("hidden", 0)),
-                               str(d.get("source", "")))
+            shape = ModelShape(
+                str(d.get("name", path.stem)),
+                int(d["heads"]),
+                int(d["kv_heads"]),
+                int(d["head_dim"]),
+                int(d.get("layers", 1)),
+                int(d.get("hidden", 0)),
+                str(d.get("source", "")),
+            )
         except (KeyError, TypeError, ValueError) as exc:
             raise AdviceError("--model", f"{path}: needs integer heads, kv_heads, head_dim ({exc})") from None
     if min(shape.heads, shape.kv_heads, shape.head_dim, shape.layers) < 1:
@@ -113,8 +123,11 @@ def load_workload(text: Optional[str]) -> Optional[Distribution]:
         path = Path(text) if text.endswith((".yaml", ".yml")) else DOCUMENTS / f"{text}.yaml"
         if not path.is_file():
             choices = sorted(p.stem for p in DOCUMENTS.glob("*.yaml"))
-            raise AdviceError("--workload", f"unknown length distribution {text!r}: choose uniform, one of {choices}, "
-                                            f"a histogram YAML file, or lognormal:median=M,sigma=S")
+            raise AdviceError(
+                "--workload",
+                f"unknown length distribution {text!r}: choose uniform, one of {choices}, "
+                f"a histogram YAML file, or lognormal:median=M,sigma=S",
+            )
         return Distribution.from_config(path.stem, {"distribution": "histogram", "file": str(path)})
     except (LengthsError, ValueError) as exc:
         if isinstance(exc, AdviceError):
@@ -126,7 +139,7 @@ def load_workload(text: Optional[str]) -> Optional[Distribution]:
 class Question:
     model: ModelShape
     topology: Topology
-    topology_arg: str              # the name or file, as the sweep's sim.topology takes it
+    topology_arg: str  # the name or file, as the sweep's sim.topology takes it
     world_size: int
     seq_len: int
     batch: int = 1
@@ -135,9 +148,9 @@ class Question:
     pass_: str = "fwd_bwd"
     dtype: str = "bfloat16"
     causal: bool = True
-    ulysses_degrees: Optional[list[int]] = None   # restrict the Ulysses degrees weighed
+    ulysses_degrees: Optional[list[int]] = None  # restrict the Ulysses degrees weighed
     seed: int = 0
-    recompute: bool = False        # activation recomputation: other layers keep only their inputs
+    recompute: bool = False  # activation recomputation: other layers keep only their inputs
 
     @property
     def nodes(self) -> int:
@@ -148,8 +161,16 @@ class Question:
         return min(self.world_size, self.topology.gpus_per_node)
 
     def case(self) -> Case:
-        return Case(batch=self.batch, seq_len=self.seq_len, heads=self.model.heads, kv_heads=self.model.kv_heads,
-                    head_dim=self.model.head_dim, dtype=self.dtype, causal=self.causal, world_size=self.world_size)
+        return Case(
+            batch=self.batch,
+            seq_len=self.seq_len,
+            heads=self.model.heads,
+            kv_heads=self.model.kv_heads,
+            head_dim=self.model.head_dim,
+            dtype=self.dtype,
+            causal=self.causal,
+            world_size=self.world_size,
+        )
 
     def documents(self) -> Optional[Documents]:
         if self.workload is None:
@@ -157,28 +178,47 @@ class Question:
         return Documents(self.workload.draw(self.seq_len, self.batch, self.seed), self.seq_len)
 
 
-def make_question(*, model: str, topology: str, nodes: Optional[int] = None, gpus: Optional[int] = None,
-                  seq_len: Optional[int] = None, workload: Optional[str] = None, memory_gb: Optional[float] = None,
-                  pass_: str = "fwd_bwd", dtype: str = "auto", causal: bool = True, batch: int = 1,
-                  ulysses_degree: Optional[list[int]] = None, recompute: bool = False) -> Question:
+def make_question(
+    *,
+    model: str,
+    topology: str,
+    nodes: Optional[int] = None,
+    gpus: Optional[int] = None,
+    seq_len: Optional[int] = None,
+    workload: Optional[str] = None,
+    memory_gb: Optional[float] = None,
+    pass_: str = "fwd_bwd",
+    dtype: str = "auto",
+    causal: bool = True,
+    batch: int = 1,
+    ulysses_degree: Optional[list[int]] = None,
+    recompute: bool = False,
+) -> Question:
     """Validate a question; every problem raises AdviceError naming the option."""
     shape = load_model(model)
     try:
         topo = load_topology(topology)
     except TopologyError as exc:
-        raise AdviceError("--topology", f"unknown or unusable topology {topology!r}: choose one of "
-                                        f"{available_topologies()} or a topology YAML file "
-                                        f"(e.g. from `python -m suite calibrate`) ({exc})") from None
+        raise AdviceError(
+            "--topology",
+            f"unknown or unusable topology {topology!r}: choose one of "
+            f"{available_topologies()} or a topology YAML file "
+            f"(e.g. from `python -m suite calibrate`) ({exc})",
+        ) from None
     if nodes is not None and not 1 <= nodes <= topo.max_nodes:
-        raise AdviceError("--nodes", f"must be between 1 and {topo.max_nodes} (the most nodes {topo.name} has), "
-                                     f"got {nodes}")
+        raise AdviceError(
+            "--nodes", f"must be between 1 and {topo.max_nodes} (the most nodes {topo.name} has), got {nodes}"
+        )
     if gpus is None:
         gpus = (nodes or 1) * topo.gpus_per_node
     if gpus < 2:
         raise AdviceError("--gpus", f"sequence parallelism needs at least 2 GPUs, got {gpus}")
     if nodes is not None and topo.nodes_for(gpus) != nodes:
-        raise AdviceError("--gpus", f"{gpus} GPUs on {topo.name} ({topo.gpus_per_node} per node) fill "
-                                    f"{topo.nodes_for(gpus)} node(s), not --nodes {nodes}")
+        raise AdviceError(
+            "--gpus",
+            f"{gpus} GPUs on {topo.name} ({topo.gpus_per_node} per node) fill "
+            f"{topo.nodes_for(gpus)} node(s), not --nodes {nodes}",
+        )
     ok, why = topo.fits(gpus)
     if not ok:
         raise AdviceError("--gpus", why)
@@ -194,8 +234,9 @@ def make_question(*, model: str, topology: str, nodes: Optional[int] = None, gpu
         raise AdviceError("--pass", f"{pass_!r} is not one of {list(PASSES)}")
     compute = ComputeModel(topo)
     if dtype == "auto":
-        dtype = next((d for d in ("bfloat16", "float16", "float32") if compute.supports(d, shape.head_dim)[0]),
-                     "bfloat16")
+        dtype = next(
+            (d for d in ("bfloat16", "float16", "float32") if compute.supports(d, shape.head_dim)[0]), "bfloat16"
+        )
     ok, why = compute.supports(dtype, shape.head_dim)
     if not ok:
         raise AdviceError("--dtype", why)
@@ -206,8 +247,21 @@ def make_question(*, model: str, topology: str, nodes: Optional[int] = None, gpu
         if reason:
             raise AdviceError("--ulysses-degree", f"{u} cannot split the heads of {shape.name}: {reason}")
     dist = load_workload(workload)
-    q = Question(shape, topo, topology, gpus, seq_len, batch, dist, memory_gb, pass_, dtype, causal,
-                 list(ulysses_degree) if ulysses_degree else None, recompute=recompute)
+    q = Question(
+        shape,
+        topo,
+        topology,
+        gpus,
+        seq_len,
+        batch,
+        dist,
+        memory_gb,
+        pass_,
+        dtype,
+        causal,
+        list(ulysses_degree) if ulysses_degree else None,
+        recompute=recompute,
+    )
     if dist is not None:
         try:
             q.documents()
@@ -241,7 +295,7 @@ class Candidate:
     ranks_per_node: int = 0
     memory: Optional[MemoryEstimate] = None
     memory_bytes: int = 0
-    pruned: str = ""                       # why it was not simulated ("" = simulated)
+    pruned: str = ""  # why it was not simulated ("" = simulated)
     row: dict = field(default_factory=dict)
 
     @property
@@ -315,8 +369,11 @@ def prune(q: Question, candidates: list[Candidate]) -> list[Candidate]:
             # what every other layer keeps for its backward: its attention tensors, or with
             # activation recomputation only its input hidden states [B, L, hidden]
             hidden = q.model.hidden or q.model.heads * q.model.head_dim
-            per_layer = (q.batch * (case.seq_len // q.world_size) * hidden * case.torch_dtype.itemsize
-                         if q.recompute else c.memory.saved)
+            per_layer = (
+                q.batch * (case.seq_len // q.world_size) * hidden * case.torch_dtype.itemsize
+                if q.recompute
+                else c.memory.saved
+            )
             c.memory_bytes += (q.model.layers - 1) * per_layer
         if q.memory_gb is not None and c.memory_bytes > q.memory_gb * GB:
             c.pruned = f"needs ~{c.memory_bytes / GB:.1f} GB per GPU, over --memory-gb {q.memory_gb:g}"
@@ -331,15 +388,24 @@ def sweep_name(q: Question) -> str:
     return f"advise_{model}_{q.topology.name}_{q.world_size}gpu"
 
 
-def build_config(q: Question, kept: list[Candidate], *, executor: str = "sim", name: Optional[str] = None,
-                 results_root: str = "results", mlflow: bool = True) -> SuiteConfig:
+def build_config(
+    q: Question,
+    kept: list[Candidate],
+    *,
+    executor: str = "sim",
+    name: Optional[str] = None,
+    results_root: str = "results",
+    mlflow: bool = True,
+) -> SuiteConfig:
     """One sweep holding exactly the candidates `kept`: each method's option values are axes, and
     every combination of them that is not a kept candidate is excluded (never planned)."""
     from suite.config import option_points, validate
 
     cfg = SuiteConfig(name=name or sweep_name(q))
-    cfg.description = (f"suite advise: {q.model.name} ({q.model.heads}/{q.model.kv_heads}/{q.model.head_dim}) on "
-                       f"{q.world_size} x {q.topology.gpu}, {q.seq_len} tokens")
+    cfg.description = (
+        f"suite advise: {q.model.name} ({q.model.heads}/{q.model.kv_heads}/{q.model.head_dim}) on "
+        f"{q.world_size} x {q.topology.gpu}, {q.seq_len} tokens"
+    )
     names = list(dict.fromkeys(c.method for c in kept))
     s = cfg.sweep
     s.methods, s.world_size, s.batch, s.seq_len = names, [q.world_size], [q.batch], [q.seq_len]
@@ -357,8 +423,9 @@ def build_config(q: Question, kept: list[Candidate], *, executor: str = "sim", n
                 s.exclude.append({"method": m, **point})
     if q.workload is not None:
         w = q.workload
-        cfg.documents = {w.name: DocumentsConfig(distribution=w.distribution,
-                                                 **{k: v for k, v in w.settings.items() if k != "bins"})}
+        cfg.documents = {
+            w.name: DocumentsConfig(distribution=w.distribution, **{k: v for k, v in w.settings.items() if k != "bins"})
+        }
         s.workload = [w.name]
     cfg.run.executor = executor
     cfg.run.seed = q.seed
@@ -381,8 +448,20 @@ def ideal_ms(q: Question) -> float:
         doc_pairs = sum(n * (n + 1) // 2 if q.causal else n * n for seq in docs.lengths for n in seq)
     t = 0.0
     for op in ("fwd",) + (("bwd",) if q.pass_ == "fwd_bwd" else ()):
-        t += compute.time(Compute(op, q.batch, q.seq_len, q.seq_len, q.model.heads, q.model.kv_heads,
-                                  q.model.head_dim, causal_offset, q.dtype, doc_pairs))
+        t += compute.time(
+            Compute(
+                op,
+                q.batch,
+                q.seq_len,
+                q.seq_len,
+                q.model.heads,
+                q.model.kv_heads,
+                q.model.head_dim,
+                causal_offset,
+                q.dtype,
+                doc_pairs,
+            )
+        )
     # ranks that share a host's cores (a calibrated CPU host) cannot compute more than the cores do
     cores = q.topology.compute.get("shared_cores")
     return t * 1e3 / (min(q.world_size, float(cores)) if cores else q.world_size)
@@ -399,9 +478,11 @@ def main_cost(row: dict, ideal: Optional[float] = None) -> str:
     if not t or comp is None:
         return "-"
     imb = row.get(M.IMBALANCE) or 1.0
-    costs = {"exposed communication": max(0.0, t - comp) / t,
-             "imbalance": comp * (1.0 - 1.0 / imb) / t if imb > 0 else 0.0,
-             "compute overhead": max(0.0, comp / max(imb, 1.0) - ideal) / t if ideal else 0.0}
+    costs = {
+        "exposed communication": max(0.0, t - comp) / t,
+        "imbalance": comp * (1.0 - 1.0 / imb) / t if imb > 0 else 0.0,
+        "compute overhead": max(0.0, comp / max(imb, 1.0) - ideal) / t if ideal else 0.0,
+    }
     name, share = max(costs.items(), key=lambda kv: kv[1])
     if share < MAIN_COST_SHARE:
         return f"compute-bound ({100 * (1 - costs['exposed communication']):.0f}% compute)"
@@ -421,17 +502,25 @@ class Advice:
         rows = []
         for i, c in enumerate(self.ranked[:top] if top else self.ranked, 1):
             t = c.row[M.TIME_MS_MEDIAN]
-            rows.append({"rank": i, "method": c.label, "degrees": f"{c.ulysses_degree}x{c.ring_degree}",
-                         "layout": c.layout, "ranks/node": c.ranks_per_node,
-                         "predicted ms": round(t, 1) if t >= 100 else float(f"{t:.4g}"),
-                         "% of ideal": round(100 * self.ideal_ms / t, 1),
-                         "memory GB/GPU": float(f"{c.memory_bytes / GB:.3g}"),
-                         "main cost": main_cost(c.row, self.ideal_ms)})
+            rows.append(
+                {
+                    "rank": i,
+                    "method": c.label,
+                    "degrees": f"{c.ulysses_degree}x{c.ring_degree}",
+                    "layout": c.layout,
+                    "ranks/node": c.ranks_per_node,
+                    "predicted ms": round(t, 1) if t >= 100 else float(f"{t:.4g}"),
+                    "% of ideal": round(100 * self.ideal_ms / t, 1),
+                    "memory GB/GPU": float(f"{c.memory_bytes / GB:.3g}"),
+                    "main cost": main_cost(c.row, self.ideal_ms),
+                }
+            )
         return rows
 
 
-def advise(q: Question, *, results_root: str = "results", mlflow: bool = True, progress: bool = False,
-           out=None) -> Advice:
+def advise(
+    q: Question, *, results_root: str = "results", mlflow: bool = True, progress: bool = False, out=None
+) -> Advice:
     """Prune, simulate the survivors as one sweep (executor=sim), rank them."""
     import io
 
@@ -443,12 +532,18 @@ def advise(q: Question, *, results_root: str = "results", mlflow: bool = True, p
     if not kept:
         if q.memory_gb is not None and any("--memory-gb" in c.pruned for c in pruned):
             least = min((c for c in pruned if c.memory_bytes), key=lambda c: c.memory_bytes)
-            raise AdviceError("--memory-gb", f"nothing fits {q.memory_gb:g} GB per GPU: the smallest configuration, "
-                                             f"{least.label}, needs ~{least.memory_bytes / GB:.1f} GB")
-        raise AdviceError("--model", "no method can run this question: " + "; ".join(
-            sorted({f"{c.label}: {c.pruned}" for c in pruned})[:5]))
+            raise AdviceError(
+                "--memory-gb",
+                f"nothing fits {q.memory_gb:g} GB per GPU: the smallest configuration, "
+                f"{least.label}, needs ~{least.memory_bytes / GB:.1f} GB",
+            )
+        raise AdviceError(
+            "--model",
+            "no method can run this question: " + "; ".join(sorted({f"{c.label}: {c.pruned}" for c in pruned})[:5]),
+        )
     cfg = build_config(q, kept, results_root=results_root, mlflow=mlflow)
     from omegaconf import OmegaConf
+
     yaml_text = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
     result = run_sweep(cfg, yaml_text, out=out or io.StringIO(), progress=progress)
     by_key = {(c.method, c.options_json): c for c in kept}
@@ -466,20 +561,23 @@ def render(advice: Advice, top: Optional[int] = None, fmt: str = "simple") -> st
     from tabulate import tabulate
 
     rows = advice.table(top)
-    return tabulate([list(r.values()) for r in rows], headers=list(rows[0]) if rows else [], tablefmt=fmt,
-                    disable_numparse=True)
+    return tabulate(
+        [list(r.values()) for r in rows], headers=list(rows[0]) if rows else [], tablefmt=fmt, disable_numparse=True
+    )
 
 
 def header(advice: Advice) -> str:
     q = advice.question
     mix = f"packed documents ({q.workload.name})" if q.workload is not None else "uniform sequences"
-    return (f"{q.model.name} attention (heads {q.model.heads}, kv_heads {q.model.kv_heads}, head_dim "
-            f"{q.model.head_dim}, {q.model.layers} layers) on {q.world_size} x {q.topology.gpu} "
-            f"({q.nodes} node(s), topology {q.topology.name}), {q.seq_len} tokens x batch {q.batch}, {mix}, "
-            f"{q.dtype}, {'causal' if q.causal else 'full'}, {q.pass_}. Simulated (executor=sim), not measured. "
-            f"Memory: one attention call's peak plus what the other layers keep for backward "
-            f"({'their inputs only: activation recomputation' if q.recompute else 'no recomputation'}); "
-            f"ideal: the whole problem as one kernel call on one GPU of the same compute model / P.")
+    return (
+        f"{q.model.name} attention (heads {q.model.heads}, kv_heads {q.model.kv_heads}, head_dim "
+        f"{q.model.head_dim}, {q.model.layers} layers) on {q.world_size} x {q.topology.gpu} "
+        f"({q.nodes} node(s), topology {q.topology.name}), {q.seq_len} tokens x batch {q.batch}, {mix}, "
+        f"{q.dtype}, {'causal' if q.causal else 'full'}, {q.pass_}. Simulated (executor=sim), not measured. "
+        f"Memory: one attention call's peak plus what the other layers keep for backward "
+        f"({'their inputs only: activation recomputation' if q.recompute else 'no recomputation'}); "
+        f"ideal: the whole problem as one kernel call on one GPU of the same compute model / P."
+    )
 
 
 def write_outputs(advice: Advice, out_dir: Path, top: Optional[int] = None) -> list[Path]:
@@ -518,11 +616,15 @@ def emit_config(advice: Advice, path: Path, top: int) -> Path:
     d = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
     keep = {"name": d["name"], "description": d["description"], "sweep": d["sweep"], "run": {"executor": "dist"}}
     if d.get("documents"):
-        keep["documents"] = {k: {kk: vv for kk, vv in v.items() if vv not in (None, [], 0, 0.0) or kk == "min"}
-                             for k, v in d["documents"].items()}
+        keep["documents"] = {
+            k: {kk: vv for kk, vv in v.items() if vv not in (None, [], 0, 0.0) or kk == "min"}
+            for k, v in d["documents"].items()
+        }
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# Written by `python -m suite advise`: the top {top} configurations, measured.\n"
-                    + yaml.safe_dump(keep, sort_keys=False))
+    path.write_text(
+        f"# Written by `python -m suite advise`: the top {top} configurations, measured.\n"
+        + yaml.safe_dump(keep, sort_keys=False)
+    )
     return path
 
 
@@ -560,8 +662,11 @@ def compare(advice: Advice, measured_dir: Path) -> tuple[str, dict[str, Any]]:
 
     from suite.results import ResultsStore
 
-    store = ResultsStore.latest(str(measured_dir.parent), measured_dir.name) \
-        if not (measured_dir / "trials.jsonl").is_file() else ResultsStore.open(measured_dir)
+    store = (
+        ResultsStore.latest(str(measured_dir.parent), measured_dir.name)
+        if not (measured_dir / "trials.jsonl").is_file()
+        else ResultsStore.open(measured_dir)
+    )
     if store is None:
         raise AdviceError("--compare", f"no results under {measured_dir}")
     measured = {(r["method"], r["options"]): r for r in store.records() if r["status"] == M.OK}
@@ -572,17 +677,30 @@ def compare(advice: Advice, measured_dir: Path) -> tuple[str, dict[str, Any]]:
     meas = [r[M.TIME_MS_MEDIAN] for _, r in pairs]
     mrank = ranks_of(meas)
     adv_rank = {id(c): i for i, c in enumerate(advice.ranked, 1)}
-    rows = [[adv_rank[id(c)], int(mr) if mr == int(mr) else mr, c.label, f"{p:.3f}", f"{m:.3f}"]
-            for (c, _), p, m, mr in zip(pairs, pred, meas, mrank)]
+    rows = [
+        [adv_rank[id(c)], int(mr) if mr == int(mr) else mr, c.label, f"{p:.3f}", f"{m:.3f}"]
+        for (c, _), p, m, mr in zip(pairs, pred, meas, mrank)
+    ]
     best = min(pairs, key=lambda cr: cr[1][M.TIME_MS_MEDIAN])[0]
     rho = spearman(pred, meas)
-    facts = {"n": len(pairs), "measured_best": best.label, "best_advised_rank": adv_rank[id(best)],
-             "best_in_top3": adv_rank[id(best)] <= 3, "spearman": rho, "run_dir": str(store.run_dir)}
-    text = tabulate(rows, headers=["advised rank", "measured rank", "configuration", "predicted ms", "measured ms"],
-                    disable_numparse=True)
-    text += (f"\nmeasured best: {best.label}, advised rank {adv_rank[id(best)]} "
-             f"({'in' if facts['best_in_top3'] else 'NOT in'} the advised top 3); Spearman rank correlation "
-             f"predicted vs measured over {len(pairs)} configurations: {rho:+.3f} (measured: {store.run_dir})")
+    facts = {
+        "n": len(pairs),
+        "measured_best": best.label,
+        "best_advised_rank": adv_rank[id(best)],
+        "best_in_top3": adv_rank[id(best)] <= 3,
+        "spearman": rho,
+        "run_dir": str(store.run_dir),
+    }
+    text = tabulate(
+        rows,
+        headers=["advised rank", "measured rank", "configuration", "predicted ms", "measured ms"],
+        disable_numparse=True,
+    )
+    text += (
+        f"\nmeasured best: {best.label}, advised rank {adv_rank[id(best)]} "
+        f"({'in' if facts['best_in_top3'] else 'NOT in'} the advised top 3); Spearman rank correlation "
+        f"predicted vs measured over {len(pairs)} configurations: {rho:+.3f} (measured: {store.run_dir})"
+    )
     return text, facts
 
 
@@ -594,10 +712,21 @@ def run_command(args) -> int:
     try:
         if args.top < 1:
             raise AdviceError("--top", f"must be >= 1, got {args.top}")
-        q = make_question(model=args.model, topology=args.topology, nodes=args.nodes, gpus=args.gpus,
-                          seq_len=args.seq_len, workload=args.workload, memory_gb=args.memory_gb, pass_=args.pass_,
-                          dtype=args.dtype, causal=not args.no_causal, batch=args.batch,
-                          ulysses_degree=args.ulysses_degree, recompute=args.recompute)
+        q = make_question(
+            model=args.model,
+            topology=args.topology,
+            nodes=args.nodes,
+            gpus=args.gpus,
+            seq_len=args.seq_len,
+            workload=args.workload,
+            memory_gb=args.memory_gb,
+            pass_=args.pass_,
+            dtype=args.dtype,
+            causal=not args.no_causal,
+            batch=args.batch,
+            ulysses_degree=args.ulysses_degree,
+            recompute=args.recompute,
+        )
         if args.compare and not Path(args.compare).exists():
             raise AdviceError("--compare", f"no such folder: {args.compare}")
         advice = advise(q, results_root=args.results_root, mlflow=not args.no_mlflow)
@@ -609,8 +738,10 @@ def run_command(args) -> int:
     for line in pruned_lines(advice):
         print(line)
     files = write_outputs(advice, Path(args.out or f"reports/{sweep_name(q)}_{q.seq_len}"), args.top)
-    print(f"{len(advice.ranked)} configurations simulated, {len(advice.pruned)} pruned, in "
-          f"{time.perf_counter() - t0:.1f}s; rows in {advice.run_dir}; tables {', '.join(map(str, files))}")
+    print(
+        f"{len(advice.ranked)} configurations simulated, {len(advice.pruned)} pruned, in "
+        f"{time.perf_counter() - t0:.1f}s; rows in {advice.run_dir}; tables {', '.join(map(str, files))}"
+    )
     if args.emit_config:
         print(f"sweep measuring the top {args.top}: {emit_config(advice, Path(args.emit_config), args.top)}")
     if args.compare:

@@ -1,6 +1,7 @@
 """The files that ship with the suite: sweep configs, topologies, model shapes and document-length
 histograms. In a checkout they are its configs/ folder; an installed wheel carries the same folder as
 suite/configs (pyproject.toml maps it), so `sp-suite run quickstart` works outside any checkout."""
+
 from __future__ import annotations
 
 import re

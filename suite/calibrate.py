@@ -12,6 +12,7 @@ The output is a topology YAML (and its table beside it): on CPU a complete model
 (`shared_cores`: the ranks share the cores as worker processes do); on a GPU the `--base`
 topology with its roofline replaced by the measured table.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -61,10 +62,14 @@ def time_block(e: Compute, device: torch.device, kernel: str, repeats: int) -> f
     def rnd(*shape):
         return torch.randn(*shape, generator=g, dtype=torch.float32).to(device=device, dtype=dt)
 
-    q, k, v = rnd(e.batch, e.sq, e.heads, e.head_dim), rnd(e.batch, e.sk, e.kv_heads, e.head_dim), \
-        rnd(e.batch, e.sk, e.kv_heads, e.head_dim)
+    q, k, v = (
+        rnd(e.batch, e.sq, e.heads, e.head_dim),
+        rnd(e.batch, e.sk, e.kv_heads, e.head_dim),
+        rnd(e.batch, e.sk, e.kv_heads, e.head_dim),
+    )
     scale = kernels.default_scale(e.head_dim)
     if e.op == "fwd":
+
         def call():
             kernels.block_forward(q, k, v, scale=scale, causal_offset=e.causal_offset, kernel=kernel)
     else:
@@ -73,6 +78,7 @@ def time_block(e: Compute, device: torch.device, kernel: str, repeats: int) -> f
 
         def call():
             kernels.block_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=e.causal_offset, kernel=kernel)
+
     return median_seconds(call, device, repeats)
 
 
@@ -92,6 +98,7 @@ def median_seconds(fn, device: torch.device, repeats: int) -> float:
 def measure_memory(device: torch.device, repeats: int) -> dict:
     """The methods' bookkeeping rates: bandwidth of an elementwise op on a large tensor (bytes read
     + written), and the fixed cost of one op on a tiny tensor."""
+
     def timed(fn) -> float:
         return median_seconds(fn, device, repeats)
 
@@ -194,20 +201,24 @@ def fit_alpha_beta(times: dict[int, float]) -> tuple[float, float]:
     return alpha, beta
 
 
-def calibrate(cfg, *, out: Path, device: torch.device, threads: Optional[int], repeats: int, base: Optional[str],
-              log=print) -> Path:
+def calibrate(
+    cfg, *, out: Path, device: torch.device, threads: Optional[int], repeats: int, base: Optional[str], log=print
+) -> Path:
     from suite.env import hardware_label
     from suite.executors.local import available_cores
 
-    kernel_name = kernels.resolve_kernel(cfg.run.kernel, device, torch.float32 if device.type == "cpu"
-                                         else torch.bfloat16)
+    kernel_name = kernels.resolve_kernel(
+        cfg.run.kernel, device, torch.float32 if device.type == "cpu" else torch.bfloat16
+    )
     ws = sorted(w for w in cfg.sweep.world_size if w >= 2) or [2]
     if device.type == "cpu":  # as the dist executor sets it for the smallest multi-rank world
         threads = threads or max(1, available_cores() // ws[0])
         torch.set_num_threads(threads)
     blocks = sweep_blocks(cfg)
-    log(f"timing {len(blocks)} distinct blocks on {device} with kernel {kernel_name}"
-        + (f", {threads} thread(s)" if device.type == "cpu" else ""))
+    log(
+        f"timing {len(blocks)} distinct blocks on {device} with kernel {kernel_name}"
+        + (f", {threads} thread(s)" if device.type == "cpu" else "")
+    )
     rows = []
     for e in blocks:
         secs = time_block(e, device, cfg.run.kernel, repeats)
@@ -215,14 +226,21 @@ def calibrate(cfg, *, out: Path, device: torch.device, threads: Optional[int], r
     label = hardware_label(device.type)
     memory = measure_memory(device, repeats)
     log(f"bookkeeping: {memory['GBps']} GB/s elementwise, {memory['op_us']} us per op")
-    table = {"device": label, "kernel": kernel_name, "threads": threads, "memory": memory,
-             "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-             "sweep": cfg.name, "blocks": rows}
+    table = {
+        "device": label,
+        "kernel": kernel_name,
+        "threads": threads,
+        "memory": memory,
+        "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "sweep": cfg.name,
+        "blocks": rows,
+    }
     out.parent.mkdir(parents=True, exist_ok=True)
     table_path = out.with_name(out.stem + ".blocks.yaml")
     table_path.write_text(yaml.safe_dump(table, sort_keys=False))
     if device.type == "cuda":
         from suite.sim.topology import load_topology, topology_path
+
         base_path = topology_path(base or "h100_sxm")
         topo = yaml.safe_load(base_path.read_text())
         topo["name"] = out.stem
@@ -247,16 +265,22 @@ def calibrate(cfg, *, out: Path, device: torch.device, threads: Optional[int], r
         "description": f"this host, measured by `python -m suite calibrate` ({table['measured']})",
         "gpus_per_node": 64,
         "max_nodes": 1,
-        "intra": {"kind": "switch",
-                  "port_GBps": round(flow / 1e9, 4), "flow_GBps": round(flow / 1e9, 4),
-                  "fabric_GBps": round(min(fabric, 2 * flow) / 1e9, 4),
-                  "latency_us": round(alpha * 1e6, 2),
-                  "measured": {"one_flow_s": {int(k): v for k, v in one.items()},
-                               "ring4_s": {int(k): v for k, v in ring4.items()}}},
-        "compute": {"shared_cores": round(eff_cores, 3), "table": table_path.name,
-                    "cores": cores},
+        "intra": {
+            "kind": "switch",
+            "port_GBps": round(flow / 1e9, 4),
+            "flow_GBps": round(flow / 1e9, 4),
+            "fabric_GBps": round(min(fabric, 2 * flow) / 1e9, 4),
+            "latency_us": round(alpha * 1e6, 2),
+            "measured": {
+                "one_flow_s": {int(k): v for k, v in one.items()},
+                "ring4_s": {int(k): v for k, v in ring4.items()},
+            },
+        },
+        "compute": {"shared_cores": round(eff_cores, 3), "table": table_path.name, "cores": cores},
     }
     out.write_text(yaml.safe_dump(topo, sort_keys=False))
-    log(f"latency {alpha * 1e6:.1f} us, one flow {flow / 1e9:.2f} GB/s, 4-rank ring {fabric / 1e9:.2f} GB/s "
-        f"aggregate -> {out}")
+    log(
+        f"latency {alpha * 1e6:.1f} us, one flow {flow / 1e9:.2f} GB/s, 4-rank ring {fabric / 1e9:.2f} GB/s "
+        f"aggregate -> {out}"
+    )
     return out

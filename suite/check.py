@@ -21,6 +21,7 @@ one block of 16 at P = 16) stays invisible; float32 runs catch it.
 The reference is computed in chunks of query rows, so its memory stays bounded
 (chunk x S scores at a time) whatever the sequence length.
 """
+
 from __future__ import annotations
 
 import math
@@ -43,13 +44,13 @@ class Problem:
     """Global inputs of one problem and, when checked, its float64 reference (shared by every
     method and world size of the problem; `tolerance` depends on the world size)."""
 
-    q: torch.Tensor       # [B, S, H, D] in the trial dtype
-    k: torch.Tensor       # [B, S, Hkv, D]
+    q: torch.Tensor  # [B, S, H, D] in the trial dtype
+    k: torch.Tensor  # [B, S, Hkv, D]
     v: torch.Tensor
-    dout: torch.Tensor    # [B, S, H, D]
-    ref: dict[str, torch.Tensor] = field(default_factory=dict)   # out, lse, dq, dk, dv in float64
-    naive_err: dict[str, float] = field(default_factory=dict)    # max |naive same-dtype - ref|
-    ref_scale: dict[str, float] = field(default_factory=dict)    # max(1, max |ref|)
+    dout: torch.Tensor  # [B, S, H, D]
+    ref: dict[str, torch.Tensor] = field(default_factory=dict)  # out, lse, dq, dk, dv in float64
+    naive_err: dict[str, float] = field(default_factory=dict)  # max |naive same-dtype - ref|
+    ref_scale: dict[str, float] = field(default_factory=dict)  # max(1, max |ref|)
 
     def tolerance(self, name: str, world_size: int) -> float:
         """The pass-rule bound for tensor `name` of a method running on `world_size` ranks."""
@@ -70,8 +71,9 @@ def problem_seed(seed: int, problem_key: tuple) -> int:
     return (seed * 1_000_003 + zlib.crc32(repr(problem_key).encode())) % 2**63
 
 
-def make_inputs(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, dtype: str,
-                seed: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+def make_inputs(
+    batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, dtype: str, seed: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
     """q, k, v, dout ~ N(0, 1), generated in float32 on `device` from `seed`, cast to `dtype`."""
     gen = torch.Generator(device=device).manual_seed(seed)
     dt = torch_dtype(dtype)
@@ -82,8 +84,17 @@ def make_inputs(batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: i
     return rnd(heads), rnd(kv_heads), rnd(kv_heads), rnd(heads)
 
 
-def reference_attention(q, k, v, dout: Optional[torch.Tensor], *, causal: bool, scale: float,
-                        upcast: bool = True, documents: Optional[Documents] = None) -> dict[str, torch.Tensor]:
+def reference_attention(
+    q,
+    k,
+    v,
+    dout: Optional[torch.Tensor],
+    *,
+    causal: bool,
+    scale: float,
+    upcast: bool = True,
+    documents: Optional[Documents] = None,
+) -> dict[str, torch.Tensor]:
     """Attention (and its gradients if `dout` is given) by explicit products, in query-row chunks.
 
     With `upcast` the inputs are converted to float64 first (the reference); without, the
@@ -99,6 +110,7 @@ def reference_attention(q, k, v, dout: Optional[torch.Tensor], *, causal: bool, 
     acc = merge.acc_dtype(q.dtype)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h, s, dtype=acc, device=q.device)
+
     def visible(c0: int):
         if documents is None:
             return None
@@ -106,9 +118,16 @@ def reference_attention(q, k, v, dout: Optional[torch.Tensor], *, causal: bool, 
 
     for c0 in range(0, s, rows):
         # Rows c0.. see keys j <= c0 + i: a block with causal_offset c0.
-        o, l = kernels.math_forward(q[:, c0:c0 + rows], k, v, scale=scale,
-                                    causal_offset=c0 if causal else None, upcast=upcast, visible=visible(c0))
-        out[:, c0:c0 + rows], lse[:, :, c0:c0 + rows] = o, l
+        o, l = kernels.math_forward(
+            q[:, c0 : c0 + rows],
+            k,
+            v,
+            scale=scale,
+            causal_offset=c0 if causal else None,
+            upcast=upcast,
+            visible=visible(c0),
+        )
+        out[:, c0 : c0 + rows], lse[:, :, c0 : c0 + rows] = o, l
     result = {"out": out, "lse": lse}
     if dout is None:
         return result
@@ -117,9 +136,18 @@ def reference_attention(q, k, v, dout: Optional[torch.Tensor], *, causal: bool, 
     dv = torch.zeros(v.shape, dtype=acc, device=q.device)
     for c0 in range(0, s, rows):
         sl = slice(c0, c0 + rows)
-        gq, gk, gv = kernels.math_backward(dout[:, sl], q[:, sl], k, v, out[:, sl], lse[:, :, sl], scale=scale,
-                                           causal_offset=c0 if causal else None, upcast=upcast,
-                                           visible=visible(c0))
+        gq, gk, gv = kernels.math_backward(
+            dout[:, sl],
+            q[:, sl],
+            k,
+            v,
+            out[:, sl],
+            lse[:, :, sl],
+            scale=scale,
+            causal_offset=c0 if causal else None,
+            upcast=upcast,
+            visible=visible(c0),
+        )
         dq[:, sl] = gq
         dk += gk
         dv += gv
@@ -134,14 +162,25 @@ def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
-def build_problem(batch, seq_len, heads, kv_heads, head_dim, dtype, causal, *extra, seed: int,
-                  device: torch.device, with_reference: bool, documents: Optional[Documents] = None) -> Problem:
+def build_problem(
+    batch,
+    seq_len,
+    heads,
+    kv_heads,
+    head_dim,
+    dtype,
+    causal,
+    *extra,
+    seed: int,
+    device: torch.device,
+    with_reference: bool,
+    documents: Optional[Documents] = None,
+) -> Problem:
     """Inputs of one problem and, with `with_reference`, the float64 reference of out, lse and the
     gradients (computed once; forward-only trials of the same problem use part of it). `documents`
     (no padding: the true length) packs the sequences; `extra` is the rest of the problem key."""
     key = (batch, seq_len, heads, kv_heads, head_dim, dtype, causal) + tuple(extra)
-    q, k, v, dout = make_inputs(batch, seq_len, heads, kv_heads, head_dim, dtype,
-                                problem_seed(seed, key), device)
+    q, k, v, dout = make_inputs(batch, seq_len, heads, kv_heads, head_dim, dtype, problem_seed(seed, key), device)
     prob = Problem(q, k, v, dout)
     if with_reference:
         scale = kernels.default_scale(head_dim)

@@ -1,4 +1,5 @@
 """`python -m suite`: run a sweep, list methods, open the MLflow UI, re-log a stored sweep."""
+
 from __future__ import annotations
 
 import argparse
@@ -26,109 +27,187 @@ EPILOG = """examples:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m suite", description="Sequence-parallel attention benchmark suite",
-                                epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m suite",
+        description="Sequence-parallel attention benchmark suite",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    run = sub.add_parser("run", help="run a sweep from a YAML config",
-                         description="Run every trial of a sweep: check each method against float64 attention, "
-                                     "time it, count its bytes; write results/<name>/<time>/ and log to MLflow.",
-                         formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+    run = sub.add_parser(
+        "run",
+        help="run a sweep from a YAML config",
+        description="Run every trial of a sweep: check each method against float64 attention, "
+        "time it, count its bytes; write results/<name>/<time>/ and log to MLflow.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=EPILOG,
+    )
     run.add_argument("config", help="path to a sweep YAML (e.g. configs/quickstart.yaml)")
-    run.add_argument("overrides", nargs="*", help="Hydra-style overrides: key=value (run.repeats=3, "
-                                                  "sweep.world_size=[2,4], sweep.seq_len=512,1024)")
-    run.add_argument("--resume", nargs="?", const="latest", default=None, metavar="RUN_DIR",
-                     help="continue an interrupted sweep: skip trials already recorded (default: the latest "
-                          "run folder of this sweep)")
-    run.add_argument("--force", action="store_true",
-                     help="with --resume: continue even where a setting that changes results (run.repeats, "
-                          "run.check, run.seed, ...) or the sweep name differs from the folder's; the change is "
-                          "recorded in the folder's resumes.jsonl")
+    run.add_argument(
+        "overrides",
+        nargs="*",
+        help="Hydra-style overrides: key=value (run.repeats=3, sweep.world_size=[2,4], sweep.seq_len=512,1024)",
+    )
+    run.add_argument(
+        "--resume",
+        nargs="?",
+        const="latest",
+        default=None,
+        metavar="RUN_DIR",
+        help="continue an interrupted sweep: skip trials already recorded (default: the latest "
+        "run folder of this sweep)",
+    )
+    run.add_argument(
+        "--force",
+        action="store_true",
+        help="with --resume: continue even where a setting that changes results (run.repeats, "
+        "run.check, run.seed, ...) or the sweep name differs from the folder's; the change is "
+        "recorded in the folder's resumes.jsonl",
+    )
     run.add_argument("--dry-run", action="store_true", help="print the planned trials and whether each can run here")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
-    adv = sub.add_parser("advise", help="rank methods x degrees for a model, a cluster and a length mix (simulated)",
-                         description="Which sequence-parallel configuration to use: every own method x its "
-                                     "Ulysses/ring degrees, layouts and ranks per node, pruned by validity and "
-                                     "memory, predicted by the simulator (a sweep with executor=sim) and ranked "
-                                     "by step time.")
-    adv.add_argument("--model", required=True, help="a model of configs/models (llama3_8b, llama3_70b, qwen2_5_7b, "
-                                                    "qwen2_5_72b, mistral_7b), a model YAML, or "
-                                                    "heads/kv_heads/head_dim such as 32/8/128")
-    adv.add_argument("--topology", required=True, help="a name in configs/topologies (h100_sxm, mi300x, ...) or a "
-                                                       "topology YAML, e.g. results/calibration/cpu_host.yaml from "
-                                                       "`suite calibrate`")
+    adv = sub.add_parser(
+        "advise",
+        help="rank methods x degrees for a model, a cluster and a length mix (simulated)",
+        description="Which sequence-parallel configuration to use: every own method x its "
+        "Ulysses/ring degrees, layouts and ranks per node, pruned by validity and "
+        "memory, predicted by the simulator (a sweep with executor=sim) and ranked "
+        "by step time.",
+    )
+    adv.add_argument(
+        "--model",
+        required=True,
+        help="a model of configs/models (llama3_8b, llama3_70b, qwen2_5_7b, "
+        "qwen2_5_72b, mistral_7b), a model YAML, or "
+        "heads/kv_heads/head_dim such as 32/8/128",
+    )
+    adv.add_argument(
+        "--topology",
+        required=True,
+        help="a name in configs/topologies (h100_sxm, mi300x, ...) or a "
+        "topology YAML, e.g. results/calibration/cpu_host.yaml from "
+        "`suite calibrate`",
+    )
     adv.add_argument("--nodes", type=int, default=None, help="nodes of the topology (default 1)")
-    adv.add_argument("--gpus", type=int, default=None, help="ranks sharing the sequence (default: every GPU of "
-                                                            "--nodes; give it for a CPU host topology, e.g. 4)")
+    adv.add_argument(
+        "--gpus",
+        type=int,
+        default=None,
+        help="ranks sharing the sequence (default: every GPU of --nodes; give it for a CPU host topology, e.g. 4)",
+    )
     adv.add_argument("--seq-len", type=int, default=None, help="tokens per sequence, global (default 131072)")
-    adv.add_argument("--workload", default=None, help="length mix: uniform (default), a histogram of configs/documents "
-                                                      "(stdlib_files) or a file, or lognormal:median=M,sigma=S")
+    adv.add_argument(
+        "--workload",
+        default=None,
+        help="length mix: uniform (default), a histogram of configs/documents "
+        "(stdlib_files) or a file, or lognormal:median=M,sigma=S",
+    )
     adv.add_argument("--batch", type=int, default=1)
     adv.add_argument("--memory-gb", type=float, default=None, help="memory budget per GPU for attention (GB)")
-    adv.add_argument("--recompute", action="store_true", help="activation recomputation: the other layers keep only "
-                                                               "their input hidden states for backward (memory)")
+    adv.add_argument(
+        "--recompute",
+        action="store_true",
+        help="activation recomputation: the other layers keep only their input hidden states for backward (memory)",
+    )
     adv.add_argument("--pass", dest="pass_", default="fwd_bwd", choices=["fwd", "fwd_bwd"])
-    adv.add_argument("--dtype", default="auto", help="auto: bfloat16 where the topology has a rate for it, "
-                                                    "else float32")
+    adv.add_argument(
+        "--dtype", default="auto", help="auto: bfloat16 where the topology has a rate for it, else float32"
+    )
     adv.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention instead of causal")
-    adv.add_argument("--ulysses-degree", type=int, action="append", default=None,
-                     help="weigh only this Ulysses degree (repeatable)")
+    adv.add_argument(
+        "--ulysses-degree", type=int, action="append", default=None, help="weigh only this Ulysses degree (repeatable)"
+    )
     adv.add_argument("--top", type=int, default=10, help="rows shown, and configurations --emit-config measures")
-    adv.add_argument("--out", default=None, help="folder for advice.md and advice.csv (default "
-                                                 "reports/<sweep name>_<seq len>)")
+    adv.add_argument(
+        "--out", default=None, help="folder for advice.md and advice.csv (default reports/<sweep name>_<seq len>)"
+    )
     adv.add_argument("--emit-config", default=None, help="write a sweep YAML measuring the top --top (executor dist)")
-    adv.add_argument("--compare", default=None, metavar="RESULTS_DIR",
-                     help="a measured run (or sweep) folder: print predicted vs measured order and Spearman's rho")
+    adv.add_argument(
+        "--compare",
+        default=None,
+        metavar="RESULTS_DIR",
+        help="a measured run (or sweep) folder: print predicted vs measured order and Spearman's rho",
+    )
     adv.add_argument("--results-root", default="results")
     adv.add_argument("--no-mlflow", action="store_true", help="do not log the simulated sweep to MLflow")
 
     sub.add_parser("list", help="list every method and kernel, whether it can run here, and why not")
 
-    ui = sub.add_parser("ui", help="start the MLflow UI (default http://127.0.0.1:5000) over the suite's tracking "
-                                   "store")
-    ui.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface, for a "
-                                                         "remote node; anyone who reaches it can read and edit runs)")
+    ui = sub.add_parser(
+        "ui", help="start the MLflow UI (default http://127.0.0.1:5000) over the suite's tracking store"
+    )
+    ui.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (0.0.0.0: every interface, for a "
+        "remote node; anyone who reaches it can read and edit runs)",
+    )
     ui.add_argument("--port", type=int, default=5000)
     ui.add_argument("--workers", type=int, default=None, help="server worker processes (MLflow's default: 4)")
-    ui.add_argument("--allowed-hosts", default=None,
-                    help="host names the server answers to besides localhost (MLflow's --allowed-hosts), e.g. "
-                         "the node's name when the UI is opened through it")
+    ui.add_argument(
+        "--allowed-hosts",
+        default=None,
+        help="host names the server answers to besides localhost (MLflow's --allowed-hosts), e.g. "
+        "the node's name when the UI is opened through it",
+    )
     ui.add_argument("--results-root", default="results", help="folder holding mlflow.db (default: results)")
-    ui.add_argument("--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or "
-                                                "sqlite:///<results-root>/mlflow.db)")
+    ui.add_argument(
+        "--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///<results-root>/mlflow.db)"
+    )
 
-    rep = sub.add_parser("report", help="tables, figures and an HTML page from stored results (nothing is rerun)",
-                         description="Regenerate paper-style tables (Markdown, LaTeX, CSV), figures (PNG, PDF) and a "
-                                     "self-contained HTML page from results folders; several sweeps may be combined.")
-    rep.add_argument("results", nargs="*", metavar="RESULTS_DIR",
-                     help="run folders (results/<sweep>/<time>) or sweep folders (their latest run); default: the "
-                          "latest run of every sweep under --results-root")
+    rep = sub.add_parser(
+        "report",
+        help="tables, figures and an HTML page from stored results (nothing is rerun)",
+        description="Regenerate paper-style tables (Markdown, LaTeX, CSV), figures (PNG, PDF) and a "
+        "self-contained HTML page from results folders; several sweeps may be combined.",
+    )
+    rep.add_argument(
+        "results",
+        nargs="*",
+        metavar="RESULTS_DIR",
+        help="run folders (results/<sweep>/<time>) or sweep folders (their latest run); default: the "
+        "latest run of every sweep under --results-root",
+    )
     rep.add_argument("--out", default=None, help="output folder (default: reports/<sweep names>)")
-    rep.add_argument("--baseline", default=None,
-                     help="method the speedup tables and figures divide by (default: ring, where the runs have it)")
+    rep.add_argument(
+        "--baseline",
+        default=None,
+        help="method the speedup tables and figures divide by (default: ring, where the runs have it)",
+    )
     rep.add_argument("--results-root", default="results")
     rep.add_argument("--mlflow-experiment", default=None, help="also read the child runs of this MLflow experiment")
     rep.add_argument("--mlflow-uri", default=None)
     rep.add_argument("--no-mlflow", action="store_true", help="do not attach the HTML to the sweeps' MLflow runs")
 
-    cal = sub.add_parser("calibrate", help="measure kernel times (and, on CPU, loopback links) for the simulator",
-                         description="Time every block shape a sweep's schedules emit with the suite's kernels on "
-                                     "this device and write a topology YAML for run.executor=sim: on CPU a full model "
-                                     "of this host (gloo loopback latency and bandwidth measured too), on a GPU the "
-                                     "--base topology with its roofline replaced by the measured table.")
+    cal = sub.add_parser(
+        "calibrate",
+        help="measure kernel times (and, on CPU, loopback links) for the simulator",
+        description="Time every block shape a sweep's schedules emit with the suite's kernels on "
+        "this device and write a topology YAML for run.executor=sim: on CPU a full model "
+        "of this host (gloo loopback latency and bandwidth measured too), on a GPU the "
+        "--base topology with its roofline replaced by the measured table.",
+    )
     cal.add_argument("config", help="sweep YAML whose block shapes to time (its methods, sizes and world sizes)")
     cal.add_argument("overrides", nargs="*", help="Hydra-style overrides, as for run")
     cal.add_argument("--out", default=None, help="topology file to write (default: results/calibration/<host>.yaml)")
     cal.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    cal.add_argument("--threads", type=int, default=None, help="CPU threads per kernel (default: as the dist "
-                                                               "executor gives each rank of the smallest world size)")
+    cal.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads per kernel (default: as the dist executor gives each rank of the smallest world size)",
+    )
     cal.add_argument("--repeats", type=int, default=5)
     cal.add_argument("--base", default="h100_sxm", help="GPU only: topology whose links and placement to keep")
 
-    hf = sub.add_parser("hf-perplexity", help="perplexity of a Hugging Face causal LM with its attention replaced "
-                        "by suite methods (virtual ranks), against its own eager attention",
-                        description="Numerics, not performance: ranks are threads of this process (ThreadComm).")
+    hf = sub.add_parser(
+        "hf-perplexity",
+        help="perplexity of a Hugging Face causal LM with its attention replaced "
+        "by suite methods (virtual ranks), against its own eager attention",
+        description="Numerics, not performance: ranks are threads of this process (ThreadComm).",
+    )
     hf.add_argument("model", help="a local model folder (from_pretrained, no download) or tiny-llama (random, tiny)")
     hf.add_argument("--methods", default="ring,zigzag_ring,ulysses", help="comma-separated method names")
     hf.add_argument("--world-size", default="2,4", help="comma-separated world sizes")
@@ -164,6 +243,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _list()
     if args.command == "advise":
         from suite.advise import run_command
+
         return run_command(args)
     if args.command == "ui":
         return _ui(args)
@@ -176,14 +256,17 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.command == "relog":
         from suite.env import redact_uri
         from suite.tracking import relog
+
         tracker = relog(args.run_dir, args.uri, args.experiment)
         if not tracker.enabled:
             print(f"relog failed: {tracker.disabled_reason}", file=sys.stderr)
             return 1
         c = tracker.counts
-        print(f"logged {args.run_dir} to {redact_uri(tracker.uri)} (parent run {tracker.parent_run_id}): "
-              f"{c['logged']} child runs added, {c['completed']} completed, {c['deleted']} duplicates deleted, "
-              f"{c['killed']} stale runs ended KILLED")
+        print(
+            f"logged {args.run_dir} to {redact_uri(tracker.uri)} (parent run {tracker.parent_run_id}): "
+            f"{c['logged']} child runs added, {c['completed']} completed, {c['deleted']} duplicates deleted, "
+            f"{c['killed']} stale runs ended KILLED"
+        )
         print(f"runs: {tracker.link} (serve it with `python -m suite ui`)")
         return 0
     return 2
@@ -218,8 +301,9 @@ def _calibrate(args) -> int:
         return 2
     label = "".join(c if c.isalnum() or c in "-_." else "_" for c in hardware_label(device))[:60]
     out = Path(args.out or f"results/calibration/{label}.yaml")
-    path = calibrate(cfg, out=out, device=torch.device(device), threads=args.threads, repeats=args.repeats,
-                     base=args.base)
+    path = calibrate(
+        cfg, out=out, device=torch.device(device), threads=args.threads, repeats=args.repeats, base=args.base
+    )
     print(f"wrote {path}; use it with run.executor=sim sim.topology=[{path}]")
     return 0
 
@@ -232,12 +316,14 @@ def _run(args) -> int:
     if loaded is None:
         return 2
     cfg, yaml_text = loaded
-    return sweep_exit_code(cfg, yaml_text, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress,
-                           force=args.force)
+    return sweep_exit_code(
+        cfg, yaml_text, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress, force=args.force
+    )
 
 
-def sweep_exit_code(cfg, yaml_text: str, *, resume: Optional[str], dry_run: bool, progress: bool,
-                    force: bool = False) -> int:
+def sweep_exit_code(
+    cfg, yaml_text: str, *, resume: Optional[str], dry_run: bool, progress: bool, force: bool = False
+) -> int:
     """Run a loaded sweep as a command does (`suite run`, the Hydra app): SIGTERM/SIGHUP stop it like
     Ctrl-C, and each way it can end is one line and an exit code."""
     from suite.config import ConfigError
@@ -255,8 +341,10 @@ def sweep_exit_code(cfg, yaml_text: str, *, resume: Optional[str], dry_run: bool
         return 2
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", signal.SIGINT)
-        print(f"\ninterrupted ({signal.Signals(signum).name}): every finished trial is saved; continue with "
-              f"--resume", file=sys.stderr)
+        print(
+            f"\ninterrupted ({signal.Signals(signum).name}): every finished trial is saved; continue with --resume",
+            file=sys.stderr,
+        )
         return 128 + signum
     return 0
 
@@ -279,6 +367,7 @@ class _signals_interrupt:
     def __enter__(self):
         def handler(signum, frame):
             raise Terminated(signum)
+
         # a signal ignored on entry (SIGHUP under nohup) stays ignored
         self._old = {s: signal.signal(s, handler) for s in self.SIGNALS if signal.getsignal(s) is not signal.SIG_IGN}
         return self
@@ -300,17 +389,37 @@ def _hf_perplexity(args) -> int:
     from suite.perplexity.hf import hf_perplexity, load_model_and_batches
 
     try:
-        model, batches = load_model_and_batches(args.model, text_path=args.text, batch=args.batch,
-                                                seq_len=args.seq_len, batches=args.batches, dtype=args.dtype,
-                                                device=args.device)
+        model, batches = load_model_and_batches(
+            args.model,
+            text_path=args.text,
+            batch=args.batch,
+            seq_len=args.seq_len,
+            batches=args.batches,
+            dtype=args.dtype,
+            device=args.device,
+        )
         results = hf_perplexity(model, batches, args.methods.split(","), [int(p) for p in args.world_size.split(",")])
     except (OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    rows = [[r.method, r.world_size, f"{r.perplexity:.6f}", f"{r.eager_perplexity:.6f}", f"{r.rel_diff:+.2e}",
-             f"{r.max_logit_diff:.2e}"] for r in results]
-    print(tabulate(rows, headers=["method", "P (threads)", "perplexity", "eager perplexity", "rel. diff",
-                                  "max |logit diff|"], disable_numparse=True))
+    rows = [
+        [
+            r.method,
+            r.world_size,
+            f"{r.perplexity:.6f}",
+            f"{r.eager_perplexity:.6f}",
+            f"{r.rel_diff:+.2e}",
+            f"{r.max_logit_diff:.2e}",
+        ]
+        for r in results
+    ]
+    print(
+        tabulate(
+            rows,
+            headers=["method", "P (threads)", "perplexity", "eager perplexity", "rel. diff", "max |logit diff|"],
+            disable_numparse=True,
+        )
+    )
     return 0
 
 
@@ -327,9 +436,16 @@ def _report(args) -> int:
         counting[0] = live
 
     try:
-        rep = build_report(args.results, out=args.out, baseline=args.baseline, results_root=args.results_root,
-                           mlflow_experiment=args.mlflow_experiment, mlflow_uri=args.mlflow_uri,
-                           log_to_mlflow=not args.no_mlflow, progress=progress)
+        rep = build_report(
+            args.results,
+            out=args.out,
+            baseline=args.baseline,
+            results_root=args.results_root,
+            mlflow_experiment=args.mlflow_experiment,
+            mlflow_uri=args.mlflow_uri,
+            log_to_mlflow=not args.no_mlflow,
+            progress=progress,
+        )
     except (FileNotFoundError, ReportError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -371,14 +487,29 @@ def _list() -> int:
     from suite.sim.topology import available_topologies
 
     cuda = torch.cuda.is_available()
-    erows = [["dist", "yes", f"worker processes over torch.distributed ({'nccl' if cuda else 'gloo'}); "
-                             "the only executor whose timings are performance"],
-             ["threads", "yes", "virtual ranks in one process (numerics; timings are not hardware communication)"],
-             ["sim", "yes", "predicted on a topology model, nothing runs; topologies: "
-                            + ", ".join(available_topologies()) + " (or a file from `suite calibrate`)"],
-             ["cuda device", "yes" if cuda else "no",
-              f"{torch.cuda.device_count()} GPU(s)" if cuda else "no CUDA device: GPU kernels, NCCL and CUDA timing "
-                                                                 "are unavailable here"]]
+    erows = [
+        [
+            "dist",
+            "yes",
+            f"worker processes over torch.distributed ({'nccl' if cuda else 'gloo'}); "
+            "the only executor whose timings are performance",
+        ],
+        ["threads", "yes", "virtual ranks in one process (numerics; timings are not hardware communication)"],
+        [
+            "sim",
+            "yes",
+            "predicted on a topology model, nothing runs; topologies: "
+            + ", ".join(available_topologies())
+            + " (or a file from `suite calibrate`)",
+        ],
+        [
+            "cuda device",
+            "yes" if cuda else "no",
+            f"{torch.cuda.device_count()} GPU(s)"
+            if cuda
+            else "no CUDA device: GPU kernels, NCCL and CUDA timing are unavailable here",
+        ],
+    ]
     print("\nExecutors and devices")
     print(tabulate(erows, headers=["", "available", "notes"], tablefmt="simple"))
     return 0
@@ -393,8 +524,18 @@ def _ui(args) -> int:
     from suite.tracking import default_uri
 
     uri = args.uri or default_uri(args.results_root)
-    cmd = [sys.executable, "-m", "mlflow", "ui", "--backend-store-uri", uri, "--host", args.host,
-           "--port", str(args.port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "mlflow",
+        "ui",
+        "--backend-store-uri",
+        uri,
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+    ]
     if args.workers:
         cmd += ["--workers", str(args.workers)]
     if args.allowed_hosts:
@@ -443,8 +584,12 @@ def _experiment_links(uri: str, base: str) -> list[str]:
     (the server shows them all anyway)."""
     try:
         from suite.tracking import open_client_readonly, runs_link
+
         client = open_client_readonly(uri)
-        return [f"{e.name}: {runs_link(uri, e.experiment_id, base)}" for e in client.search_experiments()
-                if e.name != "Default"]
+        return [
+            f"{e.name}: {runs_link(uri, e.experiment_id, base)}"
+            for e in client.search_experiments()
+            if e.name != "Default"
+        ]
     except Exception:  # noqa: BLE001
         return []

@@ -1,4 +1,5 @@
 """Environment fingerprint stored with every sweep (hardware, drivers, package versions, git)."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -14,22 +15,63 @@ from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
-PACKAGES = ("torch", "numpy", "pandas", "pyarrow", "matplotlib", "hydra-core", "omegaconf",
-            "mlflow", "flash-attn", "flash_attn_3", "yunchang", "ring-flash-attn", "transformers")
+PACKAGES = (
+    "torch",
+    "numpy",
+    "pandas",
+    "pyarrow",
+    "matplotlib",
+    "hydra-core",
+    "omegaconf",
+    "mlflow",
+    "flash-attn",
+    "flash_attn_3",
+    "yunchang",
+    "ring-flash-attn",
+    "transformers",
+)
 
 
 # Environment variables recorded with a run: those that change what a number means (threads, NCCL
 # transport and algorithm choices, allocator and launch settings, the SLURM job). An allowlist, not
 # prefixes: a prefix such as TORCH_ or CUDA_ also catches tokens and paths that hold secrets.
-ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_MAX_CONNECTIONS",
-            "CUDA_LAUNCH_BLOCKING", "PYTORCH_CUDA_ALLOC_CONF", "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-            "TORCH_NCCL_BLOCKING_WAIT", "TORCH_DISTRIBUTED_DEBUG", "NCCL_ALGO", "NCCL_PROTO", "NCCL_DEBUG",
-            "NCCL_IB_DISABLE", "NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE", "NCCL_NET_GDR_LEVEL",
-            "NCCL_SOCKET_IFNAME", "NCCL_NVLS_ENABLE", "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS",
-            "NCCL_BUFFSIZE", "NCCL_CROSS_NIC", "SLURM_JOB_ID", "SLURM_JOB_NUM_NODES", "SLURM_JOB_PARTITION",
-            "MLFLOW_TRACKING_URI", "OMP_PROC_BIND", "OMP_PLACES", "CUDA_MODULE_LOADING",
-            "TORCH_NCCL_AVOID_RECORD_STREAMS", "TORCH_NCCL_HIGH_PRIORITY", "NCCL_IB_HCA", "NCCL_CUMEM_ENABLE",
-            "NCCL_TOPO_FILE")
+ENV_VARS = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "CUDA_LAUNCH_BLOCKING",
+    "PYTORCH_CUDA_ALLOC_CONF",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    "TORCH_NCCL_BLOCKING_WAIT",
+    "TORCH_DISTRIBUTED_DEBUG",
+    "NCCL_ALGO",
+    "NCCL_PROTO",
+    "NCCL_DEBUG",
+    "NCCL_IB_DISABLE",
+    "NCCL_P2P_DISABLE",
+    "NCCL_P2P_LEVEL",
+    "NCCL_SHM_DISABLE",
+    "NCCL_NET_GDR_LEVEL",
+    "NCCL_SOCKET_IFNAME",
+    "NCCL_NVLS_ENABLE",
+    "NCCL_MIN_NCHANNELS",
+    "NCCL_MAX_NCHANNELS",
+    "NCCL_BUFFSIZE",
+    "NCCL_CROSS_NIC",
+    "SLURM_JOB_ID",
+    "SLURM_JOB_NUM_NODES",
+    "SLURM_JOB_PARTITION",
+    "MLFLOW_TRACKING_URI",
+    "OMP_PROC_BIND",
+    "OMP_PLACES",
+    "CUDA_MODULE_LOADING",
+    "TORCH_NCCL_AVOID_RECORD_STREAMS",
+    "TORCH_NCCL_HIGH_PRIORITY",
+    "NCCL_IB_HCA",
+    "NCCL_CUMEM_ENABLE",
+    "NCCL_TOPO_FILE",
+)
 _URI_VARS = ("MLFLOW_TRACKING_URI",)
 
 
@@ -58,8 +100,7 @@ def redact_uri(uri: Optional[str]) -> Optional[str]:
 
 def env_vars() -> dict[str, str]:
     """The allowlisted variables that are set, URIs redacted."""
-    return {k: (redact_uri(os.environ[k]) if k in _URI_VARS else os.environ[k])
-            for k in ENV_VARS if k in os.environ}
+    return {k: (redact_uri(os.environ[k]) if k in _URI_VARS else os.environ[k]) for k in ENV_VARS if k in os.environ}
 
 
 def _run(cmd: list[str], timeout: float = 10.0) -> Optional[str]:
@@ -94,8 +135,6 @@ def git_info() -> dict:
     commit = _run(["git", "-C", str(root), "rev-parse", "HEAD"])
     dirty = _run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"])
     return {"commit": commit, "dirty": bool(dirty) if commit else None}
-
-
 
 
 def fingerprint(device: str) -> dict:

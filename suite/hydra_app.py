@@ -15,6 +15,7 @@ options.
 The composed config is validated by the same schema as `suite run` (suite/config.py), so errors
 name the key. Hydra runs in this parent process only; the workers get the validated dataclasses.
 """
+
 from __future__ import annotations
 
 import sys
@@ -43,8 +44,14 @@ def register(root: Path = CONFIGS) -> None:
     # sweep file on top: any setting can be overridden, also one the file does not mention.
     defaults = OmegaConf.to_container(OmegaConf.structured(SuiteConfig))
     defaults.pop("name")  # required: it comes from the sweep file
-    cs.store(name="suite", node={"defaults": ["_self_", {GROUP: "quickstart"}], **defaults,
-                                 "cli": {"dry_run": False, "resume": None, "progress": True, "force": False}})
+    cs.store(
+        name="suite",
+        node={
+            "defaults": ["_self_", {GROUP: "quickstart"}],
+            **defaults,
+            "cli": {"dry_run": False, "resume": None, "progress": True, "force": False},
+        },
+    )
 
 
 register()
@@ -62,8 +69,14 @@ def main(cfg: DictConfig) -> None:
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
-    code = sweep_exit_code(suite_cfg, text, resume=cli.get("resume"), dry_run=bool(cli.get("dry_run")),
-                           progress=bool(cli.get("progress", True)), force=bool(cli.get("force")))
+    code = sweep_exit_code(
+        suite_cfg,
+        text,
+        resume=cli.get("resume"),
+        dry_run=bool(cli.get("dry_run")),
+        progress=bool(cli.get("progress", True)),
+        force=bool(cli.get("force")),
+    )
     if code:
         raise SystemExit(code)
 

@@ -14,6 +14,7 @@ Distributions (`distribution:`):
   (a length drawn uniformly inside a bin chosen by weight); configs/documents/ ships some.
 Every distribution clips lengths to [`min`, `max`] (`max` 0: no cap).
 """
+
 from __future__ import annotations
 
 import functools
@@ -29,7 +30,7 @@ import numpy as np
 from methods.documents import Documents, pack
 from suite.bundled import DOCUMENTS
 
-UNIFORM = "uniform"       # one document per sequence: today's workload
+UNIFORM = "uniform"  # one document per sequence: today's workload
 DISTRIBUTIONS = ("fixed", "lognormal", "powerlaw", "histogram")
 
 
@@ -47,7 +48,7 @@ class Distribution:
 
     name: str
     distribution: str
-    params: tuple[tuple[str, Any], ...]    # the settings that define it, sorted (for identity)
+    params: tuple[tuple[str, Any], ...]  # the settings that define it, sorted (for identity)
 
     @classmethod
     def of(cls, name: str, distribution: str, settings: dict[str, Any]) -> "Distribution":
@@ -98,8 +99,10 @@ class Distribution:
         s = self.settings
         if self.distribution == "fixed":
             if sum(s["lengths"]) < seq_len:
-                raise LengthsError(f"documents.{self.name}.lengths",
-                                   f"{sum(s['lengths'])} tokens in all cannot fill a sequence of {seq_len}")
+                raise LengthsError(
+                    f"documents.{self.name}.lengths",
+                    f"{sum(s['lengths'])} tokens in all cannot fill a sequence of {seq_len}",
+                )
             return tuple(pack(_clip(s["lengths"], s), seq_len) for _ in range(batch))
         out = []
         for b in range(batch):
@@ -154,8 +157,11 @@ def _read_histogram(path: Path, key: str) -> tuple[tuple[int, int, float], ...]:
         data = yaml.safe_load(path.read_text())
         bins = tuple((int(lo), int(hi), float(w)) for lo, hi, w in data["bins"])
     except Exception as exc:  # noqa: BLE001 - any malformed file is the same error for the user
-        raise LengthsError(key, f"{path} does not parse as a histogram ({type(exc).__name__}: {exc}); "
-                                f"expected `bins: [[low, high, weight], ...]`") from None
+        raise LengthsError(
+            key,
+            f"{path} does not parse as a histogram ({type(exc).__name__}: {exc}); "
+            f"expected `bins: [[low, high, weight], ...]`",
+        ) from None
     if not bins or any(lo < 1 or hi < lo or w < 0 for lo, hi, w in bins) or sum(w for *_, w in bins) <= 0:
         raise LengthsError(key, f"{path}: bins need 1 <= low <= high and weights >= 0, not all 0")
     return bins
@@ -175,8 +181,19 @@ def identity(dist: Distribution, seq_len: int, batch: int, seed: int) -> str:
     lengths drawn for this (seq_len, batch)."""
     lengths = dist.draw(seq_len, batch, seed)
     digest = Documents(lengths, seq_len).digest()
-    return json.dumps({"documents": {"name": dist.name, "distribution": dist.distribution, **dist.settings,
-                                     "seed": seed, "digest": digest}}, sort_keys=True, separators=(",", ":"))
+    return json.dumps(
+        {
+            "documents": {
+                "name": dist.name,
+                "distribution": dist.distribution,
+                **dist.settings,
+                "seed": seed,
+                "digest": digest,
+            }
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
 
 
 @functools.lru_cache(maxsize=256)
@@ -189,8 +206,10 @@ def lengths_of(workload: str, seq_len: int, batch: int) -> Optional[tuple[tuple[
     settings = {k: v for k, v in spec.items() if k not in ("name", "distribution", "seed", "digest")}
     lengths = Distribution.of(spec["name"], spec["distribution"], settings).draw(seq_len, batch, spec["seed"])
     if Documents(lengths, seq_len).digest() != spec["digest"]:
-        raise RuntimeError(f"the documents drawn here ({spec['name']}) differ from the planned ones (digest "
-                           f"{spec['digest']}): every process must draw the same lengths (same numpy version?)")
+        raise RuntimeError(
+            f"the documents drawn here ({spec['name']}) differ from the planned ones (digest "
+            f"{spec['digest']}): every process must draw the same lengths (same numpy version?)"
+        )
     return lengths
 
 
@@ -202,16 +221,19 @@ def write_stdlib_histogram(path: str | Path) -> Path:
 
     root = Path(sysconfig.get_paths()["stdlib"])
     skip = {"site-packages", "dist-packages", "test", "tests", "idlelib"}
-    sizes = sorted(s for s in (p.stat().st_size for p in root.rglob("*.py")
-                               if not skip & set(p.relative_to(root).parts)) if s > 0)
+    sizes = sorted(
+        s for s in (p.stat().st_size for p in root.rglob("*.py") if not skip & set(p.relative_to(root).parts)) if s > 0
+    )
     edges = sorted({1} | {int(round(2 ** (k / 2))) for k in range(2, 2 * math.ceil(math.log2(sizes[-1] + 1)) + 2)})
     bins = [(lo, hi - 1, sum(lo <= s < hi for s in sizes)) for lo, hi in zip(edges[:-1], edges[1:])]
-    lines = ["# Document lengths of the Python standard library's source files (bytes, the byte tokens of the",
-             "# perplexity corpus): a real long-tailed distribution available offline, as an empirical histogram.",
-             f"# {len(sizes)} files of Python {sys.version.split()[0]}; median {sizes[len(sizes) // 2]}, max "
-             f"{sizes[-1]} bytes. Made by:",
-             f"#   python -c \"from suite.lengths import write_stdlib_histogram as w; w('{Path(path).as_posix()}')\"",
-             "bins:  # [low, high, weight]"]
+    lines = [
+        "# Document lengths of the Python standard library's source files (bytes, the byte tokens of the",
+        "# perplexity corpus): a real long-tailed distribution available offline, as an empirical histogram.",
+        f"# {len(sizes)} files of Python {sys.version.split()[0]}; median {sizes[len(sizes) // 2]}, max "
+        f"{sizes[-1]} bytes. Made by:",
+        f"#   python -c \"from suite.lengths import write_stdlib_histogram as w; w('{Path(path).as_posix()}')\"",
+        "bins:  # [low, high, weight]",
+    ]
     lines += [f"  - [{lo}, {hi}, {n}]" for lo, hi, n in bins if n]
     out = Path(path)
     out.write_text("\n".join(lines) + "\n")

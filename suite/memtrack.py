@@ -7,6 +7,7 @@ storage's bytes when it is freed. `peak_bytes` is the most memory the region's o
 once, beyond what was alive before it. Kernel-internal workspaces that never become tensors are
 not seen. It costs a Python call per op, so trials run it in an untimed iteration.
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,8 +33,9 @@ class TensorMemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        inputs = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
-                  if isinstance(t, torch.Tensor)}
+        inputs = {
+            t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)
+        }
         self._prune()
         for t in tree_flatten(out)[0]:
             if not isinstance(t, torch.Tensor) or t.device.type == "meta":

@@ -4,14 +4,34 @@ Every column name of a trial row is a constant here, so that metric names live i
 Identity goes to MLflow params, numbers to metrics, environment to tags. This module imports
 nothing from the suite (nor torch), so that readers of stored results (reports) can use it alone.
 """
+
 from __future__ import annotations
 
 from typing import Any
 
 # The identity of a trial: what was run, where and how. Everything else in a row is a measurement.
-IDENTITY = ("method", "impl", "executor", "hardware", "topology", "world_size", "nodes", "ulysses_degree",
-            "ring_degree", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal", "pass",
-            "kernel", "options", "workload")
+IDENTITY = (
+    "method",
+    "impl",
+    "executor",
+    "hardware",
+    "topology",
+    "world_size",
+    "nodes",
+    "ulysses_degree",
+    "ring_degree",
+    "batch",
+    "seq_len",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "causal",
+    "pass",
+    "kernel",
+    "options",
+    "workload",
+)
 
 # -- statuses ------------------------------------------------------------------------------------
 OK, INCORRECT, SKIPPED, FAILED, TIMEOUT = "ok", "incorrect", "skipped", "failed", "timeout"
@@ -19,8 +39,8 @@ STATUSES = (OK, INCORRECT, SKIPPED, FAILED, TIMEOUT)
 
 # -- correctness ---------------------------------------------------------------------------------
 CHECKED_TENSORS = ("out", "lse", "dq", "dk", "dv")
-ERR = {t: f"err_{t}" for t in CHECKED_TENSORS}          # max |method - float64 reference|
-TOL = {t: f"tol_{t}" for t in CHECKED_TENSORS}          # allowed: 2 x naive same-dtype error + floor
+ERR = {t: f"err_{t}" for t in CHECKED_TENSORS}  # max |method - float64 reference|
+TOL = {t: f"tol_{t}" for t in CHECKED_TENSORS}  # allowed: 2 x naive same-dtype error + floor
 
 # -- row columns ---------------------------------------------------------------------------------
 KEY = "key"
@@ -34,51 +54,86 @@ TOKENS_PER_S = "tokens_per_s"
 BYTES_SENT = "bytes_sent_per_rank"
 BYTES_RECV = "bytes_recv_per_rank"
 COMM_OPS = "comm_ops"
-PEAK_MEM = "peak_mem_bytes"             # allocated by one iteration beyond what was alive before, max over ranks
+PEAK_MEM = "peak_mem_bytes"  # allocated by one iteration beyond what was alive before, max over ranks
 KERNEL_USED = "kernel_used"
 # time split (docs/DESIGN.md section 7), measured after the timed repeats
-KERNEL_MS = "kernel_ms"                  # time in block kernels, median-total iteration, mean over ranks
-COMM_WAIT_MS = "comm_wait_ms"            # time blocked in communication calls/waits, mean over ranks
-OVERHEAD_RATIO = "overhead_ratio"        # iteration / (kernel + comm wait): the method's own bookkeeping
-COMPUTE_ONLY_MS = "compute_only_ms"      # median iteration with communication replaced by no-ops
-COMM_ONLY_MS = "comm_only_ms"            # median iteration with block kernels replaced by no-ops
-CCR = "ccr"                              # compute_only / comm_only
-OVERLAP_EFF = "overlap_efficiency"       # (compute_only + comm_only - time) / min(compute_only, comm_only)
+KERNEL_MS = "kernel_ms"  # time in block kernels, median-total iteration, mean over ranks
+COMM_WAIT_MS = "comm_wait_ms"  # time blocked in communication calls/waits, mean over ranks
+OVERHEAD_RATIO = "overhead_ratio"  # iteration / (kernel + comm wait): the method's own bookkeeping
+COMPUTE_ONLY_MS = "compute_only_ms"  # median iteration with communication replaced by no-ops
+COMM_ONLY_MS = "comm_only_ms"  # median iteration with block kernels replaced by no-ops
+CCR = "ccr"  # compute_only / comm_only
+OVERLAP_EFF = "overlap_efficiency"  # (compute_only + comm_only - time) / min(compute_only, comm_only)
 DURATION_S = "trial_wall_s"
 STARTED_AT = "started_at"
 RUN_ID = "run_id"
 SEED, WARMUP, REPEATS = "seed", "warmup", "repeats"
 ERROR_TRACE = "error_trace"
 # model-level check (kind: perplexity); time_ms_* are then per training step, bytes per step
-LOSS_CURVE = "loss_curve"                # global mean training loss of every step (list)
-VAL_LOSS = "val_loss"                    # mean validation loss after training (nats per token)
-PPL = "perplexity"                       # exp(val_loss)
-PPL_BASELINE = "perplexity_baseline"     # the single-device baseline's perplexity
-PPL_REL_DIFF = "perplexity_rel_diff"     # perplexity / baseline - 1
+LOSS_CURVE = "loss_curve"  # global mean training loss of every step (list)
+VAL_LOSS = "val_loss"  # mean validation loss after training (nats per token)
+PPL = "perplexity"  # exp(val_loss)
+PPL_BASELINE = "perplexity_baseline"  # the single-device baseline's perplexity
+PPL_REL_DIFF = "perplexity_rel_diff"  # perplexity / baseline - 1
 LOSS_MAX_REL_DIFF = "loss_max_rel_diff"  # max over steps of |loss - baseline loss| / baseline loss
 
 # load balance and packed documents (sweep.workload)
-PADDED_TOKENS = "padded_tokens"          # tokens added at the tail so the layout divides the length (per sequence)
-PADDING_FRACTION = "padding_fraction"    # padded_tokens / the padded length
-DOC_LENGTHS = "doc_lengths"              # packed documents' lengths, per sequence (list of lists); None: one each
-DOCS_PER_SEQ = "docs_per_sequence"       # mean number of documents in a sequence
-PAIRS_MAX = "pairs_max_rank"             # visible (query, key) pairs x heads a rank's forward kernels compute, max
-PAIRS_MEAN = "pairs_mean_rank"           # ... and the mean over ranks
-IMBALANCE = "imbalance"                  # pairs_max_rank / pairs_mean_rank: the compute imbalance
-KERNEL_SPREAD = "kernel_ms_spread"       # max / mean over ranks of the measured time in block kernels
+PADDED_TOKENS = "padded_tokens"  # tokens added at the tail so the layout divides the length (per sequence)
+PADDING_FRACTION = "padding_fraction"  # padded_tokens / the padded length
+DOC_LENGTHS = "doc_lengths"  # packed documents' lengths, per sequence (list of lists); None: one each
+DOCS_PER_SEQ = "docs_per_sequence"  # mean number of documents in a sequence
+PAIRS_MAX = "pairs_max_rank"  # visible (query, key) pairs x heads a rank's forward kernels compute, max
+PAIRS_MEAN = "pairs_mean_rank"  # ... and the mean over ranks
+IMBALANCE = "imbalance"  # pairs_max_rank / pairs_mean_rank: the compute imbalance
+KERNEL_SPREAD = "kernel_ms_spread"  # max / mean over ranks of the measured time in block kernels
 
 BREAKDOWN = (KERNEL_MS, COMM_WAIT_MS, OVERHEAD_RATIO, COMPUTE_ONLY_MS, COMM_ONLY_MS, CCR, OVERLAP_EFF)
 BALANCE = (PADDED_TOKENS, PADDING_FRACTION, DOCS_PER_SEQ, PAIRS_MAX, PAIRS_MEAN, IMBALANCE, KERNEL_SPREAD)
 MODEL_CHECK = (VAL_LOSS, PPL, PPL_BASELINE, PPL_REL_DIFF, LOSS_MAX_REL_DIFF)
-NUMERIC_METRICS = (TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX, TFLOPS_PER_GPU, TOKENS_PER_S, BYTES_SENT,
-                   BYTES_RECV, PEAK_MEM, DURATION_S) + BREAKDOWN + BALANCE + tuple(ERR.values()) \
-    + tuple(TOL.values()) + MODEL_CHECK
+NUMERIC_METRICS = (
+    (
+        TIME_MS_MEDIAN,
+        TIME_MS_MIN,
+        TIME_MS_MAX,
+        TFLOPS_PER_GPU,
+        TOKENS_PER_S,
+        BYTES_SENT,
+        BYTES_RECV,
+        PEAK_MEM,
+        DURATION_S,
+    )
+    + BREAKDOWN
+    + BALANCE
+    + tuple(ERR.values())
+    + tuple(TOL.values())
+    + MODEL_CHECK
+)
 
-COLUMNS = ((KEY,) + IDENTITY + (STATUS, REASON, CHECKED) + tuple(ERR.values()) + tuple(TOL.values())
-           + (TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX, TFLOPS_PER_GPU, TOKENS_PER_S, BYTES_SENT, BYTES_RECV,
-              PEAK_MEM) + BREAKDOWN + BALANCE + MODEL_CHECK
-           + (LOSS_CURVE, DOC_LENGTHS, KERNEL_USED, COMM_OPS, TIME_MS_SAMPLES, SEED, WARMUP, REPEATS, DURATION_S,
-              STARTED_AT, RUN_ID, ERROR_TRACE))
+COLUMNS = (
+    (KEY,)
+    + IDENTITY
+    + (STATUS, REASON, CHECKED)
+    + tuple(ERR.values())
+    + tuple(TOL.values())
+    + (TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX, TFLOPS_PER_GPU, TOKENS_PER_S, BYTES_SENT, BYTES_RECV, PEAK_MEM)
+    + BREAKDOWN
+    + BALANCE
+    + MODEL_CHECK
+    + (
+        LOSS_CURVE,
+        DOC_LENGTHS,
+        KERNEL_USED,
+        COMM_OPS,
+        TIME_MS_SAMPLES,
+        SEED,
+        WARMUP,
+        REPEATS,
+        DURATION_S,
+        STARTED_AT,
+        RUN_ID,
+        ERROR_TRACE,
+    )
+)
 
 
 def attention_flops(batch: int, seq_len: int, heads: int, head_dim: int, causal: bool, pass_: str) -> float:
@@ -114,11 +169,12 @@ def method_label(method: str, options: dict[str, Any]) -> str:
 
 
 def workload_label(workload) -> str:
-    """"uniform" for one document per sequence, else "docs:<distribution name>" (from a row's
+    """ "uniform" for one document per sequence, else "docs:<distribution name>" (from a row's
     `workload` column; perplexity rows carry their model settings there too)."""
     if not workload or not isinstance(workload, str):
         return "uniform"
     import json
+
     try:
         docs = json.loads(workload).get("documents")
     except (ValueError, AttributeError):

@@ -3,6 +3,7 @@
 `expand` is given where trials run (`Place`s, from the executor) and what they are (the workload's
 passes and identity), so that planning needs neither the executors nor the workloads.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -35,8 +36,14 @@ class RunSettings:
     @classmethod
     def of(cls, cfg: SuiteConfig) -> "RunSettings":
         r = cfg.run
-        return cls(warmup=r.warmup, repeats=r.repeats, check=r.check, check_max_seq_len=r.check_max_seq_len,
-                   seed=r.seed, breakdown=r.breakdown)
+        return cls(
+            warmup=r.warmup,
+            repeats=r.repeats,
+            check=r.check,
+            check_max_seq_len=r.check_max_seq_len,
+            seed=r.seed,
+            breakdown=r.breakdown,
+        )
 
 
 @dataclass(frozen=True)
@@ -60,11 +67,11 @@ class TrialSpec:
     dtype: str
     causal: bool
     pass_: str
-    kernel: str                    # configured kernel ("auto" or a backend); the one used is measured
-    options: str = "{}"            # method options as canonical JSON
-    workload: str = ""             # "" for attention trials; the model/data/training of a perplexity trial (JSON)
+    kernel: str  # configured kernel ("auto" or a backend); the one used is measured
+    options: str = "{}"  # method options as canonical JSON
+    workload: str = ""  # "" for attention trials; the model/data/training of a perplexity trial (JSON)
     device: str = field(default="cpu", compare=False)
-    kind: str = field(default="attention", compare=False)   # the workload that runs it (config `kind`)
+    kind: str = field(default="attention", compare=False)  # the workload that runs it (config `kind`)
 
     def identity(self) -> dict[str, Any]:
         # plain attribute reads: `dataclasses.asdict` deep-copies every field, which cost more than the
@@ -85,9 +92,17 @@ class TrialSpec:
         return json.loads(self.options)
 
     def case(self) -> Case:
-        return Case(batch=self.batch, seq_len=self.seq_len, heads=self.heads, kv_heads=self.kv_heads,
-                    head_dim=self.head_dim, dtype=self.dtype, causal=self.causal, world_size=self.world_size,
-                    device=self.device)
+        return Case(
+            batch=self.batch,
+            seq_len=self.seq_len,
+            heads=self.heads,
+            kv_heads=self.kv_heads,
+            head_dim=self.head_dim,
+            dtype=self.dtype,
+            causal=self.causal,
+            world_size=self.world_size,
+            device=self.device,
+        )
 
     def build_method(self) -> methods.Method:
         return methods.get_method(self.method, kernel=self.kernel, **self.method_options)
@@ -117,8 +132,10 @@ class TrialSpec:
     def label(self) -> str:
         mask = "causal" if self.causal else "full"
         name = method_label(self.method, self.method_options)
-        return (f"{name} P={self.world_size} B={self.batch} S={self.seq_len} H={self.heads}/"
-                f"{self.kv_heads} D={self.head_dim} {self.dtype} {mask} {self.pass_}")
+        return (
+            f"{name} P={self.world_size} B={self.batch} S={self.seq_len} H={self.heads}/"
+            f"{self.kv_heads} D={self.head_dim} {self.dtype} {mask} {self.pass_}"
+        )
 
 
 def _matches(rule: dict[str, Any], point: dict[str, Any]) -> bool:
@@ -158,26 +175,82 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
     specs = []
     passes = workload.passes(cfg)
     identities: dict[tuple, str] = {}  # a packed workload draws its documents once per (mix, batch, length)
-    axes = itertools.product(places, s.world_size, s.workload, s.batch, s.seq_len, s.heads, s.kv_heads, s.head_dim,
-                             s.dtype, s.causal, s.methods, passes)
+    axes = itertools.product(
+        places,
+        s.world_size,
+        s.workload,
+        s.batch,
+        s.seq_len,
+        s.heads,
+        s.kv_heads,
+        s.head_dim,
+        s.dtype,
+        s.causal,
+        s.methods,
+        passes,
+    )
     for place, ws, mix, b, sl, h, kvh, hd, dt, causal, m, ps in axes:
         if (mix, b, sl) not in identities:
             identities[mix, b, sl] = workload.identity(cfg, workload=mix, batch=b, seq_len=sl)
         identity = identities[mix, b, sl]
-        case = Case(batch=b, seq_len=sl, heads=h, kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal),
-                    world_size=ws, device=device)
+        case = Case(
+            batch=b,
+            seq_len=sl,
+            heads=h,
+            kv_heads=kvh,
+            head_dim=hd,
+            dtype=dt,
+            causal=bool(causal),
+            world_size=ws,
+            device=device,
+        )
         for options in option_points(dict(s.method_options.get(m, {}))):
             ud, rd, impl = _method_facts(m, options, cfg.run.kernel, case)
-            point = dict(options, method=m, topology=place.topology, world_size=ws, batch=b, seq_len=sl, heads=h,
-                         kv_heads=kvh, head_dim=hd, dtype=dt, causal=causal, ulysses_degree=ud, ring_degree=rd,
-                         workload=mix, **{"pass": ps})
+            point = dict(
+                options,
+                method=m,
+                topology=place.topology,
+                world_size=ws,
+                batch=b,
+                seq_len=sl,
+                heads=h,
+                kv_heads=kvh,
+                head_dim=hd,
+                dtype=dt,
+                causal=causal,
+                ulysses_degree=ud,
+                ring_degree=rd,
+                workload=mix,
+                **{"pass": ps},
+            )
             if any(_matches(rule, point) for rule in s.exclude):
                 continue
-            specs.append(TrialSpec(
-                method=m, impl=impl, executor=cfg.run.executor, hardware=place.hardware, topology=place.topology,
-                world_size=ws, nodes=place.nodes_for(ws), ulysses_degree=ud, ring_degree=rd, batch=b, seq_len=sl,
-                heads=h, kv_heads=kvh, head_dim=hd, dtype=dt, causal=bool(causal), pass_=ps, kernel=cfg.run.kernel,
-                options=json.dumps(options, sort_keys=True), workload=identity, device=device, kind=workload.kind))
+            specs.append(
+                TrialSpec(
+                    method=m,
+                    impl=impl,
+                    executor=cfg.run.executor,
+                    hardware=place.hardware,
+                    topology=place.topology,
+                    world_size=ws,
+                    nodes=place.nodes_for(ws),
+                    ulysses_degree=ud,
+                    ring_degree=rd,
+                    batch=b,
+                    seq_len=sl,
+                    heads=h,
+                    kv_heads=kvh,
+                    head_dim=hd,
+                    dtype=dt,
+                    causal=bool(causal),
+                    pass_=ps,
+                    kernel=cfg.run.kernel,
+                    options=json.dumps(options, sort_keys=True),
+                    workload=identity,
+                    device=device,
+                    kind=workload.kind,
+                )
+            )
     return specs
 
 

@@ -5,6 +5,7 @@ ranks, torchrun, the simulator) speaks these types: a rank's `RankReport`, the e
 `Outcome` of a trial, and the row helpers below, so that a row is built the same way whoever
 produced it. Rows are plain dicts with exactly the columns of `suite.metrics.COLUMNS`.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,11 +23,11 @@ from suite.timing import group_samples, summarize
 class Breakdown:
     """One rank's time split of a trial (run.breakdown), in ms."""
 
-    iter_ms: float                 # the iteration (median total of the split runs)
-    kernel_ms: float               # of which in block kernels
-    comm_wait_ms: float            # of which blocked on communication
-    compute_only_ms: list[float]   # iterations with communication replaced by no-ops
-    comm_only_ms: list[float]      # iterations with the block kernels replaced by no-ops
+    iter_ms: float  # the iteration (median total of the split runs)
+    kernel_ms: float  # of which in block kernels
+    comm_wait_ms: float  # of which blocked on communication
+    compute_only_ms: list[float]  # iterations with communication replaced by no-ops
+    comm_only_ms: list[float]  # iterations with the block kernels replaced by no-ops
 
 
 @dataclass
@@ -36,37 +37,42 @@ class RankReport:
     rank: int
     ok: bool = True
     wall_s: float = 0.0
-    error: str = ""                # "Type: message" when ok is False
+    error: str = ""  # "Type: message" when ok is False
     traceback: str = ""
-    oom: bool = False              # the error was a CUDA out-of-memory
-    checked: bool = False          # compared with the float64 reference
+    oom: bool = False  # the error was a CUDA out-of-memory
+    checked: bool = False  # compared with the float64 reference
     kernel_used: str = ""
-    errors: dict[str, float] = field(default_factory=dict)   # tensor -> max |method - reference|
-    tol: dict[str, float] = field(default_factory=dict)      # tensor -> pass-rule bound
-    bytes_sent: Optional[int] = None   # None when not counted (peers talk to torch.distributed)
+    errors: dict[str, float] = field(default_factory=dict)  # tensor -> max |method - reference|
+    tol: dict[str, float] = field(default_factory=dict)  # tensor -> pass-rule bound
+    bytes_sent: Optional[int] = None  # None when not counted (peers talk to torch.distributed)
     bytes_recv: Optional[int] = None
     comm_ops: dict[str, int] = field(default_factory=dict)
-    samples_ms: list[float] = field(default_factory=list)    # per timed iteration (or training step)
+    samples_ms: list[float] = field(default_factory=list)  # per timed iteration (or training step)
     peak_mem: Optional[int] = None
     breakdown: Optional[Breakdown] = None
-    pairs: Optional[int] = None    # visible (query, key) pairs x query heads of this rank's forward kernels
-    losses: list[float] = field(default_factory=list)        # model-level check: loss of every step
+    pairs: Optional[int] = None  # visible (query, key) pairs x query heads of this rank's forward kernels
+    losses: list[float] = field(default_factory=list)  # model-level check: loss of every step
     val_loss: Optional[float] = None
 
     @classmethod
     def failure(cls, rank: int, exc: BaseException, *, oom: bool = False) -> "RankReport":
-        return cls(rank=rank, ok=False, oom=oom, error=f"{type(exc).__name__}: {exc}"[:2000],
-                   traceback=traceback.format_exc(limit=30)[-8000:])
+        return cls(
+            rank=rank,
+            ok=False,
+            oom=oom,
+            error=f"{type(exc).__name__}: {exc}"[:2000],
+            traceback=traceback.format_exc(limit=30)[-8000:],
+        )
 
 
 @dataclass
 class Outcome:
     """What the executor saw of one trial: every rank's report, or why not."""
 
-    kind: str                                  # "reported", "failed", "timeout"
+    kind: str  # "reported", "failed", "timeout"
     reports: list[Optional[RankReport]]
-    message: str = ""                          # why it failed or timed out (the executor's view)
-    note: str = ""                             # a caveat appended to the row's reason
+    message: str = ""  # why it failed or timed out (the executor's view)
+    note: str = ""  # a caveat appended to the row's reason
 
 
 @dataclass(frozen=True)
@@ -81,8 +87,16 @@ def base_row(spec: TrialSpec, ctx: RowContext, started_at: str) -> dict[str, Any
     """The identity and run settings of a trial: the start of every row."""
     s = ctx.settings
     row = {M.KEY: spec.key, **spec.identity()}
-    row.update({M.SEED: s.seed, M.WARMUP: s.warmup, M.REPEATS: s.repeats, M.STARTED_AT: started_at,
-                M.RUN_ID: ctx.run_id, M.CHECKED: False})
+    row.update(
+        {
+            M.SEED: s.seed,
+            M.WARMUP: s.warmup,
+            M.REPEATS: s.repeats,
+            M.STARTED_AT: started_at,
+            M.RUN_ID: ctx.run_id,
+            M.CHECKED: False,
+        }
+    )
     return row
 
 
@@ -92,8 +106,9 @@ def skipped_row(spec: TrialSpec, reason: str, ctx: RowContext, started_at: str) 
     return complete(row)
 
 
-def begin_row(spec: TrialSpec, outcome: Outcome, ctx: RowContext, started_at: str,
-              wall_s: float) -> tuple[dict[str, Any], Optional[list[RankReport]]]:
+def begin_row(
+    spec: TrialSpec, outcome: Outcome, ctx: RowContext, started_at: str, wall_s: float
+) -> tuple[dict[str, Any], Optional[list[RankReport]]]:
     """(the row so far, every rank's report) of a trial every rank reported, or (the finished row
     of a failed or timed-out trial, None)."""
     row = base_row(spec, ctx, started_at)
@@ -107,8 +122,13 @@ def begin_row(spec: TrialSpec, outcome: Outcome, ctx: RowContext, started_at: st
         msgs = [f"rank {r.rank}: {'out of memory: ' if r.oom else ''}{r.error}" for r in failed]
         if outcome.message:
             msgs.append(outcome.message)
-        row.update({M.STATUS: M.FAILED, M.REASON: "; ".join(msgs)[:4000] or "no rank reported",
-                    M.ERROR_TRACE: failed[0].traceback if failed else None})
+        row.update(
+            {
+                M.STATUS: M.FAILED,
+                M.REASON: "; ".join(msgs)[:4000] or "no rank reported",
+                M.ERROR_TRACE: failed[0].traceback if failed else None,
+            }
+        )
         return finish(row, outcome), None
     return row, reports
 
@@ -144,9 +164,11 @@ def timing_columns(samples_ms_per_rank: list[list[float]]) -> dict[str, Any]:
 def comm_columns(reports: list[RankReport]) -> dict[str, Any]:
     """Bytes one call (or step) moves, max over ranks, and its operations by kind."""
     first = reports[0]
-    return {M.BYTES_SENT: None if first.bytes_sent is None else max(r.bytes_sent for r in reports),
-            M.BYTES_RECV: None if first.bytes_recv is None else max(r.bytes_recv for r in reports),
-            M.COMM_OPS: json.dumps(first.comm_ops, sort_keys=True)}
+    return {
+        M.BYTES_SENT: None if first.bytes_sent is None else max(r.bytes_sent for r in reports),
+        M.BYTES_RECV: None if first.bytes_recv is None else max(r.bytes_recv for r in reports),
+        M.COMM_OPS: json.dumps(first.comm_ops, sort_keys=True),
+    }
 
 
 def breakdown_columns(reports: list[RankReport], total_ms: float) -> dict[str, Any]:
@@ -162,20 +184,27 @@ def breakdown_columns(reports: list[RankReport], total_ms: float) -> dict[str, A
     compute = summarize(group_samples([b.compute_only_ms for b in parts]))[0]
     comm = summarize(group_samples([b.comm_only_ms for b in parts]))[0]
     has_comm = any(b.comm_wait_ms > 0 for b in parts) and comm > 0
-    return {M.KERNEL_MS: kernel, M.COMM_WAIT_MS: wait, M.OVERHEAD_RATIO: ratio,
-            M.COMPUTE_ONLY_MS: compute, M.COMM_ONLY_MS: comm if has_comm else None,
-            M.CCR: compute / comm if has_comm else None,
-            M.OVERLAP_EFF: (compute + comm - total_ms) / min(compute, comm) if has_comm else None}
+    return {
+        M.KERNEL_MS: kernel,
+        M.COMM_WAIT_MS: wait,
+        M.OVERHEAD_RATIO: ratio,
+        M.COMPUTE_ONLY_MS: compute,
+        M.COMM_ONLY_MS: comm if has_comm else None,
+        M.CCR: compute / comm if has_comm else None,
+        M.OVERLAP_EFF: (compute + comm - total_ms) / min(compute, comm) if has_comm else None,
+    }
 
 
 def balance_columns(spec: TrialSpec, reports: list[RankReport], padded_len: int) -> dict[str, Any]:
     """Padding, the packed documents, and how evenly the ranks' kernels share the work: visible
     pairs per rank (max, mean, max/mean) and the spread of the measured kernel time."""
     lengths = spec.document_lengths()
-    cols: dict[str, Any] = {M.PADDED_TOKENS: padded_len - spec.seq_len,
-                            M.PADDING_FRACTION: (padded_len - spec.seq_len) / padded_len,
-                            M.DOC_LENGTHS: [list(ls) for ls in lengths] if lengths is not None else None,
-                            M.DOCS_PER_SEQ: (sum(map(len, lengths)) / len(lengths)) if lengths is not None else 1.0}
+    cols: dict[str, Any] = {
+        M.PADDED_TOKENS: padded_len - spec.seq_len,
+        M.PADDING_FRACTION: (padded_len - spec.seq_len) / padded_len,
+        M.DOC_LENGTHS: [list(ls) for ls in lengths] if lengths is not None else None,
+        M.DOCS_PER_SEQ: (sum(map(len, lengths)) / len(lengths)) if lengths is not None else 1.0,
+    }
     pairs = [r.pairs for r in reports]
     if pairs and None not in pairs:
         mean = sum(pairs) / len(pairs)
@@ -195,4 +224,3 @@ def worst(errors: Iterable[float]) -> float:
 def complete(row: dict[str, Any]) -> dict[str, Any]:
     """Every row has every column (None where not applicable), in the documented order."""
     return {c: row.get(c) for c in M.COLUMNS}
-

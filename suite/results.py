@@ -12,6 +12,7 @@
 Killing a sweep loses at most the trial in flight; `--resume` skips the keys already recorded.
 Only the parent process writes here, and only one process at a time (`lock`).
 """
+
 from __future__ import annotations
 
 import errno
@@ -49,9 +50,9 @@ class ResultsStore:
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
         self.trials_path = self.run_dir / TRIALS
-        self.damaged: list[str] = []       # "file:line: why" of each row the last read skipped
+        self.damaged: list[str] = []  # "file:line: why" of each row the last read skipped
         self._lock_fd: Optional[int] = None
-        self._synced = 0.0                 # when trials.jsonl was last fsync'ed
+        self._synced = 0.0  # when trials.jsonl was last fsync'ed
         self._warned: set[str] = set()
 
     # -- one writer per folder ----------------------------------------------------------------------
@@ -67,8 +68,10 @@ class ResultsStore:
             holder = os.pread(fd, 64, 0).decode("ascii", "replace").strip() or "unknown"
             os.close(fd)
             if exc.errno in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                raise StoreLocked(f"{self.run_dir} is being written by another sweep (pid {holder}); wait for "
-                                  f"it to end, or run elsewhere (a new run folder)") from None
+                raise StoreLocked(
+                    f"{self.run_dir} is being written by another sweep (pid {holder}); wait for "
+                    f"it to end, or run elsewhere (a new run folder)"
+                ) from None
             raise
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
@@ -99,8 +102,10 @@ class ResultsStore:
             store.write_json(ENVIRONMENT, environment)
             store.trials_path.touch()
         except OSError as exc:  # a read-only or invalid results.root, a full disk: one line, no traceback
-            raise StoreError(f"cannot create the run folder {run_dir}: {exc.strerror or exc} (set results.root to "
-                             f"a writable folder, or free space)") from None
+            raise StoreError(
+                f"cannot create the run folder {run_dir}: {exc.strerror or exc} (set results.root to "
+                f"a writable folder, or free space)"
+            ) from None
         return store
 
     @classmethod
@@ -153,15 +158,17 @@ class ResultsStore:
             try:
                 view = memoryview(line)
                 while view:
-                    view = view[os.write(fd, view):]
+                    view = view[os.write(fd, view) :]
             except OSError as exc:
                 try:
                     os.ftruncate(fd, start)
                     kept = "every earlier row is complete"
                 except OSError:
                     kept = "its last line is partial and is skipped on reading"
-                raise StoreError(f"could not write a row to {self.trials_path}: {exc.strerror or exc} ({kept}; "
-                                 f"free space, then continue with --resume)") from None
+                raise StoreError(
+                    f"could not write a row to {self.trials_path}: {exc.strerror or exc} ({kept}; "
+                    f"free space, then continue with --resume)"
+                ) from None
             now = time.monotonic()
             if now - self._synced >= SYNC_EVERY_S:
                 os.fsync(fd)
@@ -181,8 +188,11 @@ class ResultsStore:
 
     def record_resume(self, changes: dict[str, tuple[Any, Any]]) -> None:
         """Note a forced resume's changed settings ({key: (recorded, now)}) in resumes.jsonl."""
-        entry = {"time": datetime.now().isoformat(timespec="seconds"), "pid": os.getpid(),
-                 "changed": {k: {"recorded": a, "now": b} for k, (a, b) in changes.items()}}
+        entry = {
+            "time": datetime.now().isoformat(timespec="seconds"),
+            "pid": os.getpid(),
+            "changed": {k: {"recorded": a, "now": b} for k, (a, b) in changes.items()},
+        }
         with open(self.run_dir / RESUMES, "a", encoding="utf-8") as f:
             f.write(json.dumps(entry, default=str) + "\n")
 

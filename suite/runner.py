@@ -5,6 +5,7 @@ keys) -> for each trial: supported? -> executor -> the workload's row -> results
 + MLflow child run -> summary. Only this process (rank 0 under an external launcher) writes
 anything persistent; under an external launcher the other ranks serve rank 0's trials.
 """
+
 from __future__ import annotations
 
 import sys
@@ -65,8 +66,16 @@ class SweepResult:
     mlflow_disabled: Optional[str]
 
 
-def run_sweep(cfg: SuiteConfig, config_yaml: str, *, resume: Optional[str] = None, dry_run: bool = False,
-              out: Optional[TextIO] = None, progress: bool = True, force: bool = False) -> Optional[SweepResult]:
+def run_sweep(
+    cfg: SuiteConfig,
+    config_yaml: str,
+    *,
+    resume: Optional[str] = None,
+    dry_run: bool = False,
+    out: Optional[TextIO] = None,
+    progress: bool = True,
+    force: bool = False,
+) -> Optional[SweepResult]:
     """Run (or, with `dry_run`, only plan) a sweep. `resume`: a run folder, or "latest"; `force`:
     resume even where a setting that changes results differs from the folder's (recorded).
 
@@ -82,21 +91,37 @@ def run_sweep(cfg: SuiteConfig, config_yaml: str, *, resume: Optional[str] = Non
         plan = expand(cfg, workload, executor.places(), executor.device)
         if not plan:  # a run folder with no trials in it is a mistake in the config, not a result
             from suite.config import ConfigError
-            raise ConfigError("sweep.exclude: the rules remove every trial of the sweep (nothing to run); "
-                              "narrow the rules or widen the sweep axes")
+
+            raise ConfigError(
+                "sweep.exclude: the rules remove every trial of the sweep (nothing to run); "
+                "narrow the rules or widen the sweep axes"
+            )
         if dry_run:
             print_plan(plan, executor, workload, out)
             return None
-        return _drive(cfg, config_yaml, plan, executor, workload, resume=resume, out=out, progress=progress,
-                      force=force)
+        return _drive(
+            cfg, config_yaml, plan, executor, workload, resume=resume, out=out, progress=progress, force=force
+        )
     finally:
         executor.close()
 
 
 # Settings that change what a trial's row says without changing its key: resuming a folder with
 # other values would append rows that disagree with the folder's config.yaml.
-RESULT_SETTINGS = ("kind", "run.executor", "run.device", "run.backend", "run.kernel", "run.warmup", "run.repeats",
-                   "run.check", "run.check_max_seq_len", "run.seed", "run.breakdown", "run.threads_per_rank")
+RESULT_SETTINGS = (
+    "kind",
+    "run.executor",
+    "run.device",
+    "run.backend",
+    "run.kernel",
+    "run.warmup",
+    "run.repeats",
+    "run.check",
+    "run.check_max_seq_len",
+    "run.seed",
+    "run.breakdown",
+    "run.threads_per_rank",
+)
 
 
 def _setting(d: dict, key: str):
@@ -118,13 +143,13 @@ def resume_changes(recorded_yaml: str, cfg: SuiteConfig) -> dict[str, tuple]:
     return {k: v for k, v in changes.items() if v[0] != v[1]}
 
 
-def open_store(cfg: SuiteConfig, config_yaml: str, device: str, resume: Optional[str],
-               force: bool = False) -> tuple[ResultsStore, bool]:
+def open_store(
+    cfg: SuiteConfig, config_yaml: str, device: str, resume: Optional[str], force: bool = False
+) -> tuple[ResultsStore, bool]:
     """The run folder, locked by this process: a new one, or with `resume` an earlier one whose
     sweep and result settings match this run's (or differ, with `force`, recorded in resumes.jsonl)."""
     if resume:
-        store = (ResultsStore.latest(cfg.results.root, cfg.name) if resume == "latest"
-                 else ResultsStore.open(resume))
+        store = ResultsStore.latest(cfg.results.root, cfg.name) if resume == "latest" else ResultsStore.open(resume)
         if store is None:
             raise FileNotFoundError(f"--resume: no earlier run of {cfg.name!r} under {cfg.results.root}/")
         store = ResultsStore(store.run_dir).lock()
@@ -133,9 +158,11 @@ def open_store(cfg: SuiteConfig, config_yaml: str, device: str, resume: Optional
             changes = resume_changes(config_path.read_text() if config_path.exists() else "", cfg)
             if changes and not force:
                 what = "; ".join(f"{k}: {a!r} recorded, {b!r} now" for k, (a, b) in changes.items())
-                raise StoreError(f"--resume: {store.run_dir} was run with other settings ({what}); rows would "
-                                 f"disagree with its config.yaml. Resume with the recorded values, start a new "
-                                 f"run (no --resume), or add --force to mix them (the change is recorded)")
+                raise StoreError(
+                    f"--resume: {store.run_dir} was run with other settings ({what}); rows would "
+                    f"disagree with its config.yaml. Resume with the recorded values, start a new "
+                    f"run (no --resume), or add --force to mix them (the change is recorded)"
+                )
             if changes:
                 store.record_resume(changes)
         except BaseException:
@@ -145,8 +172,18 @@ def open_store(cfg: SuiteConfig, config_yaml: str, device: str, resume: Optional
     return ResultsStore.create(cfg.results.root, cfg.name, config_yaml, fingerprint(device)), False
 
 
-def _drive(cfg: SuiteConfig, config_yaml: str, plan: list[TrialSpec], executor: Executor, workload: Workload, *,
-           resume: Optional[str], out: TextIO, progress: bool, force: bool = False) -> SweepResult:
+def _drive(
+    cfg: SuiteConfig,
+    config_yaml: str,
+    plan: list[TrialSpec],
+    executor: Executor,
+    workload: Workload,
+    *,
+    resume: Optional[str],
+    out: TextIO,
+    progress: bool,
+    force: bool = False,
+) -> SweepResult:
     t_start = time.perf_counter()
     store, resumed = open_store(cfg, config_yaml, executor.device, resume, force)
     try:
@@ -155,22 +192,48 @@ def _drive(cfg: SuiteConfig, config_yaml: str, plan: list[TrialSpec], executor: 
         store.unlock()
 
 
-def _drive_locked(cfg: SuiteConfig, plan: list[TrialSpec], executor: Executor, workload: Workload,
-                  store: ResultsStore, resumed: bool, t_start: float, *, out: TextIO, progress: bool) -> SweepResult:
+def _drive_locked(
+    cfg: SuiteConfig,
+    plan: list[TrialSpec],
+    executor: Executor,
+    workload: Workload,
+    store: ResultsStore,
+    resumed: bool,
+    t_start: float,
+    *,
+    out: TextIO,
+    progress: bool,
+) -> SweepResult:
     from tqdm import tqdm
 
     started_ms = int(time.time() * 1000)
     done = store.completed_keys()
     todo = [s for s in plan if s.key not in done]
-    tracker = make_tracker(cfg.tracking.mlflow, cfg.tracking.uri, cfg.tracking.experiment or cfg.name,
-                           cfg.results.root)
-    tracker.start(store, sweep=cfg.name, params=sweep_params(cfg), environment=store.read_json("environment.json"),
-                  description=cfg.description, resume=resumed, started_ms=started_ms)
+    tracker = make_tracker(cfg.tracking.mlflow, cfg.tracking.uri, cfg.tracking.experiment or cfg.name, cfg.results.root)
+    tracker.start(
+        store,
+        sweep=cfg.name,
+        params=sweep_params(cfg),
+        environment=store.read_json("environment.json"),
+        description=cfg.description,
+        resume=resumed,
+        started_ms=started_ms,
+    )
     ctx = RowContext(RunSettings.of(cfg), store.run_dir.name)
-    print(f"sweep {cfg.name}: {len(plan)} trials ({len(plan) - len(todo)} already recorded), "
-          f"executor={cfg.run.executor}, device={executor.device} -> {store.run_dir}", file=out, flush=True)
-    bar = tqdm(total=len(plan), initial=len(plan) - len(todo), disable=not progress, file=sys.stderr,
-               dynamic_ncols=True, unit="trial")
+    print(
+        f"sweep {cfg.name}: {len(plan)} trials ({len(plan) - len(todo)} already recorded), "
+        f"executor={cfg.run.executor}, device={executor.device} -> {store.run_dir}",
+        file=out,
+        flush=True,
+    )
+    bar = tqdm(
+        total=len(plan),
+        initial=len(plan) - len(todo),
+        disable=not progress,
+        file=sys.stderr,
+        dynamic_ncols=True,
+        unit="trial",
+    )
     # lines a workload prints mid-sweep (a baseline being trained) go above the bar, not through it
     workload.start(store, tracker, ctx, say=bar.write if progress else (lambda line: print(line, file=out)))
     status = "FINISHED"
@@ -208,11 +271,14 @@ def _drive_locked(cfg: SuiteConfig, plan: list[TrialSpec], executor: Executor, w
     records, duplicates = store.latest_rows()
     print(summary_table(records), file=out)
     if duplicates:
-        print(f"{duplicates} earlier row(s) of keys recorded twice are not counted (the latest row of each key "
-              f"is)", file=out)
+        print(
+            f"{duplicates} earlier row(s) of keys recorded twice are not counted (the latest row of each key is)",
+            file=out,
+        )
     if store.damaged:
-        print(f"{len(store.damaged)} damaged line(s) of {store.trials_path} skipped (first: {store.damaged[0]})",
-              file=out)
+        print(
+            f"{len(store.damaged)} damaged line(s) of {store.trials_path} skipped (first: {store.damaged[0]})", file=out
+        )
     todo_keys = {s.key for s in todo}
     this_run = [r for r in records if r[M.KEY] in todo_keys] + workload.added_rows()
     _print_footer(records, this_run, wall, store, tracker, out, executor.startup_s, executor.groups_started)
@@ -226,23 +292,42 @@ def _compact(store: ResultsStore) -> None:
         store.compact()
     except Exception as exc:  # noqa: BLE001
         import warnings
-        warnings.warn(f"could not write {store.run_dir}/trials.parquet: {exc} (the rows are in trials.jsonl; "
-                      f"a line a failed write left partial is skipped on reading)", RuntimeWarning, stacklevel=2)
+
+        warnings.warn(
+            f"could not write {store.run_dir}/trials.parquet: {exc} (the rows are in trials.jsonl; "
+            f"a line a failed write left partial is skipped on reading)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
-def _print_footer(records: list[dict], this_run: list[dict], wall: float, store: ResultsStore, tracker,
-                  out: TextIO, startup_s: float = 0.0, groups: int = 0) -> None:
+def _print_footer(
+    records: list[dict],
+    this_run: list[dict],
+    wall: float,
+    store: ResultsStore,
+    tracker,
+    out: TextIO,
+    startup_s: float = 0.0,
+    groups: int = 0,
+) -> None:
     counts: dict[str, int] = {}
     for r in records:
         counts[r[M.STATUS]] = counts.get(r[M.STATUS], 0) + 1
     trial_s = sum(r.get(M.DURATION_S) or 0.0 for r in this_run)
     print(f"\n{len(records)} trials: " + ", ".join(f"{v} {k}" for k, v in sorted(counts.items())), file=out)
-    print(f"wall time {wall:.1f}s = trials {trial_s:.1f}s + worker start-up {startup_s:.1f}s ({groups} groups) "
-          f"+ other {wall - trial_s - startup_s:.1f}s (MLflow logging used "
-          f"{tracker.cpu_seconds:.1f}s CPU in the background); results in {store.run_dir}", file=out)
+    print(
+        f"wall time {wall:.1f}s = trials {trial_s:.1f}s + worker start-up {startup_s:.1f}s ({groups} groups) "
+        f"+ other {wall - trial_s - startup_s:.1f}s (MLflow logging used "
+        f"{tracker.cpu_seconds:.1f}s CPU in the background); results in {store.run_dir}",
+        file=out,
+    )
     if tracker.enabled:
-        print(f"MLflow: {redact_uri(tracker.uri)} (experiment {tracker.experiment!r}); browse with "
-              f"`python -m suite ui`, then open {tracker.link}", file=out)
+        print(
+            f"MLflow: {redact_uri(tracker.uri)} (experiment {tracker.experiment!r}); browse with "
+            f"`python -m suite ui`, then open {tracker.link}",
+            file=out,
+        )
     elif tracker.uri:
         print(f"MLflow was disabled: {tracker.disabled_reason}", file=out)
 

@@ -1,4 +1,5 @@
 """The compact table printed at the end of a sweep (method x size: status, time, TFLOP/s, bytes)."""
+
 from __future__ import annotations
 
 import json
@@ -25,41 +26,122 @@ def _perplexity_table(records: list[dict]) -> str:
     """Model-level rows: final perplexity against the single-device baseline."""
     if not records:
         return ""
-    order = sorted(records, key=lambda r: (r["method"] != "baseline", r["seq_len"], r["batch"], r["heads"],
-                                           r["kv_heads"], r["head_dim"], r["dtype"], r["world_size"], r["method"]))
+    order = sorted(
+        records,
+        key=lambda r: (
+            r["method"] != "baseline",
+            r["seq_len"],
+            r["batch"],
+            r["heads"],
+            r["kv_heads"],
+            r["head_dim"],
+            r["dtype"],
+            r["world_size"],
+            r["method"],
+        ),
+    )
     rows = []
     for r in order:
-        rows.append([_name(r), r["executor"], r["world_size"], r["seq_len"], r["batch"],
-                     f"{r['heads']}/{r['kv_heads']}", r["head_dim"], r["dtype"], r[M.STATUS], _fmt(r.get(M.PPL), ".6f"),
-                     _fmt(r.get(M.PPL_REL_DIFF), "+.2e"), _fmt(r.get(M.LOSS_MAX_REL_DIFF), ".2e"),
-                     _fmt(r.get(M.TIME_MS_MEDIAN), ".1f"), _short_reason(r)])
-    headers = ["method", "executor", "P", "seq", "B", "H/Hkv", "D", "dtype", "status", "perplexity",
-               "vs baseline", "max loss diff", "ms/step", "note"]
+        rows.append(
+            [
+                _name(r),
+                r["executor"],
+                r["world_size"],
+                r["seq_len"],
+                r["batch"],
+                f"{r['heads']}/{r['kv_heads']}",
+                r["head_dim"],
+                r["dtype"],
+                r[M.STATUS],
+                _fmt(r.get(M.PPL), ".6f"),
+                _fmt(r.get(M.PPL_REL_DIFF), "+.2e"),
+                _fmt(r.get(M.LOSS_MAX_REL_DIFF), ".2e"),
+                _fmt(r.get(M.TIME_MS_MEDIAN), ".1f"),
+                _short_reason(r),
+            ]
+        )
+    headers = [
+        "method",
+        "executor",
+        "P",
+        "seq",
+        "B",
+        "H/Hkv",
+        "D",
+        "dtype",
+        "status",
+        "perplexity",
+        "vs baseline",
+        "max loss diff",
+        "ms/step",
+        "note",
+    ]
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
 
 
 def _attention_table(records: list[dict]) -> str:
     if not records:
         return ""
-    order = sorted(records, key=lambda r: (r["method"], r["topology"], r["world_size"], r["seq_len"], r["batch"],
-                                           r["heads"], r["kv_heads"], r["head_dim"], r["dtype"], not r["causal"],
-                                           r["pass"]))
+    order = sorted(
+        records,
+        key=lambda r: (
+            r["method"],
+            r["topology"],
+            r["world_size"],
+            r["seq_len"],
+            r["batch"],
+            r["heads"],
+            r["kv_heads"],
+            r["head_dim"],
+            r["dtype"],
+            not r["causal"],
+            r["pass"],
+        ),
+    )
     sim = any(r["executor"] == "sim" for r in records)  # simulated rows name their topology
     rows = []
     for r in order:
         status = r[M.STATUS] if r[M.STATUS] != M.OK or r.get(M.CHECKED) else "ok (unchecked)"
         if r["executor"] == "sim" and r[M.STATUS] == M.OK:
             status = "simulated"
-        rows.append([_name(r)] + ([f"{r['executor']}:{r['topology']}"] if sim else []) + [
-            r["world_size"], r["seq_len"], r["batch"], f"{r['heads']}/{r['kv_heads']}", r["head_dim"],
-            r["dtype"], "causal" if r["causal"] else "full", r["pass"], status,
-            _fmt(r.get(M.TIME_MS_MEDIAN), ".3f"), _fmt(r.get(M.TFLOPS_PER_GPU), ".4f"),
-            _fmt(None if r.get(M.BYTES_SENT) is None else r[M.BYTES_SENT] / 2**20, ".2f"),
-            _short_reason(r),
-        ])
-    headers = ["method"] + (["executor"] if sim else []) + ["P", "seq", "B", "H/Hkv", "D", "dtype", "mask", "pass",
-                                                          "status", "ms (median)",
-               "TFLOP/s/rank", "MiB sent/rank", "note"]
+        rows.append(
+            [_name(r)]
+            + ([f"{r['executor']}:{r['topology']}"] if sim else [])
+            + [
+                r["world_size"],
+                r["seq_len"],
+                r["batch"],
+                f"{r['heads']}/{r['kv_heads']}",
+                r["head_dim"],
+                r["dtype"],
+                "causal" if r["causal"] else "full",
+                r["pass"],
+                status,
+                _fmt(r.get(M.TIME_MS_MEDIAN), ".3f"),
+                _fmt(r.get(M.TFLOPS_PER_GPU), ".4f"),
+                _fmt(None if r.get(M.BYTES_SENT) is None else r[M.BYTES_SENT] / 2**20, ".2f"),
+                _short_reason(r),
+            ]
+        )
+    headers = (
+        ["method"]
+        + (["executor"] if sim else [])
+        + [
+            "P",
+            "seq",
+            "B",
+            "H/Hkv",
+            "D",
+            "dtype",
+            "mask",
+            "pass",
+            "status",
+            "ms (median)",
+            "TFLOP/s/rank",
+            "MiB sent/rank",
+            "note",
+        ]
+    )
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
 
 

@@ -5,6 +5,7 @@ of the group is the maximum over ranks (taken by the parent from every rank's sa
 is the suite's one timer (methods/timing.py): CUDA events around the iteration on GPU, wall time
 on CPU (gloo collectives are synchronous, so the iteration is complete when the call returns).
 """
+
 from __future__ import annotations
 
 import statistics

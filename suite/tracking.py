@@ -15,6 +15,7 @@ under their row names, the raw samples as the step series `samples/time_ms`), st
 environment to tags. MLflow failing never loses a result: the first error disables tracking with
 a warning and `relog` catches up later.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -39,9 +40,9 @@ from suite.results import CONFIG, ENVIRONMENT, MLFLOW, PARQUET, TRIALS, ResultsS
 
 _MAX_TAG = 4000
 _MAX_PARAM = 6000
-SAMPLES = "samples/time_ms"      # the per-iteration times of a trial, as a step series
-TRAIN_LOSS = "train_loss"        # the per-step training loss of a perplexity trial, as a step series
-TABLE = "trials_table.json"     # the parent run's table of its trials
+SAMPLES = "samples/time_ms"  # the per-iteration times of a trial, as a step series
+TRAIN_LOSS = "train_loss"  # the per-step training loss of a perplexity trial, as a step series
+TABLE = "trials_table.json"  # the parent run's table of its trials
 UI_URL = "http://127.0.0.1:5000"  # where `python -m suite ui` serves by default
 # MLflow 3 opens an experiment without this tag on its GenAI (traces) pages; this kind opens the
 # classic machine-learning runs table.
@@ -50,13 +51,25 @@ _EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 # link names it): the trials as flat rows (the filter leaves out the parent runs, under which the
 # children are otherwise collapsed) with their identity, status and headline numbers as columns.
 VIEW = "trials"
-_VIEW_COLUMNS = (["params.`method`", "params.`world_size`", "params.`seq_len`", "params.`heads`", "params.`kv_heads`",
-                  "params.`causal`", "params.`pass`", "tags.`status`"]
-                 + [f"metrics.`{m}`" for m in (M.TIME_MS_MEDIAN, M.TFLOPS_PER_GPU, M.BYTES_SENT, M.ERR["out"],
-                                               M.PPL_REL_DIFF)])
+_VIEW_COLUMNS = [
+    "params.`method`",
+    "params.`world_size`",
+    "params.`seq_len`",
+    "params.`heads`",
+    "params.`kv_heads`",
+    "params.`causal`",
+    "params.`pass`",
+    "tags.`status`",
+] + [f"metrics.`{m}`" for m in (M.TIME_MS_MEDIAN, M.TFLOPS_PER_GPU, M.BYTES_SENT, M.ERR["out"], M.PPL_REL_DIFF)]
 # Ordered by a metric: ordered by start time, MLflow nests the children under their parent again.
-_VIEW_STATE = json.dumps({"searchFilter": f"tags.{M.STATUS} LIKE '%'", "orderByKey": f"metrics.`{M.TFLOPS_PER_GPU}`",
-                          "orderByAsc": False, "selectedColumns": _VIEW_COLUMNS})
+_VIEW_STATE = json.dumps(
+    {
+        "searchFilter": f"tags.{M.STATUS} LIKE '%'",
+        "orderByKey": f"metrics.`{M.TFLOPS_PER_GPU}`",
+        "orderByAsc": False,
+        "selectedColumns": _VIEW_COLUMNS,
+    }
+)
 _VIEW_TAG = f"mlflow.sharedViewState.{VIEW}"
 
 
@@ -72,8 +85,9 @@ def runs_link(uri: str, experiment_id: str, ui_url: str = UI_URL) -> str:
     """The browser link to an experiment's machine-learning runs view: the tracking server itself
     for an http(s) URI, else the address `python -m suite ui` serves on."""
     base = redact_uri(uri) if uri.startswith(("http://", "https://")) else ui_url
-    return (f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning"
-            f"&viewStateShareKey={VIEW}")
+    return (
+        f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={VIEW}"
+    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,9 +129,11 @@ def run_name(record: dict) -> str:
     name = M.method_label(record["method"], opts if isinstance(opts, dict) else {})
     mask = "causal" if record.get("causal") else "full"
     mix = M.workload_label(record.get("workload"))
-    return (f"{name} P={record['world_size']} B={record['batch']} S={record['seq_len']} H={record['heads']}/"
-            f"{record['kv_heads']} D={record['head_dim']} {mask}{'' if mix == 'uniform' else ' ' + mix} "
-            f"{record['pass']} #{str(record[M.KEY])[:7]}")
+    return (
+        f"{name} P={record['world_size']} B={record['batch']} S={record['seq_len']} H={record['heads']}/"
+        f"{record['kv_heads']} D={record['head_dim']} {mask}{'' if mix == 'uniform' else ' ' + mix} "
+        f"{record['pass']} #{str(record[M.KEY])[:7]}"
+    )
 
 
 def _json(text: Any) -> Any:
@@ -148,14 +164,23 @@ def child_values(record: dict) -> tuple[dict, dict, dict, dict]:
     for k in (M.SEED, M.WARMUP, M.REPEATS):
         if record.get(k) is not None:
             params[k] = _flat_value(record[k])
-    metrics = {k: record[k] for k in M.NUMERIC_METRICS if isinstance(record.get(k), (int, float))
-               and not isinstance(record.get(k), bool)}
+    metrics = {
+        k: record[k]
+        for k in M.NUMERIC_METRICS
+        if isinstance(record.get(k), (int, float)) and not isinstance(record.get(k), bool)
+    }
     # the trial hash and the raw identity JSON are tags: they find a run again (and let a report
     # read an experiment back into rows) but are no axis to compare runs by
-    tags = {M.KEY: record[M.KEY], M.STATUS: record[M.STATUS], M.REASON: record.get(M.REASON) or "",
-            M.CHECKED: record.get(M.CHECKED), M.KERNEL_USED: record.get(M.KERNEL_USED) or "",
-            M.COMM_OPS: record.get(M.COMM_OPS) or "", "options": record.get("options") or "{}",
-            "workload": record.get("workload") or ""}
+    tags = {
+        M.KEY: record[M.KEY],
+        M.STATUS: record[M.STATUS],
+        M.REASON: record.get(M.REASON) or "",
+        M.CHECKED: record.get(M.CHECKED),
+        M.KERNEL_USED: record.get(M.KERNEL_USED) or "",
+        M.COMM_OPS: record.get(M.COMM_OPS) or "",
+        "options": record.get("options") or "{}",
+        "workload": record.get("workload") or "",
+    }
     steps = {SAMPLES: record[M.TIME_MS_SAMPLES]} if record.get(M.TIME_MS_SAMPLES) else {}
     if record.get(M.LOSS_CURVE):
         steps[TRAIN_LOSS] = record[M.LOSS_CURVE]
@@ -170,7 +195,7 @@ def run_status(record: dict) -> str:
 # Opening the store: one process at a time creates (migrates) a fresh sqlite database
 # ---------------------------------------------------------------------------------------------
 def _sqlite_path(uri: str) -> Optional[Path]:
-    return Path(uri[len("sqlite:///"):]) if uri.startswith("sqlite:///") else None
+    return Path(uri[len("sqlite:///") :]) if uri.startswith("sqlite:///") else None
 
 
 @contextlib.contextmanager
@@ -265,6 +290,7 @@ class NullTracker:
 def _timed(fn):
     """Add the call's CPU time to `self.cpu_seconds` (MLflow's share of the harness overhead: what it
     takes from the trials on a busy machine; its wall time on a low-priority thread says nothing)."""
+
     @functools.wraps(fn)
     def wrapper(self, *args, **kwargs):
         c0 = time.thread_time()
@@ -272,6 +298,7 @@ def _timed(fn):
             return fn(self, *args, **kwargs)
         finally:
             self.cpu_seconds += time.thread_time() - c0
+
     return wrapper
 
 
@@ -344,22 +371,41 @@ class MlflowTracker:
             msg = msg.replace(self.uri, text)
         self.disabled_reason = f"{what}: {type(exc).__name__}: {msg}"
         self.enabled = False
-        warnings.warn(f"MLflow disabled ({self.disabled_reason}); results are still written to the results "
-                      f"store; log them later with `python -m suite relog RUN_DIR`", RuntimeWarning, stacklevel=2)
+        warnings.warn(
+            f"MLflow disabled ({self.disabled_reason}); results are still written to the results "
+            f"store; log them later with `python -m suite relog RUN_DIR`",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     # -- the work itself (background thread) -----------------------------------------------------
     @_timed
-    def _start(self, store: ResultsStore, *, sweep: str, params: dict, environment: dict, description: str = "",
-               resume: bool = False, started_ms: Optional[int] = None) -> None:
+    def _start(
+        self,
+        store: ResultsStore,
+        *,
+        sweep: str,
+        params: dict,
+        environment: dict,
+        description: str = "",
+        resume: bool = False,
+        started_ms: Optional[int] = None,
+    ) -> None:
         try:
             self._client, self.experiment_id = open_client(self.uri, self.experiment, self.results_root)
             parent = self._find_parent(store) if resume else None
             if parent is None:
                 run_tags = dict(env_tags(environment or {}))
-                run_tags.update({"suite.run_dir": str(store.run_dir.resolve()), "suite.sweep": sweep,
-                                 "mlflow.note.content": description or f"sweep {sweep}"})
-                parent = self._client.create_run(self.experiment_id, run_name=f"{sweep}@{store.run_dir.name}",
-                                                 tags=run_tags, start_time=started_ms)
+                run_tags.update(
+                    {
+                        "suite.run_dir": str(store.run_dir.resolve()),
+                        "suite.sweep": sweep,
+                        "mlflow.note.content": description or f"sweep {sweep}",
+                    }
+                )
+                parent = self._client.create_run(
+                    self.experiment_id, run_name=f"{sweep}@{store.run_dir.name}", tags=run_tags, start_time=started_ms
+                )
                 self.parent_run_id = parent.info.run_id
             else:
                 self.parent_run_id = parent.info.run_id
@@ -368,8 +414,15 @@ class MlflowTracker:
             # a param cannot change: a setting changed on --resume (e.g. a method added) is a tag
             changed = {f"resumed_with.{k}": v for k, v in params.items() if k in have and have[k] != str(v)}
             self._log_missing(self.parent_run_id, params=params, tags=changed, existing=have)
-            store.write_json(MLFLOW, {"uri": redact_uri(self.uri), "experiment": self.experiment,
-                                      "experiment_id": self.experiment_id, "parent_run_id": self.parent_run_id})
+            store.write_json(
+                MLFLOW,
+                {
+                    "uri": redact_uri(self.uri),
+                    "experiment": self.experiment,
+                    "experiment_id": self.experiment_id,
+                    "parent_run_id": self.parent_run_id,
+                },
+            )
             if resume:
                 self._reconcile(store)
         except Exception as exc:  # noqa: BLE001 - never lose the sweep to tracking
@@ -380,8 +433,9 @@ class MlflowTracker:
         folder; other parents of the folder still RUNNING (killed sweeps) are ended KILLED."""
         known = store.read_json(MLFLOW) or {}
         folder = str(store.run_dir.resolve()).replace("'", "\\'")
-        runs = self._client.search_runs([self.experiment_id], filter_string=f"tags.`suite.run_dir` = '{folder}'",
-                                        max_results=1000)
+        runs = self._client.search_runs(
+            [self.experiment_id], filter_string=f"tags.`suite.run_dir` = '{folder}'", max_results=1000
+        )
         parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
         named = [r for r in parents if r.info.run_id == known.get("parent_run_id")]
         chosen = (named or sorted(parents, key=lambda r: r.info.start_time or 0) or [None])[0]
@@ -393,9 +447,9 @@ class MlflowTracker:
 
     def _reconcile(self, store: ResultsStore) -> None:
         """Make the parent's children match the store's rows (see the module docstring)."""
-        runs = self._client.search_runs([self.experiment_id],
-                                        filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}'",
-                                        max_results=50000)
+        runs = self._client.search_runs(
+            [self.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{self.parent_run_id}'", max_results=50000
+        )
         stored = {r[M.KEY]: r for r in store.latest_rows()[0]}
         by_key: dict[str, list] = {}
         for run in runs:
@@ -418,8 +472,9 @@ class MlflowTracker:
             if known is None or known[1] == "RUNNING":
                 self._log_record(record)
 
-    def _log_missing(self, run_id: str, *, params=None, metrics=None, tags=None, steps=None, timestamp=None,
-                     existing=None) -> None:
+    def _log_missing(
+        self, run_id: str, *, params=None, metrics=None, tags=None, steps=None, timestamp=None, existing=None
+    ) -> None:
         """log_batch in chunks of MLflow's limits (100 params, 100 tags, 1000 values per call); params
         already on the run are left alone (a param cannot change, and an equal one is a no-op)."""
         from mlflow.entities import Metric, Param, RunTag
@@ -442,15 +497,18 @@ class MlflowTracker:
         start, end = trial_times(record)
         known = self._children.get(record[M.KEY])
         if known is None:
-            run = self._client.create_run(self.experiment_id, start_time=start, run_name=run_name(record),
-                                          tags={M.KEY: record[M.KEY], "mlflow.parentRunId": self.parent_run_id})
+            run = self._client.create_run(
+                self.experiment_id,
+                start_time=start,
+                run_name=run_name(record),
+                tags={M.KEY: record[M.KEY], "mlflow.parentRunId": self.parent_run_id},
+            )
             run_id, have = run.info.run_id, {}
             self.counts["logged"] += 1
         else:
             run_id, have = known[0], self._client.get_run(known[0]).data.params
             self.counts["completed"] += 1
-        self._log_missing(run_id, params=params, metrics=metrics, tags=tags, steps=steps, timestamp=end,
-                          existing=have)
+        self._log_missing(run_id, params=params, metrics=metrics, tags=tags, steps=steps, timestamp=end, existing=have)
         status = run_status(record)
         self._client.set_terminated(run_id, status, end_time=end)
         self._children[record[M.KEY]] = (run_id, status)
@@ -485,22 +543,37 @@ class MlflowTracker:
         """The trials as one table on the parent run (MLflow's artifact view shows it as a grid)."""
         import pandas as pd
 
-        cols = (M.KEY,) + IDENTITY + (M.STATUS, M.TIME_MS_MEDIAN, M.TIME_MS_MIN, M.TIME_MS_MAX, M.TFLOPS_PER_GPU,
-                                      M.BYTES_SENT, M.ERR["out"], M.PPL, M.REASON)
+        cols = (
+            (M.KEY,)
+            + IDENTITY
+            + (
+                M.STATUS,
+                M.TIME_MS_MEDIAN,
+                M.TIME_MS_MIN,
+                M.TIME_MS_MAX,
+                M.TFLOPS_PER_GPU,
+                M.BYTES_SENT,
+                M.ERR["out"],
+                M.PPL,
+                M.REASON,
+            )
+        )
         rows = [{c: r.get(c) for c in cols} for r in store.latest_rows()[0]]  # a key written twice: once
         if not rows:
             return
         # written here and logged as a file, in log_table's format and with its tag: log_table
         # itself appends to a table already there, which would repeat every row on each relog
         import tempfile
+
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / TABLE
             pd.DataFrame(rows).to_json(path, orient="split", index=False, date_format="iso")
             self._client.log_artifact(self.parent_run_id, str(path))
         logged = json.loads(self._client.get_run(self.parent_run_id).data.tags.get("mlflow.loggedArtifacts", "[]"))
         if {"path": TABLE, "type": "table"} not in logged:
-            self._client.set_tag(self.parent_run_id, "mlflow.loggedArtifacts",
-                                 json.dumps(logged + [{"path": TABLE, "type": "table"}]))
+            self._client.set_tag(
+                self.parent_run_id, "mlflow.loggedArtifacts", json.dumps(logged + [{"path": TABLE, "type": "table"}])
+            )
 
 
 def make_tracker(enabled: bool, uri: Optional[str], experiment: str, results_root: str):
@@ -519,11 +592,19 @@ def relog(run_dir: str | Path, uri: Optional[str] = None, experiment: Optional[s
     name = str(cfg.get("name"))
     root = (cfg.get("results") or {}).get("root", "results")
     tracking = cfg.get("tracking") or {}
-    tracker = MlflowTracker(uri or tracking.get("uri") or default_uri(root),
-                            experiment or tracking.get("experiment") or name, root)
+    tracker = MlflowTracker(
+        uri or tracking.get("uri") or default_uri(root), experiment or tracking.get("experiment") or name, root
+    )
     env = store.read_json(ENVIRONMENT) or {}
-    tracker.start(store, sweep=name, params=config_params(cfg), environment=env,
-                  description=str(cfg.get("description") or ""), resume=True, started_ms=_ms(env.get("timestamp")))
+    tracker.start(
+        store,
+        sweep=name,
+        params=config_params(cfg),
+        environment=env,
+        description=str(cfg.get("description") or ""),
+        resume=True,
+        started_ms=_ms(env.get("timestamp")),
+    )
     ends = [trial_times(r)[1] for r in store.iter_records()]
     tracker.finish(store, end_ms=max(ends) if ends else None)  # the parent's Duration: the sweep's, not now
     return tracker

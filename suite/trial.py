@@ -4,6 +4,7 @@
 becomes a failed `RankReport` with its message and traceback, so that the parent records it and
 the sweep goes on. Only the parent writes anything.
 """
+
 from __future__ import annotations
 
 import time
@@ -18,8 +19,16 @@ from suite.records import RankReport
 from suite.workloads import RankContext, make_workload
 
 
-def run_trial(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.device, cache: ProblemCache, *,
-              autograd: bool = True, on_prepared: Optional[Callable[[], None]] = None) -> RankReport:
+def run_trial(
+    spec: TrialSpec,
+    settings: RunSettings,
+    comm: Comm,
+    device: torch.device,
+    cache: ProblemCache,
+    *,
+    autograd: bool = True,
+    on_prepared: Optional[Callable[[], None]] = None,
+) -> RankReport:
     """Run `spec` on this rank.
 
     `autograd=False` computes gradients by calling the method's backward directly
@@ -31,8 +40,9 @@ def run_trial(spec: TrialSpec, settings: RunSettings, comm: Comm, device: torch.
     try:
         if comm.world_size != spec.world_size:
             raise RuntimeError(f"trial needs world_size {spec.world_size}, comm has {comm.world_size}")
-        ctx = RankContext(settings=settings, comm=comm, device=device, cache=cache, autograd=autograd,
-                          on_prepared=on_prepared)
+        ctx = RankContext(
+            settings=settings, comm=comm, device=device, cache=cache, autograd=autograd, on_prepared=on_prepared
+        )
         report = make_workload(spec.kind).run_rank(spec, ctx)
     except Exception as exc:  # noqa: BLE001 - every failure becomes a recorded row
         oom = device.type == "cuda" and isinstance(exc, torch.cuda.OutOfMemoryError)

@@ -1,4 +1,5 @@
 """Shared test helpers: a float64 oracle for sharded methods, and a small multi-process runner."""
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -36,8 +37,18 @@ def errors_vs_reference(method, case, prob, per_rank: list[dict]) -> dict[str, t
 
 
 def problem_for(case, seed=0):
-    return build_problem(case.batch, case.seq_len, case.heads, case.kv_heads, case.head_dim, case.dtype,
-                         case.causal, seed=seed, device=torch.device("cpu"), with_reference=True)
+    return build_problem(
+        case.batch,
+        case.seq_len,
+        case.heads,
+        case.kv_heads,
+        case.head_dim,
+        case.dtype,
+        case.causal,
+        seed=seed,
+        device=torch.device("cpu"),
+        with_reference=True,
+    )
 
 
 # -- real processes over gloo ----------------------------------------------------------------------
@@ -47,9 +58,9 @@ def _entry(rank, world_size, port, fn, args, results):
         import torch.distributed as dist
 
         from methods.comm import DistComm
+
         store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=60))
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=60))
         results.put((rank, True, fn(DistComm(), *args)))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001
@@ -60,11 +71,14 @@ def run_dist(world_size: int, fn, *args, timeout_s: float = 240.0) -> list:
     """Run fn(comm, *args) on `world_size` gloo processes; return per-rank results (rank order).
     `fn` must be importable (module level)."""
     import torch.distributed as dist
+
     ctx = mp.get_context("spawn")
     store = dist.TCPStore("127.0.0.1", 0, None, True, wait_for_workers=False)
     results = ctx.Queue()
-    procs = [ctx.Process(target=_entry, args=(r, world_size, store.port, fn, args, results), daemon=True)
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(r, world_size, store.port, fn, args, results), daemon=True)
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     out = [None] * world_size
@@ -122,8 +136,9 @@ def variant_id(name: str, options: dict) -> str:
     return name + "".join(f"-{k}={v}" for k, v in options.items())
 
 
-def seq_len_for(name: str, world_size: int, options: dict | None = None, heads: int = 8, kv_heads: int = 8,
-                factor: int = 3) -> int:
+def seq_len_for(
+    name: str, world_size: int, options: dict | None = None, heads: int = 8, kv_heads: int = 8, factor: int = 3
+) -> int:
     """A length the method's layout takes at `world_size`: `factor` granules (factor 3: never a
     power of two)."""
     import methods
@@ -152,6 +167,7 @@ def counted(name: str, case, **options) -> list:
         fwd_records = list(led.records)
         torch.autograd.grad(out, (q, k, v), lay.shard(prob.dout, comm.rank))
         return fwd, (led.bytes_sent - fwd[0], led.bytes_recv - fwd[1]), fwd_records
+
     return run_threads(case.world_size, fn)
 
 
@@ -173,4 +189,5 @@ def peak_bytes(method, case, wrap=None) -> list[tuple[int, int]]:
         with TensorMemoryTracker() as both:
             torch.autograd.grad(method.attention(qg, kg, vg, causal=True, comm=comm), (qg, kg, vg), do)
         return fwd.peak_bytes, both.peak_bytes
+
     return run_threads(case.world_size, rank)

@@ -1,4 +1,5 @@
 """`suite advise`: pruning before tracing, bad input, ranking, the memory estimate, Spearman."""
+
 import math
 
 import pytest
@@ -27,24 +28,31 @@ def test_spearman_known_values():
 def no_tracing(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("bad input must be refused before anything is traced")
+
     monkeypatch.setattr(trace_mod, "trace", refuse)
 
 
-@pytest.mark.parametrize("args,option,mentions", [
-    (["--model", "llama9_1t", "--topology", "h100_sxm"], "--model", "llama3_8b"),
-    (["--model", "32/5/128", "--topology", "h100_sxm"], "--model", "multiple of kv_heads"),
-    (["--model", "llama3_8b", "--topology", "dgx_z"], "--topology", "mi300x"),
-    (["--model", "llama3_8b", "--topology", "h100_sxm", "--seq-len", "0"], "--seq-len", "positive"),
-    (["--model", "llama3_8b", "--topology", "h100_sxm", "--nodes", "0"], "--nodes", "between"),
-    (["--model", "12/12/64", "--topology", "h100_sxm", "--ulysses-degree", "8"], "--ulysses-degree", "heads"),
-    (["--model", "llama3_8b", "--topology", "h100_sxm", "--ulysses-degree", "3"], "--ulysses-degree", "divide"),
-    (["--model", "llama3_8b", "--topology", "h100_sxm", "--memory-gb", "0.001"], "--memory-gb", "nothing fits"),
-    (["--model", "llama3_8b", "--topology", "h100_sxm", "--workload", "nope"], "--workload", "stdlib_files"),
-    (["--model", "llama3_8b", "--topology", "h100_sxm", "--dtype", "float64"], "--dtype", "float64"),
-    (["--model", "llama3_8b", "--topology", "h100_sxm", "--workload", "lognormal:median=100,sigma=0"], "--workload",
-     "sigma"),
-    (["--model", "llama3_8b", "--topology", "h100_sxm", "--top", "0"], "--top", ">= 1"),
-])
+@pytest.mark.parametrize(
+    "args,option,mentions",
+    [
+        (["--model", "llama9_1t", "--topology", "h100_sxm"], "--model", "llama3_8b"),
+        (["--model", "32/5/128", "--topology", "h100_sxm"], "--model", "multiple of kv_heads"),
+        (["--model", "llama3_8b", "--topology", "dgx_z"], "--topology", "mi300x"),
+        (["--model", "llama3_8b", "--topology", "h100_sxm", "--seq-len", "0"], "--seq-len", "positive"),
+        (["--model", "llama3_8b", "--topology", "h100_sxm", "--nodes", "0"], "--nodes", "between"),
+        (["--model", "12/12/64", "--topology", "h100_sxm", "--ulysses-degree", "8"], "--ulysses-degree", "heads"),
+        (["--model", "llama3_8b", "--topology", "h100_sxm", "--ulysses-degree", "3"], "--ulysses-degree", "divide"),
+        (["--model", "llama3_8b", "--topology", "h100_sxm", "--memory-gb", "0.001"], "--memory-gb", "nothing fits"),
+        (["--model", "llama3_8b", "--topology", "h100_sxm", "--workload", "nope"], "--workload", "stdlib_files"),
+        (["--model", "llama3_8b", "--topology", "h100_sxm", "--dtype", "float64"], "--dtype", "float64"),
+        (
+            ["--model", "llama3_8b", "--topology", "h100_sxm", "--workload", "lognormal:median=100,sigma=0"],
+            "--workload",
+            "sigma",
+        ),
+        (["--model", "llama3_8b", "--topology", "h100_sxm", "--top", "0"], "--top", ">= 1"),
+    ],
+)
 def test_bad_input_exits_2_naming_the_option(args, option, mentions, capsys, no_tracing, tmp_path):
     assert main(["advise", *args, "--no-mlflow", "--results-root", str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip()
@@ -88,6 +96,7 @@ def test_small_question_prunes_before_tracing_and_ranks(monkeypatch, tmp_path):
     assert cfg.run.executor == "dist" and cfg.sweep.world_size == [8]
     from suite.plan import Place, expand
     from suite.workloads import make_workload
+
     plan = expand(cfg, make_workload(cfg.kind, cfg), [Place("cpu", "local", lambda w: 1)], "cpu")
     assert sorted(M.method_label(s.method, s.method_options) for s in plan) == sorted(c.label for c in adv.ranked[:3])
 
@@ -109,6 +118,7 @@ def test_memory_estimate_within_2x_of_measured(name, options):
 
 def test_main_cost_reads_the_time_split():
     from suite.advise import main_cost
+
     row = {M.TIME_MS_MEDIAN: 10.0, M.COMPUTE_ONLY_MS: 6.0, M.IMBALANCE: 1.0}
     assert main_cost(row, 6.0).startswith("exposed communication (40%)")
     row = {M.TIME_MS_MEDIAN: 10.0, M.COMPUTE_ONLY_MS: 10.0, M.IMBALANCE: 2.0}
@@ -137,10 +147,12 @@ def test_memory_budget_prunes_by_the_layers_kept_for_backward():
     """Llama-3-70B, 2x8 H100, 256K tokens, 60 GB: without recomputation the Ulysses variants keep
     head-scattered copies in all 80 layers and do not fit; with recomputation every one fits."""
     from suite.advise import enumerate_candidates, prune
+
     kept = {}
     for recompute in (False, True):
-        q = make_question(model="llama3_70b", topology="h100_sxm", nodes=2, seq_len=262144, memory_gb=60,
-                          recompute=recompute)
+        q = make_question(
+            model="llama3_70b", topology="h100_sxm", nodes=2, seq_len=262144, memory_gb=60, recompute=recompute
+        )
         cands = enumerate_candidates(q)
         kept[recompute] = {c.label for c in prune(q, cands)}
         assert all(c.memory_bytes > 60e9 for c in cands if c.pruned)

@@ -15,6 +15,7 @@ def test_list_runs_without_a_gpu_and_says_what_is_unavailable(capsys):
     for name in ("reference", "ring", "ulysses", "cpu_flash", "flash_attn", "threads"):
         assert name in out
     import torch
+
     if not torch.cuda.is_available():
         assert "no CUDA device" in out
         flash_line = next(line for line in out.splitlines() if line.startswith("flash_attn"))

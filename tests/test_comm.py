@@ -72,8 +72,9 @@ def test_counting_comm_bytes():
         c.all_to_all(torch.empty(8), x)
         c.all_gather(torch.empty(8 * p), x)
         c.split([[0, 1], [2, 3]]).all_reduce(torch.zeros(4))  # 16 bytes in a group of 2
-        c.reduce_scatter(torch.empty(2), torch.zeros(8))    # 8 of 32 bytes stay; 3 peers x 8 bytes arrive
+        c.reduce_scatter(torch.empty(2), torch.zeros(8))  # 8 of 32 bytes stay; 3 peers x 8 bytes arrive
         return ledger
+
     ledgers = run_threads(4, fn)
     for rank, led in enumerate(ledgers):
         kinds = [rec.kind for rec in led.records]
@@ -92,6 +93,7 @@ def test_thread_comm_error_aborts_every_rank_quickly():
             raise RuntimeError("boom")
         buf = torch.empty(2)
         comm.exchange([P2P("recv", buf, 1)]).wait()  # would wait forever for rank 1
+
     with pytest.raises(RuntimeError, match="boom"):
         run_threads(3, fn, timeout_s=30)
 
@@ -99,6 +101,7 @@ def test_thread_comm_error_aborts_every_rank_quickly():
 def test_thread_comm_timeout_and_misuse():
     def recv_nothing(comm):
         comm.exchange([P2P("recv", torch.empty(1), (comm.rank + 1) % 2)]).wait()
+
     with pytest.raises(CommError, match="timed out"):
         run_threads(2, recv_nothing, timeout_s=0.5)
 
@@ -107,15 +110,18 @@ def test_thread_comm_timeout_and_misuse():
             comm.exchange([P2P("send", torch.zeros(3), 1)]).wait()
         else:
             comm.exchange([P2P("recv", torch.empty(2), 0)]).wait()
+
     with pytest.raises(CommError, match="mismatched"):
         run_threads(2, bad_shape, timeout_s=5)
 
     def self_send(comm):
         comm.exchange([P2P("send", torch.zeros(1), comm.rank)])
+
     with pytest.raises(CommError, match="invalid peer"):
         run_threads(2, self_send, timeout_s=5)
 
     def not_partition(comm):
         comm.split([[0], [0, 1]])
+
     with pytest.raises(ValueError, match="partition"):
         run_threads(2, not_partition, timeout_s=5)

@@ -27,30 +27,47 @@ def test_loads_yaml_into_typed_config_with_defaults(write_config):
 
 
 def test_overrides_in_hydra_syntax(write_config):
-    cfg, _ = load_config(write_config(BASE), ["run.repeats=3", "sweep.seq_len=[32,48]", "sweep.world_size=1,4",
-                                              "sweep.causal=[false]", "tracking.uri=sqlite:///x.db"])
+    cfg, _ = load_config(
+        write_config(BASE),
+        [
+            "run.repeats=3",
+            "sweep.seq_len=[32,48]",
+            "sweep.world_size=1,4",
+            "sweep.causal=[false]",
+            "tracking.uri=sqlite:///x.db",
+        ],
+    )
     assert cfg.run.repeats == 3 and cfg.sweep.seq_len == [32, 48] and cfg.sweep.world_size == [1, 4]
     assert cfg.sweep.causal == [False] and cfg.tracking.uri == "sqlite:///x.db"
 
 
-@pytest.mark.parametrize("yaml_or_override,expected", [
-    ("run:\n  repeet: 3\n", "unknown config key 'run.repeet'; allowed keys under run: executor"),
-    ("sweep:\n  methods: [ring, rnig]\n", "sweep.methods: unknown method 'rnig'; registered methods:"),
-    ("run:\n  repeats: many\n", "run.repeats"),
-    ("run:\n  executor: mpi\n", "run.executor: 'mpi' is not allowed; choose one of ['dist', 'threads', 'sim']"),
-    ("sweep:\n  passes: [forward]\n", "sweep.passes: 'forward' is not allowed"),
-    ("sweep:\n  dtype: [fp8]\n", "sweep.dtype: 'fp8' is not allowed"),
-    ("sweep:\n  world_size: [0]\n", "sweep.world_size: values must be >= 1"),
-    ("sweep:\n  exclude: [{metod: ring}]\n", "sweep.exclude[0]: unknown axis 'metod'"),
-    ("sweep:\n  method_options: {ring: {ulysses_degree: 2}}\n", "unknown option 'ulysses_degree'"),
-    ("bogus: 1\n", "unknown config key 'bogus'"),
-    ("sweep:\n  methods: [usp]\n  method_options: {usp: {ulysses_degree: [2, 2]}}\n",
-     "sweep.method_options.usp.ulysses_degree: a list of values is an axis and needs distinct values"),
-    ("sweep:\n  methods: [usp]\n  method_options: {usp: {ulysses_degree: ['4']}}\n",
-     "sweep.method_options.usp: usp: ulysses_degree must be an integer >= 1"),
-    ("sweep:\n  methods: [burst]\n  method_options: {burst: {ranks_per_node: -2}}\n",
-     "sweep.method_options.burst: burst: ranks_per_node must be an integer >= 0"),
-])
+@pytest.mark.parametrize(
+    "yaml_or_override,expected",
+    [
+        ("run:\n  repeet: 3\n", "unknown config key 'run.repeet'; allowed keys under run: executor"),
+        ("sweep:\n  methods: [ring, rnig]\n", "sweep.methods: unknown method 'rnig'; registered methods:"),
+        ("run:\n  repeats: many\n", "run.repeats"),
+        ("run:\n  executor: mpi\n", "run.executor: 'mpi' is not allowed; choose one of ['dist', 'threads', 'sim']"),
+        ("sweep:\n  passes: [forward]\n", "sweep.passes: 'forward' is not allowed"),
+        ("sweep:\n  dtype: [fp8]\n", "sweep.dtype: 'fp8' is not allowed"),
+        ("sweep:\n  world_size: [0]\n", "sweep.world_size: values must be >= 1"),
+        ("sweep:\n  exclude: [{metod: ring}]\n", "sweep.exclude[0]: unknown axis 'metod'"),
+        ("sweep:\n  method_options: {ring: {ulysses_degree: 2}}\n", "unknown option 'ulysses_degree'"),
+        ("bogus: 1\n", "unknown config key 'bogus'"),
+        (
+            "sweep:\n  methods: [usp]\n  method_options: {usp: {ulysses_degree: [2, 2]}}\n",
+            "sweep.method_options.usp.ulysses_degree: a list of values is an axis and needs distinct values",
+        ),
+        (
+            "sweep:\n  methods: [usp]\n  method_options: {usp: {ulysses_degree: ['4']}}\n",
+            "sweep.method_options.usp: usp: ulysses_degree must be an integer >= 1",
+        ),
+        (
+            "sweep:\n  methods: [burst]\n  method_options: {burst: {ranks_per_node: -2}}\n",
+            "sweep.method_options.burst: burst: ranks_per_node must be an integer >= 0",
+        ),
+    ],
+)
 def test_bad_config_names_the_key_and_the_fix(write_config, yaml_or_override, expected):
     path = write_config("name: t\n" + yaml_or_override)
     with pytest.raises(ConfigError) as err:
@@ -58,15 +75,18 @@ def test_bad_config_names_the_key_and_the_fix(write_config, yaml_or_override, ex
     assert expected in str(err.value)
 
 
-@pytest.mark.parametrize("override,expected", [
-    ("run.repeet=3", "unknown config key 'run.repeet'; allowed keys under run:"),
-    ("run.repeats=many", "run.repeats"),
-    ("+run.extra=1", "unknown config key 'run.extra'; allowed keys under run:"),
-    ("+run.repeats=3", "'run.repeats' is already set"),
-    ("~sweep.method_options.nothing", "nothing to remove at 'sweep.method_options.nothing'"),
-    ("sweep.method_options.usp.ulysses_degree=2", "write +sweep.method_options.usp.ulysses_degree=..."),
-    ("run.repeats", "bad override"),
-])
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("run.repeet=3", "unknown config key 'run.repeet'; allowed keys under run:"),
+        ("run.repeats=many", "run.repeats"),
+        ("+run.extra=1", "unknown config key 'run.extra'; allowed keys under run:"),
+        ("+run.repeats=3", "'run.repeats' is already set"),
+        ("~sweep.method_options.nothing", "nothing to remove at 'sweep.method_options.nothing'"),
+        ("sweep.method_options.usp.ulysses_degree=2", "write +sweep.method_options.usp.ulysses_degree=..."),
+        ("run.repeats", "bad override"),
+    ],
+)
 def test_bad_override_names_the_key(write_config, override, expected):
     with pytest.raises(ConfigError) as err:
         load_config(write_config(BASE), [override])
@@ -77,12 +97,28 @@ def test_scalar_axis_add_and_remove_overrides(write_config):
     """Hydra's grammar on `suite run`: one value for a list axis, `+` to add a method's options,
     `~` to remove them again or to put a setting back to its default."""
     path = write_config(BASE)
-    cfg, _ = load_config(path, ["sweep.seq_len=512", "sweep.methods=[ring,usp]", "run.repeats=7",
-                                "+sweep.method_options.usp.ulysses_degree=[1,2]", "++sweep.batch=2"])
+    cfg, _ = load_config(
+        path,
+        [
+            "sweep.seq_len=512",
+            "sweep.methods=[ring,usp]",
+            "run.repeats=7",
+            "+sweep.method_options.usp.ulysses_degree=[1,2]",
+            "++sweep.batch=2",
+        ],
+    )
     assert cfg.sweep.seq_len == [512] and cfg.sweep.batch == [2] and cfg.run.repeats == 7
     assert cfg.sweep.method_options == {"usp": {"ulysses_degree": [1, 2]}}
-    again, _ = load_config(path, ["sweep.methods=[ring,usp]", "+sweep.method_options.usp.ulysses_degree=2",
-                                  "~sweep.method_options.usp", "run.repeats=7", "~run.repeats"])
+    again, _ = load_config(
+        path,
+        [
+            "sweep.methods=[ring,usp]",
+            "+sweep.method_options.usp.ulysses_degree=2",
+            "~sweep.method_options.usp",
+            "run.repeats=7",
+            "~run.repeats",
+        ],
+    )
     assert again.sweep.method_options == {} and again.run.repeats == RunConfig().repeats
 
 
@@ -114,6 +150,7 @@ def test_plan_is_the_product_minus_excludes_with_stable_keys(write_config):
 
 def test_every_shipped_config_validates():
     from pathlib import Path
+
     root = Path(__file__).resolve().parents[1] / "configs"
     # topologies: test_sim; documents (length distributions): test_varlen; models: test_advise
     paths = sorted(p for p in root.glob("**/*.yaml") if not {"topologies", "documents", "models"} & set(p.parts))
@@ -124,7 +161,8 @@ def test_every_shipped_config_validates():
 
 
 def test_list_valued_method_options_are_axes(write_config):
-    cfg, _ = load_config(write_config("""
+    cfg, _ = load_config(
+        write_config("""
 name: grid
 sweep:
   methods: [usp, ring]
@@ -136,7 +174,8 @@ sweep:
   passes: [fwd]
   method_options: {usp: {ulysses_degree: [1, 2, 4]}}
   exclude: [{method: usp, ring_degree: 4}]
-"""))
+""")
+    )
     plan = plan_for(cfg, "x")
     usp = [(s.ulysses_degree, s.ring_degree) for s in plan if s.method == "usp"]
     assert usp == [(2, 2), (4, 1)]  # (1, 4) excluded by its ring degree
@@ -148,8 +187,13 @@ sweep:
 def test_method_groups_expand_from_the_registry(write_config):
     import methods
 
-    own = [n for n in methods.available() if methods.method_class(n).impl == "own"
-           and not methods.method_class(n).single_device and not methods.method_class(n).test_double]
+    own = [
+        n
+        for n in methods.available()
+        if methods.method_class(n).impl == "own"
+        and not methods.method_class(n).single_device
+        and not methods.method_class(n).test_double
+    ]
     assert "token_ring" in own and "reference" not in own
     cfg, text = load_config(write_config(BASE), ["sweep.methods=[reference,own,ring]", "sweep.exclude=[]"])
     assert cfg.sweep.methods == ["reference"] + sorted(own)  # ring once, where `own` put it
@@ -179,14 +223,14 @@ def registry_restored():
     _UNAVAILABLE.clear(), _UNAVAILABLE.update(unavailable)
 
 
-def test_a_method_registered_by_a_plugin_joins_its_group_but_a_test_double_does_not(write_config,
-                                                                                   registry_restored):
+def test_a_method_registered_by_a_plugin_joins_its_group_but_a_test_double_does_not(write_config, registry_restored):
     import methods
     from methods.registry import register
     from methods.ring import Ring
 
-    cfg, _ = load_config(write_config(BASE), ["sweep.methods=[own]", "run.plugins=[tests.plugins.faulty]",
-                                             "sweep.exclude=[]"])
+    cfg, _ = load_config(
+        write_config(BASE), ["sweep.methods=[own]", "run.plugins=[tests.plugins.faulty]", "sweep.exclude=[]"]
+    )
     assert "faulty" in methods.available() and "faulty" not in cfg.sweep.methods and "wrong" not in cfg.sweep.methods
 
     @register
@@ -197,8 +241,19 @@ def test_a_method_registered_by_a_plugin_joins_its_group_but_a_test_double_does_
     assert "future_ring" in cfg.sweep.methods and "future_ring" in methods.group_members("all")
 
 
-@pytest.mark.parametrize("config", ["methods_cpu", "perplexity", "sim_check_cpu", "simulate_multinode",
-                                    "simulate_varlen", "varlen_cpu", "h100_sweep", "h100_varlen"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        "methods_cpu",
+        "perplexity",
+        "sim_check_cpu",
+        "simulate_multinode",
+        "simulate_varlen",
+        "varlen_cpu",
+        "h100_sweep",
+        "h100_varlen",
+    ],
+)
 def test_every_own_method_runs_in_the_evidence_sweeps(config):
     """The evidence configs ask for the `own` group: a method added to the registry is planned in
     them without anyone editing a list (token_ring was once missing from every one)."""

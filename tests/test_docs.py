@@ -14,6 +14,7 @@ blank lines skipped) and each command is checked without running it:
 It also holds the README to being a front door: under 250 lines, the two set-up commands in its
 first 40, and a link to every page of docs/.
 """
+
 import argparse
 import importlib.util
 import re
@@ -30,8 +31,20 @@ PAGES = [README] + sorted((ROOT / "docs").glob("*.md"))
 
 COMMAND_LANGS = ("bash", "sh", "shell", "console")
 # the first word of a line that is a command, for unlabelled fences
-COMMANDS = ("make", "python", "python3", ".venv/bin/python", "sp-suite", "torchrun", "srun", "pip", "bash",
-            ".venv/bin/pre-commit", "pre-commit", "git")
+COMMANDS = (
+    "make",
+    "python",
+    "python3",
+    ".venv/bin/python",
+    "sp-suite",
+    "torchrun",
+    "srun",
+    "pip",
+    "bash",
+    ".venv/bin/pre-commit",
+    "pre-commit",
+    "git",
+)
 REPO_DIRS = ("configs/", "reports/", "tests/", "benchmarks/", "docs/", "methods/", "suite/")
 OUTPUT_FLAGS = ("--out", "--emit-config", "--results-root")
 PLACEHOLDER = re.compile(r"[<>$*]|\.\.\.")
@@ -98,8 +111,10 @@ class _ParseError(Exception):
 @contextmanager
 def _raising_parsers():
     """argparse reports a bad line by printing and exiting; raise instead, so the test can say which."""
+
     def error(self, message):
         raise _ParseError(f"{self.prog}: {message}")
+
     old = argparse.ArgumentParser.error
     argparse.ArgumentParser.error = error
     try:
@@ -110,6 +125,7 @@ def _raising_parsers():
 
 def suite_parser() -> argparse.ArgumentParser:
     from suite import cli
+
     build = getattr(cli, "build_parser", None) or cli._parser
     return build()
 
@@ -193,13 +209,16 @@ def problems(command: str) -> list[str]:
         if path.startswith(REPO_DIRS) and not (ROOT / path.split("::")[0]).exists():
             found.append(f"{path} does not exist")
     if words[0] == "make":
-        found += [f"the Makefile has no target {t!r}" for t in words[1:]
-                  if "=" not in t and not t.startswith("-") and t not in make_targets()]
+        found += [
+            f"the Makefile has no target {t!r}"
+            for t in words[1:]
+            if "=" not in t and not t.startswith("-") and t not in make_targets()
+        ]
     elif words[0] == "sp-suite":
         found += check_suite(words[1:])
     elif "-m" in words[:-1]:
         i = words.index("-m")
-        module, rest = words[i + 1], words[i + 2:]
+        module, rest = words[i + 1], words[i + 2 :]
         found += check_suite(rest) if module == "suite" else check_module(module, rest)
     elif words[0] in ("python", "python3", ".venv/bin/python") and len(words) > 1 and words[1].endswith(".py"):
         if not (ROOT / words[1]).exists():
@@ -211,8 +230,9 @@ def problems(command: str) -> list[str]:
 @pytest.mark.parametrize("page", PAGES, ids=[p.relative_to(ROOT).as_posix() for p in PAGES])
 def test_every_documented_command_names_what_exists(page, monkeypatch):
     monkeypatch.chdir(ROOT)
-    bad = [f"{page.relative_to(ROOT)}:{n}: {cmd}\n    {p}"
-           for n, cmd in documented_commands(page) for p in problems(cmd)]
+    bad = [
+        f"{page.relative_to(ROOT)}:{n}: {cmd}\n    {p}" for n, cmd in documented_commands(page) for p in problems(cmd)
+    ]
     assert not bad, "documented commands that cannot work:\n" + "\n".join(bad)
 
 
@@ -234,9 +254,29 @@ def test_the_check_reports_what_does_not_exist(monkeypatch):
 
 
 def test_blocks_are_read_as_a_shell_reads_them():
-    text = "\n".join(["```bash", "# a comment", "make test \\", "    quickstart", "", "```",
-                      "```text", "make nope", "```", "```", "make lint", "```", "```", "config error: x", "```",
-                      "```console", "$ make list", "output line", "```"])
+    text = "\n".join(
+        [
+            "```bash",
+            "# a comment",
+            "make test \\",
+            "    quickstart",
+            "",
+            "```",
+            "```text",
+            "make nope",
+            "```",
+            "```",
+            "make lint",
+            "```",
+            "```",
+            "config error: x",
+            "```",
+            "```console",
+            "$ make list",
+            "output line",
+            "```",
+        ]
+    )
     got = [cmd for lang, first, lines in code_blocks(text) for _, cmd in command_lines(lang, first, lines)]
     assert got == ["make test quickstart", "make lint", "make list"]
 

@@ -1,6 +1,7 @@
 """The flash-attn adapter without a GPU: fake flash-attn modules in the shape of flash-attn >= 2.7
 (private functions as torch.library custom ops, whose own signature is (*args, **kwargs)) record
 what the adapter passes. The real kernels run in `make gpu-check` on a GPU."""
+
 import sys
 import types
 from typing import Optional
@@ -12,11 +13,29 @@ CALLS = []
 
 
 @torch.library.custom_op("suite_test_fa::fwd", mutates_args=())
-def _fake_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: float, softmax_scale: float,
-                  causal: bool, window_size_left: int, window_size_right: int, softcap: float,
-                  alibi_slopes: Optional[torch.Tensor], return_softmax: bool) -> list[torch.Tensor]:
-    CALLS.append(dict(sq=q.shape[1], sk=k.shape[1], causal=causal, left=window_size_left, right=window_size_right,
-                      scale=softmax_scale))
+def _fake_forward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float,
+    softmax_scale: float,
+    causal: bool,
+    window_size_left: int,
+    window_size_right: int,
+    softcap: float,
+    alibi_slopes: Optional[torch.Tensor],
+    return_softmax: bool,
+) -> list[torch.Tensor]:
+    CALLS.append(
+        dict(
+            sq=q.shape[1],
+            sk=k.shape[1],
+            causal=causal,
+            left=window_size_left,
+            right=window_size_right,
+            scale=softmax_scale,
+        )
+    )
     lse = torch.zeros(q.shape[0], q.shape[2], q.shape[1])
     return [q.clone(), lse, torch.empty(0), torch.empty(2)]
 
@@ -24,6 +43,7 @@ def _fake_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dropout_p: 
 @pytest.fixture
 def fake_flash_attn(monkeypatch):
     from methods import _flash_attn
+
     mod = types.ModuleType("flash_attn")
     mod.__version__ = "2.8.3"
     fai = types.ModuleType("flash_attn.flash_attn_interface")
@@ -46,12 +66,15 @@ def test_arguments_reach_a_custom_op_by_name(fake_flash_attn):
     assert CALLS[-1] == dict(sq=8, sk=8, causal=False, left=-1, right=-1, scale=0.25)
 
 
-@pytest.mark.parametrize("sq,sk,offset,expect", [
-    (8, 8, 0, dict(sq=8, sk=8, causal=True, left=-1, right=-1)),          # aligned diagonal
-    (4, 12, 8, dict(sq=4, sk=12, causal=True, left=-1, right=-1)),        # bottom-right (allgather_kv)
-    (8, 8, 3, dict(sq=8, sk=8, causal=False, left=-1, right=3)),          # a window to the right
-    (8, 8, -1, dict(sq=7, sk=7, causal=True, left=-1, right=-1)),         # striped: q[1:] vs k[:-1]
-])
+@pytest.mark.parametrize(
+    "sq,sk,offset,expect",
+    [
+        (8, 8, 0, dict(sq=8, sk=8, causal=True, left=-1, right=-1)),  # aligned diagonal
+        (4, 12, 8, dict(sq=4, sk=12, causal=True, left=-1, right=-1)),  # bottom-right (allgather_kv)
+        (8, 8, 3, dict(sq=8, sk=8, causal=False, left=-1, right=3)),  # a window to the right
+        (8, 8, -1, dict(sq=7, sk=7, causal=True, left=-1, right=-1)),  # striped: q[1:] vs k[:-1]
+    ],
+)
 def test_mask_mapping(fake_flash_attn, sq, sk, offset, expect):
     q, k = torch.randn(1, sq, 2, 16), torch.randn(1, sk, 2, 16)
     out, lse = fake_flash_attn.forward(q, k, k, scale=1.0, causal_offset=offset)
@@ -64,6 +87,7 @@ def test_mask_mapping(fake_flash_attn, sq, sk, offset, expect):
 
 def test_head_dim_limits_are_a_skip_reason(fake_flash_attn, monkeypatch):
     from methods import kernels
+
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     assert kernels.resolve_kernel("auto", torch.device("cuda"), torch.bfloat16, 128) == "flash_attn"
     assert kernels.resolve_kernel("auto", torch.device("cuda"), torch.bfloat16, 20) == "math"

@@ -9,6 +9,7 @@
 SUITE_GPU_CHECK_DEVICE=cpu runs the same checks on CPU (gloo, CPU kernels): that tests the checks
 themselves on a machine without a GPU.
 """
+
 import json
 import os
 import subprocess
@@ -25,10 +26,14 @@ DEVICE = os.environ.get("SUITE_GPU_CHECK_DEVICE", "cuda")
 OUT = Path(os.environ.get("SUITE_GPU_CHECK_OUT", "results/gpu_check"))
 ROOT = Path(__file__).resolve().parents[1]
 OWN = own_methods()
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
-    DEVICE == "cuda" and not torch.cuda.is_available(),
-    reason="needs a CUDA device: run `make gpu-check` on a GPU machine (SUITE_GPU_CHECK_DEVICE=cpu checks the "
-           "checks on CPU)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(
+        DEVICE == "cuda" and not torch.cuda.is_available(),
+        reason="needs a CUDA device: run `make gpu-check` on a GPU machine (SUITE_GPU_CHECK_DEVICE=cpu checks the "
+        "checks on CPU)",
+    ),
+]
 HEAD_DIM = 128 if DEVICE == "cuda" else 32
 
 
@@ -37,8 +42,17 @@ def _sweep(tmp_path, name: str, sweep: dict, run: dict) -> list[dict]:
     from suite.runner import run_sweep
 
     path = tmp_path / f"{name}.yaml"
-    path.write_text(yaml.safe_dump({"name": name, "sweep": sweep, "run": {"device": DEVICE, **run},
-                                    "results": {"root": str(tmp_path / "results")}, "tracking": {"mlflow": False}}))
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "name": name,
+                "sweep": sweep,
+                "run": {"device": DEVICE, **run},
+                "results": {"root": str(tmp_path / "results")},
+                "tracking": {"mlflow": False},
+            }
+        )
+    )
     cfg, text = load_config(path)
     res = run_sweep(cfg, text, progress=False)
     OUT.mkdir(parents=True, exist_ok=True)
@@ -49,20 +63,38 @@ def _sweep(tmp_path, name: str, sweep: dict, run: dict) -> list[dict]:
 
 
 def _bad(rows: list[dict]) -> list[str]:
-    return [f"{r['method']} P={r['world_size']} {r['dtype']} causal={r['causal']} {r['pass']} H={r['heads']}/"
-            f"{r['kv_heads']}: {r['status']}: {r['reason'][:300]}" for r in rows if r["status"] != "ok"]
+    return [
+        f"{r['method']} P={r['world_size']} {r['dtype']} causal={r['causal']} {r['pass']} H={r['heads']}/"
+        f"{r['kv_heads']}: {r['status']}: {r['reason'][:300]}"
+        for r in rows
+        if r["status"] != "ok"
+    ]
 
 
 def test_single_gpu_emulation_checks_every_own_method_in_bf16(tmp_path):
-    rows = _sweep(tmp_path, "gpu_emulation", {
-        "methods": OWN, "world_size": [2, 4, 8], "batch": [1], "seq_len": [1008], "heads": [8],
-        "kv_heads": [8, 2], "head_dim": [HEAD_DIM], "dtype": ["bfloat16"], "causal": [True, False],
-        "passes": ["fwd", "fwd_bwd"], "method_options": {"usp": {"ulysses_degree": 2}}},
-        {"executor": "threads", "warmup": 1, "repeats": 2, "breakdown": False})
+    rows = _sweep(
+        tmp_path,
+        "gpu_emulation",
+        {
+            "methods": OWN,
+            "world_size": [2, 4, 8],
+            "batch": [1],
+            "seq_len": [1008],
+            "heads": [8],
+            "kv_heads": [8, 2],
+            "head_dim": [HEAD_DIM],
+            "dtype": ["bfloat16"],
+            "causal": [True, False],
+            "passes": ["fwd", "fwd_bwd"],
+            "method_options": {"usp": {"ulysses_degree": 2}},
+        },
+        {"executor": "threads", "warmup": 1, "repeats": 2, "breakdown": False},
+    )
     assert len(rows) == len(OWN) * 3 * 2 * 2 * 2
     assert not _bad(rows), "\n".join(_bad(rows))
     assert all(r["checked"] for r in rows)
     from methods import kernels
+
     if DEVICE == "cuda" and kernels.kernel_status("flash_attn")[0]:  # the real GPU kernel, not the math fallback
         assert {r["kernel_used"] for r in rows} == {"flash_attn"}, {r["kernel_used"] for r in rows}
 
@@ -71,10 +103,23 @@ def test_world_size_one_over_nccl_runs_every_method_and_peer(tmp_path):
     import methods
 
     names = sorted(methods.available())
-    rows = _sweep(tmp_path, "gpu_world1", {
-        "methods": names, "world_size": [1], "batch": [2], "seq_len": [4096 if DEVICE == "cuda" else 256],
-        "heads": [8], "kv_heads": [2], "head_dim": [HEAD_DIM], "dtype": ["bfloat16"], "causal": [True, False],
-        "passes": ["fwd", "fwd_bwd"]}, {"executor": "dist", "warmup": 1, "repeats": 3})
+    rows = _sweep(
+        tmp_path,
+        "gpu_world1",
+        {
+            "methods": names,
+            "world_size": [1],
+            "batch": [2],
+            "seq_len": [4096 if DEVICE == "cuda" else 256],
+            "heads": [8],
+            "kv_heads": [2],
+            "head_dim": [HEAD_DIM],
+            "dtype": ["bfloat16"],
+            "causal": [True, False],
+            "passes": ["fwd", "fwd_bwd"],
+        },
+        {"executor": "dist", "warmup": 1, "repeats": 3},
+    )
     ran = [r for r in rows if r["status"] != "skipped"]
     assert {r["method"] for r in ran} >= {"reference", *OWN}, sorted({r["method"] for r in ran})
     assert not _bad(ran), "\n".join(_bad(ran))
@@ -83,20 +128,51 @@ def test_world_size_one_over_nccl_runs_every_method_and_peer(tmp_path):
 def test_calibrate_writes_the_kernel_table_of_the_main_shapes(tmp_path):
     out = OUT / "calibration" / "gpu.yaml"
     cfg = ROOT / "configs" / "gpu_kernels.yaml"
-    over = [] if DEVICE == "cuda" else ["sweep.seq_len=[448]", "sweep.heads=[4]", "sweep.kv_heads=[4]",
-                                        "sweep.head_dim=[32]", "sweep.world_size=[2]"]
-    subprocess.run([sys.executable, "-m", "suite", "calibrate", str(cfg), *over, "--device", DEVICE, "--out", str(out),
-                    "--repeats", "3"] + (["--base", "h100_sxm"] if DEVICE == "cuda" else []), check=True, cwd=ROOT)
+    over = (
+        []
+        if DEVICE == "cuda"
+        else [
+            "sweep.seq_len=[448]",
+            "sweep.heads=[4]",
+            "sweep.kv_heads=[4]",
+            "sweep.head_dim=[32]",
+            "sweep.world_size=[2]",
+        ]
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "suite",
+            "calibrate",
+            str(cfg),
+            *over,
+            "--device",
+            DEVICE,
+            "--out",
+            str(out),
+            "--repeats",
+            "3",
+        ]
+        + (["--base", "h100_sxm"] if DEVICE == "cuda" else []),
+        check=True,
+        cwd=ROOT,
+    )
     table = yaml.safe_load(out.with_name("gpu.blocks.yaml").read_text())
     blocks = table["blocks"]
     assert blocks and all(b["seconds"] > 0 for b in blocks)
     peak = 989e12 if DEVICE == "cuda" else None
-    lines = [f"# Kernel times on {table['device']} ({table['kernel']}), from `suite calibrate`", "",
-             "| op | sq | sk | heads | kv | D | mask offset | ms | TFLOP/s | of bf16 peak |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Kernel times on {table['device']} ({table['kernel']}), from `suite calibrate`",
+        "",
+        "| op | sq | sk | heads | kv | D | mask offset | ms | TFLOP/s | of bf16 peak |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for b in blocks:
         tf = b["flops"] / b["seconds"] / 1e12
-        lines.append(f"| {b['op']} | {b['sq']} | {b['sk']} | {b['heads']} | {b['kv_heads']} | {b['head_dim']} | "
-                     f"{b['causal_offset']} | {b['seconds'] * 1e3:.3f} | {tf:.1f} | "
-                     f"{'' if peak is None else f'{tf * 1e12 / peak:.1%}'} |")
+        lines.append(
+            f"| {b['op']} | {b['sq']} | {b['sk']} | {b['heads']} | {b['kv_heads']} | {b['head_dim']} | "
+            f"{b['causal_offset']} | {b['seconds'] * 1e3:.3f} | {tf:.1f} | "
+            f"{'' if peak is None else f'{tf * 1e12 / peak:.1%}'} |"
+        )
     (OUT / "kernels.md").write_text("\n".join(lines) + "\n")

@@ -1,4 +1,5 @@
 """Arc-disjoint directed Hamiltonian cycles of K_n* (methods/hamilton.py)."""
+
 from __future__ import annotations
 
 import itertools
@@ -91,8 +92,7 @@ def test_deterministic_and_fresh_lists():
 
 def test_small_cases_are_what_the_docstring_says():
     assert hamiltonian_cycles(2) == [[0, 1]]
-    assert sorted(map(sorted, map(arcs, hamiltonian_cycles(3)))) == [
-        sorted(arcs([0, 1, 2])), sorted(arcs([0, 2, 1]))]
+    assert sorted(map(sorted, map(arcs, hamiltonian_cycles(3)))) == [sorted(arcs([0, 1, 2])), sorted(arcs([0, 2, 1]))]
 
 
 @pytest.mark.parametrize("n", [1, 0, -3])
@@ -156,6 +156,7 @@ def test_mod4_construction_fails_over_to_the_verified_fallback(monkeypatch):
 
 
 # --- optimality of the fallback for n = 4 and n = 6 --------------------------------------------
+
 
 def full_decomposition_exists(n: int) -> bool:
     """Exhaustive search: can K_n* be split into n-1 arc-disjoint directed Hamiltonian cycles?

@@ -1,5 +1,6 @@
 """The harness at the main sweep's scale: linear cost, one writer per run folder, a damaged store,
 limits checked before anything starts. Sweeps here run on the simulator (no processes)."""
+
 import json
 import os
 import warnings
@@ -52,11 +53,21 @@ def test_planning_checks_layout_sizes_without_building_positions(monkeypatch):
     from methods import layouts
     from methods.base import Case
 
-    case = Case(batch=1, seq_len=1 << 20, heads=8, kv_heads=8, head_dim=64, dtype="bfloat16", causal=True,
-                world_size=8, device="cpu")
+    case = Case(
+        batch=1,
+        seq_len=1 << 20,
+        heads=8,
+        kv_heads=8,
+        head_dim=64,
+        dtype="bfloat16",
+        causal=True,
+        world_size=8,
+        device="cpu",
+    )
 
     def no_arange(*a, **k):
         raise AssertionError("planning built a position tensor")
+
     real_arange = torch.arange
     monkeypatch.setattr(torch, "arange", no_arange)
     for name in ("ring", "zigzag_ring", "ulysses", "usp", "stripe_ring"):
@@ -73,8 +84,9 @@ def test_usp_at_ring_degree_one_takes_any_length_ulysses_takes():
     import methods
     from methods.base import Case
 
-    case = Case(batch=1, seq_len=777, heads=6, kv_heads=3, head_dim=8, dtype="float64", causal=True, world_size=3,
-                device="cpu")
+    case = Case(
+        batch=1, seq_len=777, heads=6, kv_heads=3, head_dim=8, dtype="float64", causal=True, world_size=3, device="cpu"
+    )
     assert methods.get_method("ulysses").supports(case) == (True, "")
     usp = methods.get_method("usp", ulysses_degree=3)
     assert usp.degrees(case) == (3, 1) and usp.supports(case) == (True, "") and usp.padded_len(case) == 777
@@ -85,9 +97,27 @@ def test_usp_at_ring_degree_one_takes_any_length_ulysses_takes():
     from suite.plan import RunSettings, TrialSpec
     from suite.trial import run_trial
 
-    spec = TrialSpec(method="usp", impl="own", executor="threads", hardware="cpu", topology="", world_size=3, nodes=1,
-                     ulysses_degree=3, ring_degree=1, batch=1, seq_len=777, heads=6, kv_heads=3, head_dim=8,
-                     dtype="float64", causal=True, pass_="fwd_bwd", kernel="math", options='{"ulysses_degree": 3}')
+    spec = TrialSpec(
+        method="usp",
+        impl="own",
+        executor="threads",
+        hardware="cpu",
+        topology="",
+        world_size=3,
+        nodes=1,
+        ulysses_degree=3,
+        ring_degree=1,
+        batch=1,
+        seq_len=777,
+        heads=6,
+        kv_heads=3,
+        head_dim=8,
+        dtype="float64",
+        causal=True,
+        pass_="fwd_bwd",
+        kernel="math",
+        options='{"ulysses_degree": 3}',
+    )
     settings = RunSettings(warmup=0, repeats=1, check=True, check_max_seq_len=1 << 20, seed=0, breakdown=False)
     cache = ProblemCache()
     reports = run_threads(3, lambda comm: run_trial(spec, settings, comm, torch.device("cpu"), cache))
@@ -168,17 +198,22 @@ def test_a_report_over_many_sweeps_skips_an_unreadable_one(write_config, tmp_pat
 
 
 # -- limits checked before start --------------------------------------------------------------------
-QUICK = "name: {name}\nsweep: {{methods: [ring], world_size: [2], seq_len: [32], heads: [2], kv_heads: [2], " \
-        "head_dim: [8], causal: [true], passes: [fwd]}}\nrun: {{device: cpu}}\ntracking: {{mlflow: false}}\n"
+QUICK = (
+    "name: {name}\nsweep: {{methods: [ring], world_size: [2], seq_len: [32], heads: [2], kv_heads: [2], "
+    "head_dim: [8], causal: [true], passes: [fwd]}}\nrun: {{device: cpu}}\ntracking: {{mlflow: false}}\n"
+)
 
 
-@pytest.mark.parametrize("override, words", [
-    ("sweep.world_size=[1024]", ["sweep.world_size", "run.max_ranks_per_core"]),
-    ("run.timeout_s=inf", ["run.timeout_s", "finite"]),
-    ("run.startup_timeout_s=nan", ["run.startup_timeout_s", "finite"]),
-    ("name=" + "n" * 101, ["name", "at most 100"]),
-    ("sweep.exclude=[{method: ring}]", ["sweep.exclude", "every trial"]),
-])
+@pytest.mark.parametrize(
+    "override, words",
+    [
+        ("sweep.world_size=[1024]", ["sweep.world_size", "run.max_ranks_per_core"]),
+        ("run.timeout_s=inf", ["run.timeout_s", "finite"]),
+        ("run.startup_timeout_s=nan", ["run.startup_timeout_s", "finite"]),
+        ("name=" + "n" * 101, ["name", "at most 100"]),
+        ("sweep.exclude=[{method: ring}]", ["sweep.exclude", "every trial"]),
+    ],
+)
 def test_limits_are_one_line_errors_before_anything_starts(write_config, tmp_path, capsys, override, words):
     path = write_config(QUICK.format(name="limits"))
     assert main(["run", str(path), override, "--no-progress"]) == 2
@@ -213,8 +248,7 @@ def test_a_yaml_alias_bomb_is_refused_before_it_is_expanded(tmp_path):
         load_config(path)
 
 
-def test_an_unwritable_results_root_and_a_full_disk_are_one_line_errors(write_config, tmp_path, capsys,
-                                                                        monkeypatch):
+def test_an_unwritable_results_root_and_a_full_disk_are_one_line_errors(write_config, tmp_path, capsys, monkeypatch):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     path = write_config(SIM.format(name="disk"))
@@ -225,6 +259,7 @@ def test_an_unwritable_results_root_and_a_full_disk_are_one_line_errors(write_co
     import errno
 
     import suite.results as results_module
+
     real_write, writes = os.write, []
 
     def full_disk(fd, data):  # the third row: half of it is written, then the disk is full
@@ -233,6 +268,7 @@ def test_an_unwritable_results_root_and_a_full_disk_are_one_line_errors(write_co
             real_write(fd, bytes(data[: len(data) // 2]))
             raise OSError(errno.ENOSPC, "No space left on device")
         return real_write(fd, data)
+
     monkeypatch.setattr(results_module.os, "write", full_disk)
     assert main(["run", str(path), "--no-progress"]) == 2
     err = capsys.readouterr().err
@@ -247,6 +283,7 @@ def test_an_unwritable_results_root_and_a_full_disk_are_one_line_errors(write_co
 
 def test_cuda_without_a_gpu_is_one_line(write_config, capsys):
     import torch
+
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     path = write_config(QUICK.format(name="nocuda"))
@@ -290,8 +327,9 @@ def test_workers_exit_when_the_parent_dies_during_start_up():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[1]
-    parent = subprocess.Popen([sys.executable, "-c", PARENT_DIES_IN_STARTUP], cwd=root, stdout=subprocess.PIPE,
-                              text=True)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", PARENT_DIES_IN_STARTUP], cwd=root, stdout=subprocess.PIPE, text=True
+    )
     pids = [int(p) for p in parent.stdout.readline().split()]
     assert len(pids) == 2
     os.kill(parent.pid, signal.SIGKILL)  # workers are spawned, importing or connecting
@@ -319,15 +357,22 @@ def test_the_rendezvous_store_listens_on_loopback_only():
 
     def no_workers(*a, **k):
         raise Stop
+
     import multiprocessing
+
     ctx = multiprocessing.get_context("spawn")
     orig = ctx.Process
     try:
         ctx.Process = no_workers  # type: ignore[method-assign]
         run = RunSettings(warmup=0, repeats=1, check=False, check_max_seq_len=1, seed=0)
         with pytest.raises(Stop):
-            local.LocalGroup.__init__(group, WorkerSettings(world_size=2, device="cpu", backend="gloo", threads=1,
-                                                            plugins=(), comm_timeout_s=5, run=run), 5)
+            local.LocalGroup.__init__(
+                group,
+                WorkerSettings(
+                    world_size=2, device="cpu", backend="gloo", threads=1, plugins=(), comm_timeout_s=5, run=run
+                ),
+                5,
+            )
     finally:
         ctx.Process = orig  # type: ignore[method-assign]
     port = group._store.port
@@ -354,9 +399,26 @@ def test_float64_tolerance_grows_with_the_reduction_length(seq_len):
     from suite.plan import RunSettings, TrialSpec
     from suite.trial import run_trial
 
-    spec = TrialSpec(method="reference", impl="own", executor="threads", hardware="cpu", topology="", world_size=1,
-                     nodes=1, ulysses_degree=1, ring_degree=1, batch=3, seq_len=seq_len, heads=12, kv_heads=3,
-                     head_dim=80, dtype="float64", causal=False, pass_="fwd_bwd", kernel="cpu_flash")
+    spec = TrialSpec(
+        method="reference",
+        impl="own",
+        executor="threads",
+        hardware="cpu",
+        topology="",
+        world_size=1,
+        nodes=1,
+        ulysses_degree=1,
+        ring_degree=1,
+        batch=3,
+        seq_len=seq_len,
+        heads=12,
+        kv_heads=3,
+        head_dim=80,
+        dtype="float64",
+        causal=False,
+        pass_="fwd_bwd",
+        kernel="cpu_flash",
+    )
     settings = RunSettings(warmup=0, repeats=1, check=True, check_max_seq_len=1 << 20, seed=0, breakdown=False)
     if not methods.kernels.kernel_status("cpu_flash")[0]:
         pytest.skip("no CPU flash kernel in this torch")

@@ -113,8 +113,9 @@ def test_backward_from_delta_equals_backward_from_out(kernel, dtype):
     dout[0, 3] = 0  # rows with dO = 0 (and so D = 0) must not divide by zero
     delta = (dout.float() * out.float()).sum(-1).transpose(1, 2)
     from_out = kernels.block_backward(dout, q, k, v, out, lse, scale=0.25, causal_offset=0, kernel=kernel)
-    from_delta = kernels.block_backward(dout, q, k, v, None, lse, scale=0.25, causal_offset=0, kernel=kernel,
-                                        delta=delta)
+    from_delta = kernels.block_backward(
+        dout, q, k, v, None, lse, scale=0.25, causal_offset=0, kernel=kernel, delta=delta
+    )
     tol = 1e-6 if dtype == torch.float32 else 2e-2
     for a, b in zip(from_out, from_delta):
         assert torch.isfinite(b).all()
@@ -146,7 +147,7 @@ def test_fused_merge_and_final_merge_equal_the_definition(dtype):
     block_lse = torch.randn(2, 3, 5, dtype=acc)
     lse[0, 0, 2] = float("-inf")
     out[0, 2, 0] = 0
-    block_lse[0, 0, 1] = float("-inf")           # row 4 of the view: nothing new
+    block_lse[0, 0, 1] = float("-inf")  # row 4 of the view: nothing new
     block_out[0, 1, 0] = 0
     block_lse[1, 2, 0] = lse[1, 2, 4] = float("-inf")  # nothing on either side
     block_out[1, 0, 2] = out[1, 4, 2] = 0
@@ -163,7 +164,7 @@ def test_fused_merge_and_final_merge_equal_the_definition(dtype):
     before = o.clone()
     result = merge.merge_final(o, l, block_out, block_lse, dtype)
     assert result.dtype == dtype and torch.equal(o, before)
-    assert (result.double() - want_out.to(dtype).double()).abs().max() <= (tol if dtype == torch.float64 else 2 ** -7)
+    assert (result.double() - want_out.to(dtype).double()).abs().max() <= (tol if dtype == torch.float64 else 2**-7)
     assert not torch.isnan(result).any()
 
 

@@ -6,6 +6,7 @@ must have no cycle, `methods` must never import `suite`, each suite module may i
 own layer or lower ones, and reading stored results (suite.reports) must not load torch or any
 method (tests/test_reports.py imports every reports module in a fresh interpreter).
 """
+
 import ast
 import sys
 from pathlib import Path
@@ -17,8 +18,17 @@ PACKAGES = ("suite", "methods")
 # modules share its layer: a folder is one unit). A module may import its own layer or a lower one.
 LAYERS = [
     ["suite.metrics", "suite.results", "suite.bundled"],
-    ["suite.env", "suite.check", "suite.memtrack", "suite.timing", "suite.summary", "suite.tracking", "suite.lengths",
-     "suite.perplexity", "suite.sim"],
+    [
+        "suite.env",
+        "suite.check",
+        "suite.memtrack",
+        "suite.timing",
+        "suite.summary",
+        "suite.tracking",
+        "suite.lengths",
+        "suite.perplexity",
+        "suite.sim",
+    ],
     ["suite.config"],
     ["suite.plan"],
     ["suite.records"],
@@ -64,7 +74,7 @@ def import_graph() -> dict[str, set[str]]:
                 base = node.module or ""
                 if node.level:  # relative import
                     anchor = name.split(".") if is_pkg else name.split(".")[:-1]
-                    anchor = anchor[:len(anchor) - node.level + 1]
+                    anchor = anchor[: len(anchor) - node.level + 1]
                     base = ".".join(anchor + ([base] if base else []))
                 # `from pkg import sub` imports the module pkg.sub when there is one
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
@@ -131,8 +141,11 @@ def test_no_import_cycle_in_suite_or_methods():
 
 
 def test_methods_never_import_suite():
-    bad = {m: sorted(t for t in ts if t.split(".")[0] == "suite")
-           for m, ts in import_graph().items() if m.split(".")[0] == "methods"}
+    bad = {
+        m: sorted(t for t in ts if t.split(".")[0] == "suite")
+        for m, ts in import_graph().items()
+        if m.split(".")[0] == "methods"
+    }
     assert not {m: ts for m, ts in bad.items() if ts}
 
 
@@ -149,8 +162,13 @@ def test_suite_imports_only_downward():
 
 def test_reports_import_only_the_store_schema():
     graph = import_graph()
-    bad = [f"{m} -> {t}" for m, ts in graph.items() if _within(m, "suite.reports") for t in ts
-           if not any(_within(t, p) for p in REPORTS_MAY_IMPORT)]
+    bad = [
+        f"{m} -> {t}"
+        for m, ts in graph.items()
+        if _within(m, "suite.reports")
+        for t in ts
+        if not any(_within(t, p) for p in REPORTS_MAY_IMPORT)
+    ]
     assert bad == []
 
 
@@ -176,4 +194,3 @@ def test_layers_name_whole_folders():
     suite_folders = {f for f in folders if f.startswith("suite.") and f.count(".") == 1}
     placed = {e for entries in LAYERS for e in entries}
     assert suite_folders - {"suite.reports"} <= placed
-

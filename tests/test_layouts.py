@@ -39,16 +39,20 @@ def test_layout_positions_match_their_definitions():
 def test_usp_layout_is_zigzag_pairs_cut_into_ulysses_pieces():
     # P = 4 as ulysses 2 x ring 2: ring rank r's pair is chunks r and 3-r of 4 (12 tokens each)
     lay = layouts.usp(48, 4, 2)
-    assert lay.positions(0).tolist() == list(range(0, 12))            # ring 0, ulysses 0: chunk 0
-    assert lay.positions(1).tolist() == list(range(36, 48))           # ring 0, ulysses 1: chunk 3
-    assert lay.positions(2).tolist() == list(range(12, 24))           # ring 1, ulysses 0: chunk 1
-    assert lay.positions(3).tolist() == list(range(24, 36))           # ring 1, ulysses 1: chunk 2
+    assert lay.positions(0).tolist() == list(range(0, 12))  # ring 0, ulysses 0: chunk 0
+    assert lay.positions(1).tolist() == list(range(36, 48))  # ring 0, ulysses 1: chunk 3
+    assert lay.positions(2).tolist() == list(range(12, 24))  # ring 1, ulysses 0: chunk 1
+    assert lay.positions(3).tolist() == list(range(24, 36))  # ring 1, ulysses 1: chunk 2
     # the edge cases are Ulysses' and the zigzag ring's layouts
     for p in (2, 4, 6):
-        assert all(torch.equal(layouts.usp(12 * p, p, p).positions(r), layouts.contiguous(12 * p, p).positions(r))
-                   for r in range(p))
-        assert all(torch.equal(layouts.usp(12 * p, p, 1).positions(r), layouts.zigzag(12 * p, p).positions(r))
-                   for r in range(p))
+        assert all(
+            torch.equal(layouts.usp(12 * p, p, p).positions(r), layouts.contiguous(12 * p, p).positions(r))
+            for r in range(p)
+        )
+        assert all(
+            torch.equal(layouts.usp(12 * p, p, 1).positions(r), layouts.zigzag(12 * p, p).positions(r))
+            for r in range(p)
+        )
     with pytest.raises(ValueError, match="dividing world_size"):
         layouts.usp(48, 4, 3)
 
@@ -68,8 +72,10 @@ def test_zigzag_balances_causal_work_and_contiguous_does_not(world_size):
     assert cont[-1] > cont[0] * (2 * world_size - 2)  # last rank does ~(2P-1)x the first
 
 
-@pytest.mark.parametrize("kind,seq_len,world_size,need", [
-    ("contiguous", 10, 4, "divisible by 4"), ("zigzag", 12, 4, "divisible by 8"), ("stripe", 7, 2, "divisible by 2")])
+@pytest.mark.parametrize(
+    "kind,seq_len,world_size,need",
+    [("contiguous", 10, 4, "divisible by 4"), ("zigzag", 12, 4, "divisible by 8"), ("stripe", 7, 2, "divisible by 2")],
+)
 def test_bad_sizes_name_the_constraint(kind, seq_len, world_size, need):
     with pytest.raises(ValueError, match=need):
         layouts.make(kind, seq_len, world_size)

@@ -13,6 +13,7 @@ and is compared from there. Virtual ranks (ThreadComm)
 complete a send only when the peer has taken it, as a real transport does, so no rank runs ahead
 piling up messages; the copies it makes of messages are not the rank's tensors (`OwnTensorsOnly`).
 """
+
 import math
 
 import pytest
@@ -90,8 +91,10 @@ def test_peak_memory_does_not_grow_with_world_size(name, options):
     sizes = sizes_for(name)
     (u1, r1), (u2, r2) = (m.degrees(Case(B, local * p, H, HKV, D, "float32", True, p)) for p in sizes)
     if (u1 == 1) != (u2 == 1) or (r1 == 1) != (r2 == 1) or (u1 != u2 and r1 != 1):
-        pytest.skip(f"the automatic degrees ({u1}x{r1} -> {u2}x{r2}) change the algorithm between the sizes; "
-                    f"a fixed-degree variant is checked")
+        pytest.skip(
+            f"the automatic degrees ({u1}x{r1} -> {u2}x{r2}) change the algorithm between the sizes; "
+            f"a fixed-degree variant is checked"
+        )
     (f1, b1), (f2, b2) = (peaks(name, options, p, local) for p in sizes)
     if methods.method_class(name).gathers_whole_sequence:
         assert f2 > 1.8 * f1 and b2 > 1.8 * b1  # the whole sequence's K/V, by design

@@ -3,6 +3,7 @@ ranks), plus communication volume and causal balance. Real processes: test_metho
 
 Pass rule (docs/DESIGN.md section 7): error <= 2 x error of naive same-dtype attention + a floor.
 """
+
 import pytest
 import torch
 
@@ -46,8 +47,9 @@ def check(name, options, case):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("heads,kv_heads", HEADS, ids=["mha", "gqa", "odd"])
 def test_method_matches_float64_or_says_why_not(name, options, world_size, causal, heads, kv_heads):
-    case = Case(2, seq_len_for(name, world_size, options, heads, kv_heads), heads, kv_heads, 8, "float32", causal,
-                world_size)
+    case = Case(
+        2, seq_len_for(name, world_size, options, heads, kv_heads), heads, kv_heads, 8, "float32", causal, world_size
+    )
     m = methods.get_method(name, **options)
     ok, why = m.supports(case)
     if not ok:
@@ -67,8 +69,9 @@ def test_every_usp_factorisation(world_size):
 @pytest.mark.parametrize("world_size,per_node", [(4, 2), (6, 2), (6, 3), (8, 4)])
 def test_burst_two_level_ring(world_size, per_node):
     for causal in (True, False):
-        check("burst", {"ranks_per_node": per_node},
-              Case(2, 2 * world_size * 3, 4, 2, 8, "float32", causal, world_size))
+        check(
+            "burst", {"ranks_per_node": per_node}, Case(2, 2 * world_size * 3, 4, 2, 8, "float32", causal, world_size)
+        )
 
 
 @pytest.mark.parametrize("name,options", OWN, ids=IDS)
@@ -103,8 +106,11 @@ def test_edge_cases_agree_with_usp():
         m = methods.get_method(name, **opts)
         per_rank = run_threads(4, lambda c: run_method_rank(m, case, prob, c))
         return {t: m.layout(case).unshard([r[t] for r in per_rank], dim=2 if t == "lse" else 1) for t in TENSORS}
-    pairs = [(outputs("usp", ulysses_degree=4), outputs("ulysses")),
-             (outputs("usp", ulysses_degree=1), outputs("zigzag_ring"))]
+
+    pairs = [
+        (outputs("usp", ulysses_degree=4), outputs("ulysses")),
+        (outputs("usp", ulysses_degree=1), outputs("zigzag_ring")),
+    ]
     for a, b in pairs:
         for t in TENSORS:
             torch.testing.assert_close(a[t], b[t], rtol=0, atol=2e-6)
@@ -112,9 +118,11 @@ def test_edge_cases_agree_with_usp():
 
 def test_the_check_catches_a_wrong_method():
     """A ring that drops the causal mask on its diagonal block must fail the pass rule."""
+
     class NoDiagonalMask(methods.method_class("ring")):
         def forward(self, q, k, v, *, comm, causal, scale, return_lse):
             return super().forward(q, k, v, comm=comm, causal=False, scale=scale, return_lse=return_lse)
+
     case = Case(1, 32, 4, 4, 8, "float32", True, 2)
     prob = problem_for(case)
     m = NoDiagonalMask()
@@ -134,6 +142,7 @@ def test_direct_forward_backward_equals_autograd(name, world_size):
         r = comm.rank
         q, k, v, do = (lay.shard(x, r) for x in (prob.q, prob.k, prob.v, prob.dout))
         return m.attention_fwd_bwd(q, k, v, do, causal=True, comm=comm), run_method_rank(m, case, prob, comm)
+
     for direct, via in run_threads(world_size, both):
         for got, t in zip(direct, TENSORS):
             assert torch.equal(got, via[t]), t
@@ -155,8 +164,7 @@ def test_counted_bytes_equal_the_declared_formula(name, options, world_size, hea
     """Every rank's counted bytes, forward and backward, equal the method's `expected_rank_bytes`
     for that rank (its documented communication formula, as code), and `expected_bytes` is the
     most any rank sends and receives."""
-    case = Case(B, seq_len_for(name, world_size, options, heads, kv_heads), heads, kv_heads, D, dtype, True,
-                world_size)
+    case = Case(B, seq_len_for(name, world_size, options, heads, kv_heads), heads, kv_heads, D, dtype, True, world_size)
     m = methods.get_method(name, **options)
     if not m.supports(case)[0]:
         return  # heads or degrees this method cannot split (test_method_matches_float64 checks the reasons)
@@ -197,6 +205,7 @@ def test_burst_two_level_ring_crosses_nodes_once_per_cycle():
 def test_tasp_spreads_each_round_over_every_link(world_size):
     """With a full decomposition each forward round sends one equal unit to every other rank."""
     from methods.tasp import num_cycles
+
     p = world_size
     k = num_cycles(p)
     assert k == p - 1
@@ -224,6 +233,7 @@ def _rows(sl: slice, n: int) -> int:
 def test_zigzag_and_burst_do_equal_causal_work_per_step(world_size):
     from methods.burst import query_ring_plan
     from methods.zigzag_ring import zigzag_plan
+
     l = 2 * 5
     for make in (zigzag_plan, query_ring_plan):
         for step in range(world_size):
@@ -237,10 +247,16 @@ def test_zigzag_and_burst_do_equal_causal_work_per_step(world_size):
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5, 6, 8])
 def test_zigzag_tasp_does_equal_causal_work_per_step(world_size):
     from methods.tasp import num_cycles, step_calls
+
     k, c = num_cycles(world_size), 3
     for step in range(1, world_size):
-        work = {sum(_rows(rows, 2 * k * c) * sum(_rows(sl, 2 * c) for _, sl in parts)
-                    for rows, parts in step_calls(True, rank, world_size, step, c)) for rank in range(world_size)}
+        work = {
+            sum(
+                _rows(rows, 2 * k * c) * sum(_rows(sl, 2 * c) for _, sl in parts)
+                for rows, parts in step_calls(True, rank, world_size, step, c)
+            )
+            for rank in range(world_size)
+        }
         assert work == {2 * k * k * c * c}, (step, work)  # k units of 2kc^2 pairs each
 
 
@@ -250,24 +266,28 @@ def test_tasp_calls_read_their_keys_as_one_run_of_pieces(world_size):
     (no gather), each unit sits in two distinct pieces, and the pieces a call reads are exactly its
     units' parts."""
     from methods.tasp import num_cycles, piece_calls, placement, step_calls
+
     k, c = num_cycles(world_size), 3
     for rank in range(world_size):
         for step in range(1, world_size):
             pos = placement(world_size, True, rank, step)
             assert sorted(i for both in pos for i in both) == list(range(2 * k))
-            for (rows, parts), (rows2, run) in zip(sorted(step_calls(True, rank, world_size, step, c),
-                                                          key=lambda call: call[0] == slice(None)),
-                                                   piece_calls(world_size, True, rank, step, c)):
+            for (rows, parts), (rows2, run) in zip(
+                sorted(step_calls(True, rank, world_size, step, c), key=lambda call: call[0] == slice(None)),
+                piece_calls(world_size, True, rank, step, c),
+            ):
                 want = [i for j, sl in parts for i in (pos[j][:1] if sl == slice(0, c) else pos[j])]
                 assert rows == rows2 and want == list(range(run.start, run.stop)), (rank, step)
 
 
 def test_stripe_work_differs_by_at_most_one_diagonal():
     from methods.stripe_ring import stripe_plan
+
     p, l = 4, 9
     for step in range(p):
-        work = [sum(visible_pairs(l, l, b.causal_offset) for b in stripe_plan(True, r)((r - step) % p))
-                for r in range(p)]
+        work = [
+            sum(visible_pairs(l, l, b.causal_offset) for b in stripe_plan(True, r)((r - step) % p)) for r in range(p)
+        ]
         assert max(work) - min(work) <= l
 
 
@@ -277,6 +297,7 @@ def test_bad_inputs_raise_clear_errors():
 
     def call(q, k, v):
         return run_threads(1, lambda c: ring.attention(q, k, v, causal=True, comm=c), timeout_s=5)
+
     x = torch.randn(1, 8, 4, 8)
     with pytest.raises(ValueError, match="same tokens"):
         call(x, x[:, :6], x[:, :6])
@@ -286,11 +307,13 @@ def test_bad_inputs_raise_clear_errors():
         call(x, x[:, :, :3], x[:, :, :3])
     with pytest.raises(ValueError, match=r"\[batch, seq, heads, head_dim\]"):
         call(x[0], x[0], x[0])
-    for name, case, need in [("ring", Case(1, 10, 4, 4, 8, "float32", True, 4), "divisible by 4"),
-                             ("zigzag_ring", Case(1, 12, 4, 4, 8, "float32", True, 4), "divisible by 8"),
-                             ("tasp", Case(1, 24, 4, 4, 8, "float32", True, 4), "divisible by 2 x world_size x cycles"),
-                             ("usp", Case(1, 16, 4, 4, 8, "float32", True, 4), "ulysses_degree 3 does not divide"),
-                             ("ulysses", Case(1, 16, 6, 6, 8, "float32", True, 4), "heads divisible")]:
+    for name, case, need in [
+        ("ring", Case(1, 10, 4, 4, 8, "float32", True, 4), "divisible by 4"),
+        ("zigzag_ring", Case(1, 12, 4, 4, 8, "float32", True, 4), "divisible by 8"),
+        ("tasp", Case(1, 24, 4, 4, 8, "float32", True, 4), "divisible by 2 x world_size x cycles"),
+        ("usp", Case(1, 16, 4, 4, 8, "float32", True, 4), "ulysses_degree 3 does not divide"),
+        ("ulysses", Case(1, 16, 6, 6, 8, "float32", True, 4), "heads divisible"),
+    ]:
         m = methods.get_method(name, **({"ulysses_degree": 3} if name == "usp" else {}))
         ok, why = m.supports(case)
         assert not ok and need in why, (name, why)
@@ -304,9 +327,11 @@ def test_registry_errors_list_the_valid_choices():
     with pytest.raises(TypeError, match="no option"):
         methods.get_method("ring", ulysses_degree=2)
     with pytest.raises(ValueError, match="already registered"):
+
         @methods.register
         class Dup(methods.Method):
             name = "ring"
+
     assert {"reference", "ring", "zigzag_ring", "ulysses", "usp", "burst", "tasp"} <= set(methods.available())
 
 
@@ -324,8 +349,10 @@ def test_the_check_catches_a_dropped_block_in_low_precision(dtype):
 
             def plan(src):
                 return [] if drop and src == 0 else base(src)
+
             out, lse = kv_ring_forward(q, k, v, comm=comm, plan=plan, scale=scale, kernel=self.kernel)
             return out, lse, (q, k, v, out, lse, None)
+
     case = Case(2, 8 * 48, 8, 8, 32, dtype, False, 8)
     prob = problem_for(case)
     m = DropsABlock()
@@ -346,4 +373,5 @@ def test_views_of_a_fused_projection_are_accepted():
             q, k, v = qkv.unbind(2)
             assert not q.is_contiguous()
             return m.attention(q, k, v, causal=True, comm=comm)
+
         run_threads(4, fn)

@@ -2,6 +2,7 @@
 
 One process group per world size runs every case (starting processes is the expensive part).
 """
+
 import pytest
 
 import methods
@@ -17,8 +18,16 @@ def _cases(world_size):
         for causal in (True, False):
             # 24 heads split over every world size here (so every method runs); 12/4 is GQA
             for heads, kv_heads in ((24, 24), (12, 4)):
-                case = Case(2, seq_len_for(name, world_size, options, heads, kv_heads), heads, kv_heads, 8, "float32",
-                            causal, world_size)
+                case = Case(
+                    2,
+                    seq_len_for(name, world_size, options, heads, kv_heads),
+                    heads,
+                    kv_heads,
+                    8,
+                    "float32",
+                    causal,
+                    world_size,
+                )
                 if methods.get_method(name, **options).supports(case)[0]:
                     out.append((name, options, case))
     return out
@@ -32,8 +41,9 @@ def run_cases(comm, world_size):
         m = methods.get_method(name, **options)
         prob = problem_for(case)
         res = run_method_rank(m, case, prob, comm)
-        results.append((local_errors(m, case, prob, comm.rank, res),
-                        {t: prob.tolerance(t, world_size) for t in prob.ref}))
+        results.append(
+            (local_errors(m, case, prob, comm.rank, res), {t: prob.tolerance(t, world_size) for t in prob.ref})
+        )
     return results
 
 

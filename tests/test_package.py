@@ -6,6 +6,7 @@ interpreter's, reached through a .pth line (a path entry: the test interpreter's
 among them the editable install of this checkout, are not run there). So every import of `suite`
 or `methods` in the new environment, in the parent and in the spawned workers, is the wheel's.
 """
+
 import json
 import shutil
 import site
@@ -30,8 +31,22 @@ def wheel(tmp_path_factory) -> Path:
             shutil.copytree(path, src / name, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
         else:
             shutil.copy2(path, src / name)
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation",
-                    "--wheel-dir", str(dist), str(src)], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "--wheel-dir",
+            str(dist),
+            str(src),
+        ],
+        check=True,
+        timeout=300,
+    )
     (whl,) = dist.glob("*.whl")
     return whl
 
@@ -41,12 +56,30 @@ def venv(wheel, tmp_path_factory) -> Path:
     env = tmp_path_factory.mktemp("venv")
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True, timeout=120)
     python = env / "bin" / "python"
-    purelib = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-                             check=True, capture_output=True, text=True).stdout.strip()
+    purelib = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
     deps = [p for p in [*site.getsitepackages(), sysconfig.get_paths()["purelib"]] if Path(p).is_dir()]
     Path(purelib, "_sp_suite_test_deps.pth").write_text("\n".join(dict.fromkeys(deps)) + "\n")
-    subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--quiet", "--no-deps",
-                    "--no-index", str(wheel)], check=True, timeout=300)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "--python",
+            str(python),
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--no-index",
+            str(wheel),
+        ],
+        check=True,
+        timeout=300,
+    )
     return env
 
 
@@ -60,15 +93,40 @@ def test_the_wheel_holds_every_module_and_config(wheel):
 
 
 def test_installed_outside_the_checkout_runs_a_bundled_sweep_by_name(venv, tmp_path):
-    where = subprocess.run([str(venv / "bin" / "python"), "-c",
-                            "import suite, methods, suite.bundled as b; print(suite.__file__, methods.__file__, "
-                            "b.CONFIGS)"], cwd=tmp_path, check=True, capture_output=True, text=True).stdout.split()
+    where = subprocess.run(
+        [
+            str(venv / "bin" / "python"),
+            "-c",
+            "import suite, methods, suite.bundled as b; print(suite.__file__, methods.__file__, b.CONFIGS)",
+        ],
+        cwd=tmp_path,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.split()
     assert all(Path(p).is_relative_to(venv) for p in where), where  # the wheel's code and configs, not the checkout's
     results = tmp_path / "results"
-    run = subprocess.run([str(venv / "bin" / "sp-suite"), "run", "quickstart", "sweep.world_size=[1,2]",
-                          "sweep.kv_heads=[4]", "sweep.passes=[fwd_bwd]", "sweep.causal=[true]", "run.repeats=1",
-                          "run.warmup=0", "run.breakdown=false", "tracking.mlflow=false", f"results.root={results}",
-                          "--no-progress"], cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    run = subprocess.run(
+        [
+            str(venv / "bin" / "sp-suite"),
+            "run",
+            "quickstart",
+            "sweep.world_size=[1,2]",
+            "sweep.kv_heads=[4]",
+            "sweep.passes=[fwd_bwd]",
+            "sweep.causal=[true]",
+            "run.repeats=1",
+            "run.warmup=0",
+            "run.breakdown=false",
+            "tracking.mlflow=false",
+            f"results.root={results}",
+            "--no-progress",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     (rows_file,) = results.glob("quickstart/*/trials.jsonl")
     rows = [json.loads(line) for line in rows_file.read_text().splitlines()]
@@ -77,9 +135,28 @@ def test_installed_outside_the_checkout_runs_a_bundled_sweep_by_name(venv, tmp_p
 
 
 def test_installed_outside_the_checkout_advises(venv, tmp_path):
-    run = subprocess.run([str(venv / "bin" / "sp-suite"), "advise", "--model", "llama3_8b", "--topology", "h100_sxm",
-                          "--seq-len", "16384", "--top", "3", "--no-mlflow", "--results-root", str(tmp_path / "r"),
-                          "--out", str(tmp_path / "advice")], cwd=tmp_path, capture_output=True, text=True,
-                         timeout=600)
+    run = subprocess.run(
+        [
+            str(venv / "bin" / "sp-suite"),
+            "advise",
+            "--model",
+            "llama3_8b",
+            "--topology",
+            "h100_sxm",
+            "--seq-len",
+            "16384",
+            "--top",
+            "3",
+            "--no-mlflow",
+            "--results-root",
+            str(tmp_path / "r"),
+            "--out",
+            str(tmp_path / "advice"),
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert "llama3_8b" in run.stdout and "8 x H100" in run.stdout and (tmp_path / "advice" / "advice.md").is_file()

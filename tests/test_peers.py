@@ -1,6 +1,7 @@
 """Peer library adapters: registration with and without the library, yunchang's layouts against
 its own sharding functions on real process groups, and the suite catching yunchang's wrong
 torch_math ring (zero LSE) as `incorrect`."""
+
 import importlib.util
 import json
 import os
@@ -22,23 +23,39 @@ needs_yunchang = pytest.mark.skipif(not HAS_YUNCHANG, reason="yunchang is not in
 
 
 def _python(code: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
 
 
 def test_a_missing_library_gives_a_reason_not_an_import_error():
     # sys.modules[name] = None makes `import name` raise ImportError, as on a machine without it
-    out = _python("import sys; sys.modules['yunchang'] = None\n"
-                  "import methods\n"
-                  "u = methods.unavailable()\n"
-                  "assert 'yunchang_usp' in u and 'yunchang_ulysses' in u and 'pip install' in u['yunchang_usp'], u\n"
-                  "assert 'yunchang_usp' not in methods.available()\n"
-                  "try:\n    methods.get_method('yunchang_usp')\nexcept KeyError as e:\n    print('KEY', e)\n")
+    out = _python(
+        "import sys; sys.modules['yunchang'] = None\n"
+        "import methods\n"
+        "u = methods.unavailable()\n"
+        "assert 'yunchang_usp' in u and 'yunchang_ulysses' in u and 'pip install' in u['yunchang_usp'], u\n"
+        "assert 'yunchang_usp' not in methods.available()\n"
+        "try:\n    methods.get_method('yunchang_usp')\nexcept KeyError as e:\n    print('KEY', e)\n"
+    )
     assert out.returncode == 0, out.stderr
     assert "not available here" in out.stdout
-    listed = subprocess.run([sys.executable, "-c", "import sys; sys.modules['yunchang'] = None\n"
-                             "from suite.cli import main; main(['list'])"], cwd=ROOT, capture_output=True, text=True,
-                            timeout=120)
+    listed = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; sys.modules['yunchang'] = None\nfrom suite.cli import main; main(['list'])",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert listed.returncode == 0 and "yunchang is not importable" in listed.stdout
 
 
@@ -81,12 +98,21 @@ def _layouts_vs_extract(comm, cases):
     from yunchang import EXTRACT_FUNC_DICT
 
     from methods.peers.yunchang_peer import _set_groups
+
     out = []
     for kind, ud in cases:
         rd = comm.world_size // ud
         _set_groups(ud, rd)
-        case = Case(batch=2, seq_len=48, heads=4, kv_heads=4, head_dim=8, dtype="float32", causal=True,
-                    world_size=comm.world_size)
+        case = Case(
+            batch=2,
+            seq_len=48,
+            heads=4,
+            kv_heads=4,
+            head_dim=8,
+            dtype="float32",
+            causal=True,
+            world_size=comm.world_size,
+        )
         method = methods.get_method("yunchang_usp", ring_impl=kind, ulysses_degree=ud)
         g = torch.arange(2 * 48 * 3, dtype=torch.float32).view(2, 48, 3)
         theirs = EXTRACT_FUNC_DICT[kind](g, comm.rank, world_size=comm.world_size, rd=rd, ud=ud)
@@ -112,6 +138,7 @@ def test_suite_records_yunchang_torch_math_rings_incorrect(write_config):
     suite must say so (incorrect, with the error), while ring degree 1 and the kernel shim pass."""
     from suite.config import load_config
     from suite.runner import run_sweep
+
     path = write_config("""
     name: peers
     sweep:
@@ -151,6 +178,7 @@ def _torch_cp_on_cpu(comm):
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
+
     mesh = init_device_mesh("cpu", (comm.world_size,))
     q = torch.randn(1, 2, 32, 16)
     try:
@@ -191,8 +219,10 @@ documents:
 run: {{warmup: 1, repeats: 2, timeout_s: 60, plugins: [{plugin}]}}
 tracking: {{mlflow: false}}
 """
-needs_rfa = pytest.mark.skipif(importlib.util.find_spec("ring_flash_attn") is None,
-                               reason="ring-flash-attn is not installed (pip install -e .[peers])")
+needs_rfa = pytest.mark.skipif(
+    importlib.util.find_spec("ring_flash_attn") is None,
+    reason="ring-flash-attn is not installed (pip install -e .[peers])",
+)
 
 
 @pytest.fixture
@@ -201,6 +231,7 @@ def restore_modules():
     method registry back afterwards, so later tests see the machine as it is."""
     from methods import registry
     from methods.peers import ring_flash_attn_peer
+
     modules = {k: v for k, v in sys.modules.items() if k.startswith(("flash_attn", "ring_flash_attn"))}
     reg, unavail = dict(registry._REGISTRY), dict(registry._UNAVAILABLE)
     shim = {cls: (cls.shim, cls.impl) for cls in ring_flash_attn_peer.CLASSES}
@@ -219,6 +250,7 @@ def restore_modules():
 def _rfa_sweep(write_config, dtype, plugin, workload="uniform"):
     from suite.config import load_config
     from suite.runner import run_sweep
+
     cfg, text = load_config(write_config(RFA_SWEEP.format(dtype=dtype, plugin=plugin, workload=workload)))
     return {r["method"]: r for r in run_sweep(cfg, text, progress=False, out=open(os.devnull, "w")).records}
 

@@ -1,5 +1,6 @@
 """Model-level equivalence (kind: perplexity): data, the small model, training with every own
 method against the single-device baseline, planted bugs caught, and the sweep end to end."""
+
 import dataclasses
 import functools
 import math
@@ -31,21 +32,38 @@ def corpus():
 
 @pytest.fixture(scope="module")
 def baseline(corpus):
-    return train_and_evaluate(MODEL, TRAIN, corpus, layout=layouts.contiguous(TRAIN.seq_len, 1), comm=None,
-                              make_attend=lambda c: sdpa_attend)
+    return train_and_evaluate(
+        MODEL, TRAIN, corpus, layout=layouts.contiguous(TRAIN.seq_len, 1), comm=None, make_attend=lambda c: sdpa_attend
+    )
 
 
 def train_sp(corpus, name, world_size, tc=TRAIN, model=MODEL, **options):
     method = methods.get_method(name, **options)
-    case = Case(batch=tc.batch, seq_len=tc.seq_len, heads=model.heads, kv_heads=model.kv_heads,
-                head_dim=model.head_dim, dtype="float32", causal=True, world_size=world_size)
+    case = Case(
+        batch=tc.batch,
+        seq_len=tc.seq_len,
+        heads=model.heads,
+        kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        dtype="float32",
+        causal=True,
+        world_size=world_size,
+    )
     ok, why = method.supports(case)
     if not ok:
         pytest.skip(why)
     layout = method.layout(case)
-    return run_threads(world_size, lambda comm: train_and_evaluate(
-        model, tc, corpus, layout=layout, comm=comm,
-        make_attend=lambda c: functools.partial(method.attention, causal=True, comm=c)))
+    return run_threads(
+        world_size,
+        lambda comm: train_and_evaluate(
+            model,
+            tc,
+            corpus,
+            layout=layout,
+            comm=comm,
+            make_attend=lambda c: functools.partial(method.attention, causal=True, comm=c),
+        ),
+    )
 
 
 def max_rel(a, b):
@@ -72,7 +90,7 @@ def test_windows_shift_labels_on_the_global_sequence(corpus):
     train = corpus.train.long()
     for window in w.view(-1, 17):
         starts = (train[:-16] == window[0]).nonzero().flatten()
-        assert any(torch.equal(train[s:s + 17], window) for s in starts)
+        assert any(torch.equal(train[s : s + 17], window) for s in starts)
     v = val_windows(corpus, batches=2, batch=2, seq_len=16)
     assert v.shape == (2, 2, 17) and torch.equal(v[0, 1, :], corpus.val[16:33].long())
     with pytest.raises(ValueError, match="eval_batches"):
@@ -115,6 +133,7 @@ def test_sharded_forward_equals_full_forward_only_with_global_positions():
             attend = functools.partial(method.attention, causal=True, comm=comm)
             with torch.no_grad():
                 return model(layout.shard(tokens, comm.rank), positions_fn(comm.rank), attend)
+
         good = layout.unshard(run_threads(4, lambda c: rank(c, layout.positions)))
         bad = layout.unshard(run_threads(4, lambda c: rank(c, lambda r: torch.arange(8))))
     assert (good - full).abs().max() < 1e-5
@@ -133,8 +152,9 @@ def test_every_method_trains_like_the_single_device_baseline(corpus, baseline, n
     assert results[0].attn_bytes_sent > 0
 
 
-@pytest.mark.parametrize("name,world_size", [("ring", 2), ("ring", 3), ("tasp", 3), ("zigzag_ring", 2),
-                                             ("ulysses", 2), ("burst", 3)])
+@pytest.mark.parametrize(
+    "name,world_size", [("ring", 2), ("ring", 3), ("tasp", 3), ("zigzag_ring", 2), ("ulysses", 2), ("burst", 3)]
+)
 def test_other_world_sizes(corpus, baseline, name, world_size):
     results = train_sp(corpus, name, world_size)
     assert max_rel(results[0].losses, baseline.losses) < 1e-5
@@ -147,8 +167,10 @@ def test_planted_bugs_are_caught(corpus, baseline, name, bug):
     tolerance (while the correct run stays below 1e-5: see above). (cross_document_attention acts
     on packed documents only: test_cross_document_attention_is_caught_on_packed_documents.)"""
     results = train_sp(corpus, name, 4, tc=dataclasses.replace(TRAIN, planted_bug=bug))
-    assert max_rel(results[0].losses, baseline.losses) > 1e-3 or \
-        abs(results[0].perplexity / baseline.perplexity - 1) > 1e-2
+    assert (
+        max_rel(results[0].losses, baseline.losses) > 1e-3
+        or abs(results[0].perplexity / baseline.perplexity - 1) > 1e-2
+    )
 
 
 # -- configuration ------------------------------------------------------------------------------------
@@ -162,11 +184,14 @@ def test_config_errors_name_the_key(write_config):
     path = write_config(base)
     cfg, _ = load_config(path)
     assert cfg.kind == "perplexity" and cfg.perplexity.steps == 50
-    for override, key in [("sweep.causal=[true,false]", "sweep.causal"), ("kind=training", "kind"),
-                          ("perplexity.planted_bug=typo", "perplexity.planted_bug"),
-                          ("perplexity.steps=0", "perplexity.steps"),
-                          ("perplexity.data.source=file", "perplexity.data.path"),
-                          ("perplexity.data.val_fraction=1.5", "perplexity.data.val_fraction")]:
+    for override, key in [
+        ("sweep.causal=[true,false]", "sweep.causal"),
+        ("kind=training", "kind"),
+        ("perplexity.planted_bug=typo", "perplexity.planted_bug"),
+        ("perplexity.steps=0", "perplexity.steps"),
+        ("perplexity.data.source=file", "perplexity.data.path"),
+        ("perplexity.data.val_fraction=1.5", "perplexity.data.val_fraction"),
+    ]:
         with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
             load_config(path, [override])
     with pytest.raises(ConfigError, match="allowed keys under perplexity"):
@@ -193,6 +218,7 @@ def test_plan_has_one_train_trial_per_point_with_the_corpus_hash(write_config):
 # -- the sweep, end to end ---------------------------------------------------------------------------
 def _sweep(path, *overrides, resume=None):
     from suite.runner import run_sweep
+
     cfg, text = load_config(path, list(overrides))
     return run_sweep(cfg, text, resume=resume, progress=False, out=open(os.devnull, "w"))
 
@@ -225,6 +251,7 @@ def test_perplexity_sweep_records_baseline_curves_and_mlflow_and_resumes(write_c
             assert r[M.LOSS_MAX_REL_DIFF] < 1e-5 and abs(r[M.PPL_REL_DIFF]) < 1e-5
             assert r[M.PPL_BASELINE] == base[0][M.PPL]
     from mlflow.tracking import MlflowClient
+
     client = MlflowClient(f"sqlite:///{db}")
     exp = client.get_experiment_by_name("ppl")
     child = next(r for r in client.search_runs([exp.experiment_id]) if r.data.params.get("method") == "zigzag_ring")
@@ -249,10 +276,12 @@ def test_perplexity_sweep_records_baseline_curves_and_mlflow_and_resumes(write_c
     assert next(r for r in res2.records if r["method"] == "tasp")[M.STATUS] == M.OK
     # the report: a perplexity table and the loss-curve figure, no attention tables
     from suite.reports import build_report
+
     rep = build_report([str(res.run_dir)], out=tmp_path / "rep", log_to_mlflow=False)
     assert "perplexity" in rep.tables and "throughput" not in rep.tables
     assert any(f.endswith("loss_curves.png") for f in rep.figures)
     import pandas as pd
+
     table = pd.read_csv(tmp_path / "rep" / "tables" / "perplexity.csv")
     assert len(table) == 5 and set(table["status"]) == {"ok"}
 
@@ -334,6 +363,7 @@ def test_hf_check_fails_without_global_positions():
     def rank(comm):
         with torch.no_grad(), hf.sequence_parallel(method, comm):
             return model(input_ids=layout.shard(ids, comm.rank), use_cache=False).logits
+
     bad = layout.unshard(run_threads(4, rank))
     assert (bad - ref).abs().max() > 1e-4
     with pytest.raises(RuntimeError, match="outside"):
@@ -344,8 +374,24 @@ def test_hf_check_fails_without_global_positions():
 def test_hf_perplexity_command(capsys):
     pytest.importorskip("transformers", reason="the Hugging Face path needs transformers (extra hf)")
     from suite.cli import main
-    assert main(["hf-perplexity", "tiny-llama", "--methods", "ring,ulysses", "--world-size", "2",
-                 "--seq-len", "64", "--batches", "1"]) == 0
+
+    assert (
+        main(
+            [
+                "hf-perplexity",
+                "tiny-llama",
+                "--methods",
+                "ring,ulysses",
+                "--world-size",
+                "2",
+                "--seq-len",
+                "64",
+                "--batches",
+                "1",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.startswith(("ring", "ulysses"))]
     assert len(lines) == 2
@@ -372,8 +418,11 @@ def test_training_the_baseline_prints_a_line_when_it_starts_and_ends(write_confi
         def append(self, row):
             appended.append(row)
 
-    monkeypatch.setattr(P, "run_baseline", lambda bspec, ctx: {M.KEY: bspec.key, "method": P.BASELINE,
-                                                                M.STATUS: M.OK, M.DURATION_S: 1.5, M.PPL: 12.25})
+    monkeypatch.setattr(
+        P,
+        "run_baseline",
+        lambda bspec, ctx: {M.KEY: bspec.key, "method": P.BASELINE, M.STATUS: M.OK, M.DURATION_S: 1.5, M.PPL: 12.25},
+    )
     baselines = P.Baselines(Store(), NullTracker(), None, say=lines.append)
     baselines.get(spec)
     baselines.get(spec)  # trained once

@@ -5,6 +5,7 @@ itself has none: it must stay a plain, mailable file); Chromium's --dump-dom han
 Run on a real report, with the screenshot kept (optional: window height in pixels):
     python -m tests.test_report_browser reports/quickstart/report.html reports/recorded/report_screenshot.png 3000
 """
+
 from __future__ import annotations
 
 import html
@@ -22,9 +23,19 @@ from suite import metrics as M
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser")
 # The flags keep a headless start quick and quiet on a machine without network access.
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--disable-dev-shm-usage", "--hide-scrollbars", "--virtual-time-budget=15000"]
+FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--hide-scrollbars",
+    "--virtual-time-budget=15000",
+]
 MIN_NATURAL_WIDTH = 600  # pixels of a figure PNG: below this tick labels blur
 
 _PROBE = """<script>
@@ -49,8 +60,9 @@ window.addEventListener('load', () => {
 
 
 def _chromium(args: list[str], profile: Path, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([BROWSER, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True,
-                          timeout=timeout)
+    return subprocess.run(
+        [BROWSER, *FLAGS, f"--user-data-dir={profile}", *args], capture_output=True, text=True, timeout=timeout
+    )
 
 
 def browser_check(page: Path, screenshot: Path, width: int = 1600, height: int = 2200) -> dict:
@@ -64,8 +76,9 @@ def browser_check(page: Path, screenshot: Path, width: int = 1600, height: int =
         found = re.search(r'<pre id="browser-check">(.*?)</pre>', out.stdout, re.S)
         assert found, f"no probe output from Chromium (rc {out.returncode}): {out.stderr[-2000:]}"
         result = json.loads(html.unescape(found.group(1)))
-        shot = _chromium([f"--window-size={width},{height}", f"--screenshot={screenshot}", page.as_uri()],
-                         tmp / "profile2")
+        shot = _chromium(
+            [f"--window-size={width},{height}", f"--screenshot={screenshot}", page.as_uri()], tmp / "profile2"
+        )
         assert shot.returncode == 0 and screenshot.exists(), shot.stderr[-2000:]
     from matplotlib.image import imread
 
@@ -92,16 +105,20 @@ def test_report_page_in_headless_chromium(tmp_path):
     from tests.test_reports import row, write_run
 
     rows = [row("reference", 1, S) for S in (256, 512)]
-    rows += [row(m, P, S, kv_heads=kv) for m in ("ring", "ulysses") for P in (2, 4) for S in (256, 512)
-             for kv in (8, 4)]
+    rows += [
+        row(m, P, S, kv_heads=kv) for m in ("ring", "ulysses") for P in (2, 4) for S in (256, 512) for kv in (8, 4)
+    ]
     rows.append(row("burst", 2, 512, status=M.FAILED, reason="rank 1: RuntimeError: boom"))
-    rep = build_report([str(write_run(tmp_path / "results", "syn", rows))], out=tmp_path / "rep",
-                       log_to_mlflow=False)
+    rep = build_report([str(write_run(tmp_path / "results", "syn", rows))], out=tmp_path / "rep", log_to_mlflow=False)
     result = browser_check(rep.html, tmp_path / "shot.png")
     assert_readable(result, sum(f.endswith(".png") for f in rep.figures))
     # an anchor per section and per problem shape
-    assert {"#correctness", "#throughput", "#throughput-b-1-h-8-4-d-64-float32",
-            "#throughput-b-1-h-8-8-d-64-float32"} <= set(result["toc"])
+    assert {
+        "#correctness",
+        "#throughput",
+        "#throughput-b-1-h-8-4-d-64-float32",
+        "#throughput-b-1-h-8-8-d-64-float32",
+    } <= set(result["toc"])
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """Figures a paper can use: checked on the matplotlib figures themselves (what is drawn where) and
 on the written PDFs (fonts), from small synthetic result sets."""
+
 import re
 import zlib
 from pathlib import Path
@@ -71,8 +72,7 @@ def pdf_font_subtypes(path: Path) -> set[str]:
 
 def test_pdfs_embed_truetype_never_type3(tmp_path):
     rows = _sweep() + [row("ring", 2, 512, pass_="fwd_bwd")]
-    rep = build_report([str(write_run(tmp_path / "results", "fonts", rows))], out=tmp_path / "rep",
-                       log_to_mlflow=False)
+    rep = build_report([str(write_run(tmp_path / "results", "fonts", rows))], out=tmp_path / "rep", log_to_mlflow=False)
     pdfs = [Path(f) for f in rep.figures if f.endswith(".pdf")]
     assert len(pdfs) >= 5
     for pdf in pdfs:
@@ -96,16 +96,29 @@ def test_the_font_check_catches_type3(tmp_path):
 # -- palette -----------------------------------------------------------------------------------------
 def test_palette_is_derived_from_the_data_and_distinct(tmp_path):
     # any method name gets a colour: nothing in the reports lists methods
-    names = ["allgather_kv", "burst", "ring", "stripe_ring", "tasp", "tokenring", "ulysses", "usp", "zigzag_ring",
-             "yunchang_usp", "rfa_ring", "rfa_zigzag", "a_method_nobody_listed"]
+    names = [
+        "allgather_kv",
+        "burst",
+        "ring",
+        "stripe_ring",
+        "tasp",
+        "tokenring",
+        "ulysses",
+        "usp",
+        "zigzag_ring",
+        "yunchang_usp",
+        "rfa_ring",
+        "rfa_zigzag",
+        "a_method_nobody_listed",
+    ]
     rows = [row("reference", 1, 512)] + [row(m, 2, 512) for m in names]
     palette = palette_for(frame_of(tmp_path, rows))
     assert palette.methods[0] == "reference" and sorted(palette.methods[1:]) == palette.methods[1:]
     colours = [palette.method_colours[m] for m in names]
     assert len(set(colours)) == len(names)
     # the first 12 method colours are far apart (CIE76 > 25), every colour of 13 still clearly different
-    assert min(delta_e(a, b) for i, a in enumerate(COLOURS[:12]) for b in COLOURS[i + 1:12]) > 25
-    assert min(delta_e(a, b) for i, a in enumerate(colours) for b in colours[i + 1:]) > 15
+    assert min(delta_e(a, b) for i, a in enumerate(COLOURS[:12]) for b in COLOURS[i + 1 : 12]) > 25
+    assert min(delta_e(a, b) for i, a in enumerate(colours) for b in colours[i + 1 :]) > 15
     # the single-device baseline is neutral, not one of the method colours
     assert palette.method_colours["reference"] not in COLOURS
     sources = [*sorted((REPORTS / "figures").glob("*.py")), REPORTS / "style.py", REPORTS / "html.py"]

@@ -1,5 +1,6 @@
 """Reports from small synthetic result sets: table contents, every figure written, a well-formed
 self-contained HTML page, and executors never mixed without a label."""
+
 import subprocess
 import sys
 from html.parser import HTMLParser
@@ -15,29 +16,86 @@ from suite.reports.tables import build_tables, with_series
 from suite.results import ResultsStore
 
 
-def row(method, P, S, *, causal=True, pass_="fwd", executor="dist", status=M.OK, time_ms=None, reason="",
-        breakdown=True, options="{}", heads=8, kv_heads=8, samples=None, hardware="cpu:test", **extra):
+def row(
+    method,
+    P,
+    S,
+    *,
+    causal=True,
+    pass_="fwd",
+    executor="dist",
+    status=M.OK,
+    time_ms=None,
+    reason="",
+    breakdown=True,
+    options="{}",
+    heads=8,
+    kv_heads=8,
+    samples=None,
+    hardware="cpu:test",
+    **extra,
+):
     """A complete result row; the default time is S^2 / P (per 1e4) times a method factor, the
     timed samples that median -10 % and +20 %."""
     factor = {"reference": 1.0, "ring": 1.25, "ulysses": 1.0, "burst": 1.1}.get(method, 1.0)
     t = time_ms if time_ms is not None else S * S / P / 1e4 * factor
-    rec = {"key": f"{method}-{P}-{S}-{causal}-{pass_}-{executor}-{options}-{kv_heads}", "method": method,
-           "impl": "own", "executor": executor, "hardware": hardware, "topology": "single-node", "world_size": P,
-           "nodes": 1, "ulysses_degree": 1, "ring_degree": P, "batch": 1, "seq_len": S, "heads": heads,
-           "kv_heads": kv_heads, "head_dim": 64, "dtype": "float32", "causal": causal, "pass": pass_,
-           "kernel": "auto", "options": options, M.STATUS: status, M.REASON: reason,
-           M.CHECKED: status in (M.OK, M.INCORRECT), M.REPEATS: 3}
+    rec = {
+        "key": f"{method}-{P}-{S}-{causal}-{pass_}-{executor}-{options}-{kv_heads}",
+        "method": method,
+        "impl": "own",
+        "executor": executor,
+        "hardware": hardware,
+        "topology": "single-node",
+        "world_size": P,
+        "nodes": 1,
+        "ulysses_degree": 1,
+        "ring_degree": P,
+        "batch": 1,
+        "seq_len": S,
+        "heads": heads,
+        "kv_heads": kv_heads,
+        "head_dim": 64,
+        "dtype": "float32",
+        "causal": causal,
+        "pass": pass_,
+        "kernel": "auto",
+        "options": options,
+        M.STATUS: status,
+        M.REASON: reason,
+        M.CHECKED: status in (M.OK, M.INCORRECT),
+        M.REPEATS: 3,
+    }
     if status in (M.OK, M.INCORRECT):
         samples = samples or [0.9 * t, t, 1.2 * t]
         flops = M.attention_flops(1, S, heads, 64, causal, pass_)
-        rec.update({M.TIME_MS_MEDIAN: t, M.TIME_MS_MIN: min(samples), M.TIME_MS_MAX: max(samples),
-                    M.TIME_MS_SAMPLES: samples, M.TFLOPS_PER_GPU: M.tflops_per_gpu(flops, t / 1e3, P),
-                    M.TOKENS_PER_S: S / t * 1e3, M.BYTES_SENT: (P - 1) * S * 1024, M.BYTES_RECV: (P - 1) * S * 1024,
-                    M.PEAK_MEM: S * 4096, M.COMM_OPS: '{"p2p": %d}' % (2 * (P - 1)) if P > 1 else "{}",
-                    M.ERR["out"]: 1e-7 if status == M.OK else 0.3, M.TOL["out"]: 1e-5})
+        rec.update(
+            {
+                M.TIME_MS_MEDIAN: t,
+                M.TIME_MS_MIN: min(samples),
+                M.TIME_MS_MAX: max(samples),
+                M.TIME_MS_SAMPLES: samples,
+                M.TFLOPS_PER_GPU: M.tflops_per_gpu(flops, t / 1e3, P),
+                M.TOKENS_PER_S: S / t * 1e3,
+                M.BYTES_SENT: (P - 1) * S * 1024,
+                M.BYTES_RECV: (P - 1) * S * 1024,
+                M.PEAK_MEM: S * 4096,
+                M.COMM_OPS: '{"p2p": %d}' % (2 * (P - 1)) if P > 1 else "{}",
+                M.ERR["out"]: 1e-7 if status == M.OK else 0.3,
+                M.TOL["out"]: 1e-5,
+            }
+        )
         if breakdown:
-            rec.update({M.KERNEL_MS: 0.6 * t, M.COMM_WAIT_MS: 0.3 * t, M.OVERHEAD_RATIO: 1 / 0.9,
-                        M.COMPUTE_ONLY_MS: 0.7 * t, M.COMM_ONLY_MS: 0.4 * t, M.CCR: 1.75, M.OVERLAP_EFF: 0.25})
+            rec.update(
+                {
+                    M.KERNEL_MS: 0.6 * t,
+                    M.COMM_WAIT_MS: 0.3 * t,
+                    M.OVERHEAD_RATIO: 1 / 0.9,
+                    M.COMPUTE_ONLY_MS: 0.7 * t,
+                    M.COMM_ONLY_MS: 0.4 * t,
+                    M.CCR: 1.75,
+                    M.OVERLAP_EFF: 0.25,
+                }
+            )
     rec.update(extra)
     return {c: rec.get(c) for c in M.COLUMNS}  # every column, in the stored order
 
@@ -150,29 +208,60 @@ def test_latex_tables_compile(tmp_path, sweep_rows):
 
     written = write_tables(build_tables(frame_of(tmp_path, sweep_rows), "ring"), tmp_path / "tables")
     doc = tmp_path / "tables" / "doc.tex"
-    doc.write_text("\\documentclass{article}\n\\usepackage[a3paper,landscape,margin=1cm]{geometry}\n"
-                   "\\usepackage{booktabs}\n\\usepackage{siunitx}\n\\begin{document}\n"
-                   + "".join(f"\\input{{{name}}}\n" for name in written) + "\\end{document}\n")
-    out = subprocess.run(["pdflatex", "-interaction=nonstopmode", "-halt-on-error", doc.name],
-                         cwd=doc.parent, capture_output=True, text=True, timeout=120)
+    doc.write_text(
+        "\\documentclass{article}\n\\usepackage[a3paper,landscape,margin=1cm]{geometry}\n"
+        "\\usepackage{booktabs}\n\\usepackage{siunitx}\n\\begin{document}\n"
+        + "".join(f"\\input{{{name}}}\n" for name in written)
+        + "\\end{document}\n"
+    )
+    out = subprocess.run(
+        ["pdflatex", "-interaction=nonstopmode", "-halt-on-error", doc.name],
+        cwd=doc.parent,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stdout[-3000:]
 
 
 def perplexity_rows(values):
-    rows = [row("baseline", 1, 256, pass_="train", executor="local", **{
-        M.PPL: values[0], M.PPL_BASELINE: values[0], M.LOSS_CURVE: [3.0, 2.5, 2.0], M.LOSS_MAX_REL_DIFF: 0.0})]
+    rows = [
+        row(
+            "baseline",
+            1,
+            256,
+            pass_="train",
+            executor="local",
+            **{M.PPL: values[0], M.PPL_BASELINE: values[0], M.LOSS_CURVE: [3.0, 2.5, 2.0], M.LOSS_MAX_REL_DIFF: 0.0},
+        )
+    ]
     for method, v in zip(("ring", "ulysses", "zigzag_ring"), values[1:]):
-        rows.append(row(method, 4, 256, pass_="train", **{
-            M.PPL: v, M.PPL_BASELINE: values[0], M.PPL_REL_DIFF: v / values[0] - 1,
-            M.LOSS_CURVE: [3.0, 2.5 * (1 + (v / values[0] - 1)), 2.0 + 1e-7], M.LOSS_MAX_REL_DIFF: 5e-8}))
+        rows.append(
+            row(
+                method,
+                4,
+                256,
+                pass_="train",
+                **{
+                    M.PPL: v,
+                    M.PPL_BASELINE: values[0],
+                    M.PPL_REL_DIFF: v / values[0] - 1,
+                    M.LOSS_CURVE: [3.0, 2.5 * (1 + (v / values[0] - 1)), 2.0 + 1e-7],
+                    M.LOSS_MAX_REL_DIFF: 5e-8,
+                },
+            )
+        )
     return rows
 
 
 def test_perplexity_digits_show_the_differences_the_check_is_about(tmp_path):
     """The HTML page, Markdown and LaTeX show the perplexities to the digit where they differ."""
     values = [13.691992, 13.6919921, 13.6919925, 13.691992]
-    rep = build_report([str(write_run(tmp_path / "results", "ppl", perplexity_rows(values)))], out=tmp_path / "rep",
-                       log_to_mlflow=False)
+    rep = build_report(
+        [str(write_run(tmp_path / "results", "ppl", perplexity_rows(values)))],
+        out=tmp_path / "rep",
+        log_to_mlflow=False,
+    )
     md = Path(rep.tables["perplexity"]["md"]).read_text()
     page = rep.html.read_text()
     for text in (md, page, Path(rep.tables["perplexity"]["tex"]).read_text()):
@@ -210,9 +299,18 @@ def test_report_writes_every_table_figure_and_a_self_contained_page(tmp_path, sw
 
 
 def test_mixed_executors_are_labelled_and_compared(tmp_path):
-    rows = [row("ring", 4, S, executor=ex, time_ms=S / 100 * (1.2 if ex == "sim" else 1.0),
-                **({"topology": "h100_sxm"} if ex == "sim" else {}))
-            for S in (512, 1024) for ex in ("dist", "sim")]
+    rows = [
+        row(
+            "ring",
+            4,
+            S,
+            executor=ex,
+            time_ms=S / 100 * (1.2 if ex == "sim" else 1.0),
+            **({"topology": "h100_sxm"} if ex == "sim" else {}),
+        )
+        for S in (512, 1024)
+        for ex in ("dist", "sim")
+    ]
     rows += [row("ulysses", 4, S, executor="dist") for S in (512, 1024)]
     df = frame_of(tmp_path, rows, "mix")
     assert set(df["series"]) == {"ring [dist]", "ring [sim:h100_sxm]", "ulysses [dist]"}
@@ -261,21 +359,40 @@ def test_status_counts_are_per_sweep(tmp_path):
 
 def test_report_cli_progress_and_errors(tmp_path, sweep_rows, capsys):
     from suite.cli import main
+
     write_run(tmp_path / "results", "syn", sweep_rows)
-    assert main(["report", "--results-root", str(tmp_path / "results"), "--out", str(tmp_path / "o"),
-                 "--no-mlflow"]) == 0
+    assert (
+        main(["report", "--results-root", str(tmp_path / "results"), "--out", str(tmp_path / "o"), "--no-mlflow"]) == 0
+    )
     out, err = capsys.readouterr()
     assert "report of" in out and (tmp_path / "o" / "report.html").exists()
     assert "report: figures" in err and "report: wrote 8 tables" in err
     assert main(["report", str(tmp_path / "nothing")]) == 2
     # a misspelt baseline is named, with the methods the runs have and the likely one
-    assert main(["report", "--results-root", str(tmp_path / "results"), "--out", str(tmp_path / "o"), "--no-mlflow",
-                 "--baseline", "rnig"]) == 2
+    assert (
+        main(
+            [
+                "report",
+                "--results-root",
+                str(tmp_path / "results"),
+                "--out",
+                str(tmp_path / "o"),
+                "--no-mlflow",
+                "--baseline",
+                "rnig",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "'rnig' is not a method of these runs" in err and "burst, reference, ring" in err and "'ring'?" in err
     with pytest.raises(ReportError):
-        build_report([str(next((tmp_path / "results" / "syn").iterdir()))], out=tmp_path / "o2", baseline="nope",
-                     log_to_mlflow=False)
+        build_report(
+            [str(next((tmp_path / "results" / "syn").iterdir()))],
+            out=tmp_path / "o2",
+            baseline="nope",
+            log_to_mlflow=False,
+        )
 
 
 def test_unchanged_figures_are_not_redrawn_and_stale_files_go(tmp_path, sweep_rows):
@@ -298,9 +415,12 @@ def test_wrong_answers_have_no_speedup_and_method_variants_get_their_own_shade(t
     from suite.reports.style import palette_for
     from suite.reports.tables import speedup
 
-    rows = [row("ring", 2, 1024), row("usp", 2, 1024, options='{"ulysses_degree": 1}'),
-            row("usp", 2, 1024, options='{"ulysses_degree": 2}'),
-            row("burst", 2, 1024, status=M.INCORRECT, reason="out: error 0.3 > tolerance 1e-05")]
+    rows = [
+        row("ring", 2, 1024),
+        row("usp", 2, 1024, options='{"ulysses_degree": 1}'),
+        row("usp", 2, 1024, options='{"ulysses_degree": 2}'),
+        row("burst", 2, 1024, status=M.INCORRECT, reason="out: error 0.3 > tolerance 1e-05"),
+    ]
     df = frame_of(tmp_path, rows, "wrong")
     sp = speedup(df, "ring").data
     assert "burst" not in sp.columns and {"usp(U=1)", "usp(U=2)"} <= set(sp.columns)
@@ -311,12 +431,14 @@ def test_wrong_answers_have_no_speedup_and_method_variants_get_their_own_shade(t
 def test_importing_reports_loads_no_torch_hydra_methods_or_planner():
     """Reports read stored rows only: a fresh interpreter importing every reports module must not
     load torch, Hydra/OmegaConf, the methods or the suite's layers above the store."""
-    code = ("import sys, suite.reports, suite.reports.figures.plan, suite.reports.figures.draw, "
-            "suite.reports.figures.write, suite.reports.tables, suite.reports.html, suite.reports.render, "
-            "suite.reports.style, suite.reports.load\n"
-            "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'hydra', 'omegaconf', 'methods') or "
-            "m.startswith(('suite.plan', 'suite.config', 'suite.records', 'suite.workloads', 'suite.trial', "
-            "'suite.executors', 'suite.runner', 'suite.tracking'))]\nprint(sorted(bad))")
+    code = (
+        "import sys, suite.reports, suite.reports.figures.plan, suite.reports.figures.draw, "
+        "suite.reports.figures.write, suite.reports.tables, suite.reports.html, suite.reports.render, "
+        "suite.reports.style, suite.reports.load\n"
+        "bad = [m for m in sys.modules if m.split('.')[0] in ('torch', 'hydra', 'omegaconf', 'methods') or "
+        "m.startswith(('suite.plan', 'suite.config', 'suite.records', 'suite.workloads', 'suite.trial', "
+        "'suite.executors', 'suite.runner', 'suite.tracking'))]\nprint(sorted(bad))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
@@ -363,13 +485,35 @@ def test_packed_workloads_get_their_own_panels_balance_table_and_figure(tmp_path
     rows = []
     for workload, imb in (("", {"ring": 1.4, "zigzag_ring": 1.0}), (packed, {"ring": 1.3, "zigzag_ring": 1.2})):
         slow = 2.0 if workload else 1.0
-        rows.append(row("reference", 1, 512, workload=workload, time_ms=10.0 * slow,
-                        key=f"ref-{bool(workload)}", **{M.IMBALANCE: 1.0}))
+        rows.append(
+            row(
+                "reference",
+                1,
+                512,
+                workload=workload,
+                time_ms=10.0 * slow,
+                key=f"ref-{bool(workload)}",
+                **{M.IMBALANCE: 1.0},
+            )
+        )
         for method in ("ring", "zigzag_ring"):
-            rows.append(row(method, 4, 512, workload=workload, time_ms=5.0 * slow * imb[method],
-                            key=f"{method}-{bool(workload)}",
-                            **{M.IMBALANCE: imb[method], M.PAIRS_MAX: 100 * imb[method], M.PAIRS_MEAN: 100,
-                               M.PADDING_FRACTION: 0.0, M.DOCS_PER_SEQ: 9.0 if workload else 1.0}))
+            rows.append(
+                row(
+                    method,
+                    4,
+                    512,
+                    workload=workload,
+                    time_ms=5.0 * slow * imb[method],
+                    key=f"{method}-{bool(workload)}",
+                    **{
+                        M.IMBALANCE: imb[method],
+                        M.PAIRS_MAX: 100 * imb[method],
+                        M.PAIRS_MEAN: 100,
+                        M.PADDING_FRACTION: 0.0,
+                        M.DOCS_PER_SEQ: 9.0 if workload else 1.0,
+                    },
+                )
+            )
     df = frame_of(tmp_path, rows)
     assert set(df["mask"]) == {"causal", "causal, docs:short"}
     tables = build_tables(df, "ring")

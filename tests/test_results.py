@@ -32,6 +32,7 @@ def test_latest_run_and_parquet(tmp_path):
     second.append({"key": "a", "time_ms_samples": [1.0, 2.0], "x": None, "err": float("inf")})
     second.append({"key": "b", "time_ms_samples": None, "x": 1.5, "err": float("nan")})
     import pandas as pd
+
     df = pd.read_parquet(second.compact())  # non-finite numbers must not break the Parquet copy
     assert df["key"].tolist() == ["a", "b"] and json.loads(df["time_ms_samples"][0]) == [1.0, 2.0]
     assert df["err"][0] == float("inf") and math.isnan(df["err"][1])

@@ -14,6 +14,7 @@ When a change is meant to change rows (a new column, a method's bytes), regenera
 `python -m tests.test_rows_unchanged quickstart methods_cpu_threads perplexity_threads simulate`
 and say why in the commit.
 """
+
 import json
 import math
 from pathlib import Path
@@ -25,24 +26,53 @@ from suite.runner import run_sweep
 
 GOLDEN = Path(__file__).parent / "data" / "golden"
 ROOT = Path(__file__).resolve().parents[1]
-VOLATILE = {"time_ms_median", "time_ms_min", "time_ms_max", "time_ms_samples", "tflops_per_gpu", "tokens_per_s",
-            "trial_wall_s", "started_at", "run_id", "kernel_ms", "comm_wait_ms", "overhead_ratio", "compute_only_ms",
-            "comm_only_ms", "ccr", "overlap_efficiency", "error_trace", "kernel_ms_spread"}
+VOLATILE = {
+    "time_ms_median",
+    "time_ms_min",
+    "time_ms_max",
+    "time_ms_samples",
+    "tflops_per_gpu",
+    "tokens_per_s",
+    "trial_wall_s",
+    "started_at",
+    "run_id",
+    "kernel_ms",
+    "comm_wait_ms",
+    "overhead_ratio",
+    "compute_only_ms",
+    "comm_only_ms",
+    "ccr",
+    "overlap_efficiency",
+    "error_trace",
+    "kernel_ms_spread",
+}
 LOOSE = ("err_", "tol_", "val_loss", "perplexity", "loss_", "peak_mem_bytes")
 # A relative difference of a few float32 roundings is rounding on any CPU: 1 and 3 ulp differ by a
 # factor of 3 but say the same (seen between two CPUs for the perplexity check's ring row).
-ROUNDING = 16 * 2.0 ** -23
+ROUNDING = 16 * 2.0**-23
 
 SWEEPS = {
     "quickstart": ("configs/quickstart.yaml", ["run.repeats=2", "run.warmup=1", "run.hardware=golden-cpu"]),
-    "methods_cpu_threads": ("configs/methods_cpu.yaml", ["run.executor=threads", "run.repeats=1", "run.warmup=1",
-                                                         "run.breakdown=false", "run.hardware=golden-cpu"]),
-    "perplexity_threads": ("configs/perplexity.yaml", ["run.executor=threads", "sweep.methods=[ring,ulysses,tasp]",
-                                                       "sweep.world_size=[2]", "perplexity.steps=4",
-                                                       "perplexity.eval_batches=2", "perplexity.data.max_bytes=200000",
-                                                       "run.hardware=golden-cpu"]),
-    "simulate": ("configs/simulate_multinode.yaml", ["sweep.world_size=[4,8]", "sweep.seq_len=[32768]",
-                                                     "sim.topology=[h100_sxm,mi300x]"]),
+    "methods_cpu_threads": (
+        "configs/methods_cpu.yaml",
+        ["run.executor=threads", "run.repeats=1", "run.warmup=1", "run.breakdown=false", "run.hardware=golden-cpu"],
+    ),
+    "perplexity_threads": (
+        "configs/perplexity.yaml",
+        [
+            "run.executor=threads",
+            "sweep.methods=[ring,ulysses,tasp]",
+            "sweep.world_size=[2]",
+            "perplexity.steps=4",
+            "perplexity.eval_batches=2",
+            "perplexity.data.max_bytes=200000",
+            "run.hardware=golden-cpu",
+        ],
+    ),
+    "simulate": (
+        "configs/simulate_multinode.yaml",
+        ["sweep.world_size=[4,8]", "sweep.seq_len=[32768]", "sim.topology=[h100_sxm,mi300x]"],
+    ),
 }
 # Compared in the tests on a part of a sweep (the time budget of the whole suite): every trial of the
 # part must be in the golden file with the same row. The files hold the whole sweeps.
@@ -52,8 +82,13 @@ PARTS = {
 
 
 def _close(a, b, key: str = "") -> bool:
-    if key.endswith("rel_diff") and isinstance(a, float) and isinstance(b, float) \
-            and abs(a) <= ROUNDING and abs(b) <= ROUNDING:
+    if (
+        key.endswith("rel_diff")
+        and isinstance(a, float)
+        and isinstance(b, float)
+        and abs(a) <= ROUNDING
+        and abs(b) <= ROUNDING
+    ):
         return True
     if a is None or b is None or isinstance(a, str) or isinstance(b, str):
         return a == b
@@ -80,14 +115,18 @@ def test_rows_equal_the_recorded_rows(name, tmp_path):
     for key, old in want.items():
         new = {k: v for k, v in got[key].items() if k not in VOLATILE}
         assert set(new) == set(old), (key, set(new) ^ set(old))
-        diff = {k: (old[k], new[k]) for k in old
-                if not (_close(old[k], new[k], k) if k.startswith(LOOSE) else old[k] == new[k])}
+        diff = {
+            k: (old[k], new[k])
+            for k in old
+            if not (_close(old[k], new[k], k) if k.startswith(LOOSE) else old[k] == new[k])
+        }
         assert not diff, (key, old["method"], diff)
 
 
 def regenerate(names: list[str], root: str = "/tmp/golden-rows") -> None:
     """Write the golden files anew from today's code (see the module docstring)."""
     import io
+
     for name in names:
         config, overrides = SWEEPS[name]
         cfg, text = load_config(ROOT / config, overrides + ["tracking.mlflow=false", f"results.root={root}"])
@@ -100,4 +139,5 @@ def regenerate(names: list[str], root: str = "/tmp/golden-rows") -> None:
 
 if __name__ == "__main__":
     import sys
+
     regenerate(sys.argv[1:] or sorted(SWEEPS))

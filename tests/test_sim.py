@@ -1,6 +1,7 @@
 """The simulator: analytic checks of the network model, exact trace extrapolation, topologies, and
 the `sim` executor end to end. (The measured check against CPU gloo runs is `make sim-check`; its
 figures are in reports/recorded/sim_check_cpu.md.)"""
+
 import itertools
 
 import pytest
@@ -20,22 +21,36 @@ ALPHA, BW = 10e-6, 100 * GB
 
 
 def topo(kind="switch", **over) -> Topology:
-    intra = {"switch": {"kind": "switch", "port_GBps": 100, "flow_GBps": 100, "latency_us": 10},
-             "mesh": {"kind": "mesh", "link_GBps": 100, "latency_us": 10}}[kind]
-    d = {"name": f"test_{kind}", "gpu": "test", "gpus_per_node": 8, "max_nodes": 4, "intra": {**intra, **over},
-         "inter": {"nic_GBps": 25, "latency_us": 20},
-         "compute": {"peak_tflops": {"float32": 1}, "efficiency": {"tokens": [1, 2], "fwd": [1, 1], "bwd": [1, 1]}}}
+    intra = {
+        "switch": {"kind": "switch", "port_GBps": 100, "flow_GBps": 100, "latency_us": 10},
+        "mesh": {"kind": "mesh", "link_GBps": 100, "latency_us": 10},
+    }[kind]
+    d = {
+        "name": f"test_{kind}",
+        "gpu": "test",
+        "gpus_per_node": 8,
+        "max_nodes": 4,
+        "intra": {**intra, **over},
+        "inter": {"nic_GBps": 25, "latency_us": 20},
+        "compute": {"peak_tflops": {"float32": 1}, "efficiency": {"tokens": [1, 2], "fwd": [1, 1], "bwd": [1, 1]}},
+    }
     return Topology.from_dict(d)
 
 
 def p2p(per_peer: dict) -> CommRecord:
-    return CommRecord("p2p", sum(s for s, _ in per_peer.values()), sum(r for _, r in per_peer.values()),
-                      tuple(sorted(per_peer)), per_peer)
+    return CommRecord(
+        "p2p",
+        sum(s for s, _ in per_peer.values()),
+        sum(r for _, r in per_peer.values()),
+        tuple(sorted(per_peer)),
+        per_peer,
+    )
 
 
 def synthetic(ranks) -> Trace:
-    case = Case(batch=1, seq_len=8, heads=1, kv_heads=1, head_dim=8, dtype="float32", causal=False,
-                world_size=len(ranks))
+    case = Case(
+        batch=1, seq_len=8, heads=1, kv_heads=1, head_dim=8, dtype="float32", causal=False, world_size=len(ranks)
+    )
     return Trace("synthetic", {}, case, "fwd", ranks)
 
 
@@ -71,8 +86,8 @@ def test_flows_out_of_one_port_share_it_but_a_mesh_gives_each_its_link():
     fan_out = [[p2p({q: (m, 0) for q in range(1, p)}), Wait(0)]] + [[p2p({0: (0, m)}), Wait(0)] for _ in range(1, p)]
     switch = replay(synthetic(fan_out), topo(), no_compute).time_s
     mesh = replay(synthetic(fan_out), topo("mesh"), no_compute).time_s
-    assert switch == pytest.approx(ALPHA + (p - 1) * m / BW, rel=1e-9)   # each flow gets 1/(P-1) of the port
-    assert mesh == pytest.approx(ALPHA + m / BW, rel=1e-9)               # each flow has a link of its own
+    assert switch == pytest.approx(ALPHA + (p - 1) * m / BW, rel=1e-9)  # each flow gets 1/(P-1) of the port
+    assert mesh == pytest.approx(ALPHA + m / BW, rel=1e-9)  # each flow has a link of its own
 
 
 def test_max_min_fairness_gives_capped_flows_their_cap_and_splits_the_rest():
@@ -86,16 +101,23 @@ def test_max_min_fairness_gives_capped_flows_their_cap_and_splits_the_rest():
 def test_tasp_rounds_use_every_mesh_link_while_ring_uses_one():
     """On a full mesh TASP's rounds send to P-1 peers at once and ring to one; with the same bytes its
     communication takes ~1/(P-1) of ring's there, while on a switch (one port) the two are alike."""
-    case = Case(batch=1, seq_len=112 * 1024, heads=8, kv_heads=8, head_dim=64, dtype="bfloat16", causal=False,
-                world_size=8)
+    case = Case(
+        batch=1, seq_len=112 * 1024, heads=8, kv_heads=8, head_dim=64, dtype="bfloat16", causal=False, world_size=8
+    )
     tasp, ring = trace("tasp", case, "fwd"), trace("ring", case, "fwd")
+
     def send_peers(t):
         return max(sum(1 for s, _ in e.per_peer.values() if s) for e in t.comm(0))
+
     assert send_peers(tasp) == 7 and send_peers(ring) == 1
     assert tasp.bytes_sent(0) == ring.bytes_sent(0)
-    comm_only = {name: {k: replay(t, topo(k, **({"flow_GBps": 100} if k == "switch" else {})), no_compute,
-                                  compute=False).time_s for k in ("mesh", "switch")}
-                 for name, t in (("tasp", tasp), ("ring", ring))}
+    comm_only = {
+        name: {
+            k: replay(t, topo(k, **({"flow_GBps": 100} if k == "switch" else {})), no_compute, compute=False).time_s
+            for k in ("mesh", "switch")
+        }
+        for name, t in (("tasp", tasp), ("ring", ring))
+    }
     assert comm_only["ring"]["mesh"] / comm_only["tasp"]["mesh"] > 4
     assert comm_only["ring"]["switch"] / comm_only["tasp"]["switch"] == pytest.approx(1, rel=0.25)
 
@@ -133,8 +155,16 @@ def test_extrapolated_traces_equal_direct_traces(name):
     own templates: a batch of one skips some copies) and at batch 3."""
     cache = TraceCache()
     for p, causal, batch in itertools.product([3, 4], [True, False], [1, 3]):
-        case = Case(batch=batch, seq_len=4 * p * (p - 1) * 6, heads=12, kv_heads=4 if p == 4 else 12, head_dim=8,
-                    dtype="bfloat16", causal=causal, world_size=p)
+        case = Case(
+            batch=batch,
+            seq_len=4 * p * (p - 1) * 6,
+            heads=12,
+            kv_heads=4 if p == 4 else 12,
+            head_dim=8,
+            dtype="bfloat16",
+            causal=causal,
+            world_size=p,
+        )
         if not methods.get_method(name).supports(case)[0]:
             continue
         got = cache.get(name, case, "fwd_bwd").ranks
@@ -178,9 +208,23 @@ def test_roofline_uses_the_causal_curve_for_masked_blocks_and_skips_empty_ones()
 
 
 def test_a_measured_table_is_used_exactly_and_interpolated_by_rate(tmp_path):
-    blocks = [{"op": "fwd", "batch": 1, "sq": s, "sk": s, "heads": 2, "kv_heads": 2, "head_dim": 8,
-               "causal_offset": None, "dtype": "float32", "pairs": s * s, "flops": 64.0 * s * s, "seconds": sec}
-              for s, sec in ((16, 1e-3), (64, 4e-3))]
+    blocks = [
+        {
+            "op": "fwd",
+            "batch": 1,
+            "sq": s,
+            "sk": s,
+            "heads": 2,
+            "kv_heads": 2,
+            "head_dim": 8,
+            "causal_offset": None,
+            "dtype": "float32",
+            "pairs": s * s,
+            "flops": 64.0 * s * s,
+            "seconds": sec,
+        }
+        for s, sec in ((16, 1e-3), (64, 4e-3))
+    ]
     (tmp_path / "t.blocks.yaml").write_text(yaml.safe_dump({"blocks": blocks}))
     d = yaml.safe_load(load_topology("h100_sxm").source.read_text())
     d["compute"] = {"table": "t.blocks.yaml"}
@@ -189,7 +233,7 @@ def test_a_measured_table_is_used_exactly_and_interpolated_by_rate(tmp_path):
     assert cm.time(Compute("fwd", 1, 16, 16, 2, 2, 8, None, "float32")) == 1e-3
     mid = Compute("fwd", 1, 32, 32, 2, 2, 8, None, "float32")
     assert mid.flops == 64.0 * 1024
-    r16, r64 = 64.0 * 256 / 1e-3, 64.0 * 4096 / 4e-3   # achieved rates; 32x32 lies half-way in log FLOPs
+    r16, r64 = 64.0 * 256 / 1e-3, 64.0 * 4096 / 4e-3  # achieved rates; 32x32 lies half-way in log FLOPs
     assert mid.flops / cm.time(mid) == pytest.approx((r16 + r64) / 2, rel=1e-9)
 
 
@@ -200,34 +244,64 @@ def test_a_simulated_sweep_records_labelled_rows(tmp_path):
     from suite.sim.trace import trace as direct
 
     cfg_path = tmp_path / "s.yaml"
-    cfg_path.write_text(yaml.safe_dump({
-        "name": "simtest", "run": {"executor": "sim"}, "sim": {"topology": ["mi300x", "h100_sxm"]},
-        "tracking": {"mlflow": False}, "results": {"root": str(tmp_path / "results")},
-        "sweep": {"methods": ["ring", "tasp", "rfa_ring"], "world_size": [8, 16], "seq_len": [8064 * 4],
-                  "heads": [32], "kv_heads": [8], "head_dim": [128], "dtype": ["bfloat16", "float64"],
-                  "causal": [True], "passes": ["fwd"],
-                  # TASP at 16 ranks is the slowest trace of all; 8 ranks show what it shows
-                  "exclude": [{"method": "tasp", "world_size": 16}]}}))
+    cfg_path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "simtest",
+                "run": {"executor": "sim"},
+                "sim": {"topology": ["mi300x", "h100_sxm"]},
+                "tracking": {"mlflow": False},
+                "results": {"root": str(tmp_path / "results")},
+                "sweep": {
+                    "methods": ["ring", "tasp", "rfa_ring"],
+                    "world_size": [8, 16],
+                    "seq_len": [8064 * 4],
+                    "heads": [32],
+                    "kv_heads": [8],
+                    "head_dim": [128],
+                    "dtype": ["bfloat16", "float64"],
+                    "causal": [True],
+                    "passes": ["fwd"],
+                    # TASP at 16 ranks is the slowest trace of all; 8 ranks show what it shows
+                    "exclude": [{"method": "tasp", "world_size": 16}],
+                },
+            }
+        )
+    )
     cfg, text = load_config(cfg_path)
     res = run_sweep(cfg, text, progress=False)
     rows = {(r["method"], r["topology"], r["world_size"], r["dtype"]): r for r in res.records}
     assert all(r["executor"] == "sim" for r in rows.values())
     ok = rows[("tasp", "mi300x", 8, "bfloat16")]
     assert ok["status"] == "ok" and not ok["checked"] and ok["hardware"].startswith("MI300X") and ok["nodes"] == 1
-    case = Case(batch=1, seq_len=8064 * 4, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", causal=True,
-                world_size=8)
+    case = Case(
+        batch=1, seq_len=8064 * 4, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", causal=True, world_size=8
+    )
     traced = direct("tasp", case, "fwd")
     assert ok["bytes_sent_per_rank"] == max(traced.bytes_sent(r) for r in range(8))
     assert rows[("ring", "h100_sxm", 16, "bfloat16")]["nodes"] == 2
     assert rows[("ring", "mi300x", 8, "bfloat16")]["time_ms_median"] > ok["time_ms_median"]
-    assert "cannot be traced" in rows[("rfa_ring", "h100_sxm", 8, "bfloat16")]["reason"] or \
-        "not importable" in rows[("rfa_ring", "h100_sxm", 8, "bfloat16")]["reason"]
+    assert (
+        "cannot be traced" in rows[("rfa_ring", "h100_sxm", 8, "bfloat16")]["reason"]
+        or "not importable" in rows[("rfa_ring", "h100_sxm", 8, "bfloat16")]["reason"]
+    )
     assert "no float64 rate" in rows[("ring", "h100_sxm", 8, "float64")]["reason"]
     # 2P(P-1) = 112 does not divide 8000: TASP runs padded to 8064 instead of being skipped
-    padded_rows = run_sweep(*load_config(cfg_path, ["sweep.methods=[tasp]", "sweep.world_size=[8]",
-                                                    "sweep.seq_len=[8000]", "sweep.dtype=[bfloat16]",
-                                                    "sim.topology=[h100_sxm]", "sweep.exclude=[]", "name=padded"]),
-                            progress=False).records
+    padded_rows = run_sweep(
+        *load_config(
+            cfg_path,
+            [
+                "sweep.methods=[tasp]",
+                "sweep.world_size=[8]",
+                "sweep.seq_len=[8000]",
+                "sweep.dtype=[bfloat16]",
+                "sim.topology=[h100_sxm]",
+                "sweep.exclude=[]",
+                "name=padded",
+            ],
+        ),
+        progress=False,
+    ).records
     assert [(r["status"], r["padded_tokens"]) for r in padded_rows] == [("ok", 8064 - 8000)]
     with pytest.raises(ConfigError, match="sim.topology: unknown topology 'nope'"):
         load_config(cfg_path, ["sim.topology=[nope]"])
@@ -244,14 +318,33 @@ def test_calibrate_times_exactly_the_blocks_the_sweep_traces(tmp_path):
     from suite.config import load_config
 
     cfg_path = tmp_path / "c.yaml"
-    cfg_path.write_text(yaml.safe_dump({"name": "cal", "sweep": {
-        "methods": ["ring", "ulysses", "reference"], "world_size": [1, 2], "seq_len": [32], "heads": [2],
-        "kv_heads": [2], "head_dim": [8], "causal": [True], "passes": ["fwd"]}}))
+    cfg_path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "cal",
+                "sweep": {
+                    "methods": ["ring", "ulysses", "reference"],
+                    "world_size": [1, 2],
+                    "seq_len": [32],
+                    "heads": [2],
+                    "kv_heads": [2],
+                    "head_dim": [8],
+                    "causal": [True],
+                    "passes": ["fwd"],
+                },
+            }
+        )
+    )
     cfg, _ = load_config(cfg_path)
     blocks = sweep_blocks(cfg)
     case = Case(batch=1, seq_len=32, heads=2, kv_heads=2, head_dim=8, dtype="float32", causal=True, world_size=2)
-    expect = {(e.sq, e.sk, e.causal_offset) for name in ("ring", "ulysses") for r in trace(name, case).ranks
-              for e in r if isinstance(e, Compute) and e.pairs}
+    expect = {
+        (e.sq, e.sk, e.causal_offset)
+        for name in ("ring", "ulysses")
+        for r in trace(name, case).ranks
+        for e in r
+        if isinstance(e, Compute) and e.pairs
+    }
     assert {(e.sq, e.sk, e.causal_offset) for e in blocks} == expect  # no reference (P=1), no empty blocks
     assert all(time_block(e, torch.device("cpu"), "auto", 1) > 0 for e in blocks)
     alpha, beta = 50e-6, 3e9
@@ -277,12 +370,29 @@ def test_a_sweep_traces_once_per_schedule_shape_not_per_point(tmp_path, monkeypa
 
     monkeypatch.setattr(sim_trace, "trace", counting)
     cfg_path = tmp_path / "speed.yaml"
-    cfg_path.write_text(yaml.safe_dump({
-        "name": "speed", "run": {"executor": "sim"}, "sim": {"topology": ["h100_sxm"]},
-        "tracking": {"mlflow": False}, "results": {"root": str(tmp_path / "results")},
-        "sweep": {"methods": ["ring", "usp"], "world_size": [8], "batch": [1, 4],
-                  "seq_len": [64512, 129024, 258048, 516096, 1032192], "heads": [32], "kv_heads": [8],
-                  "head_dim": [128], "dtype": ["bfloat16"], "causal": [True, False], "passes": ["fwd", "fwd_bwd"]}}))
+    cfg_path.write_text(
+        yaml.safe_dump(
+            {
+                "name": "speed",
+                "run": {"executor": "sim"},
+                "sim": {"topology": ["h100_sxm"]},
+                "tracking": {"mlflow": False},
+                "results": {"root": str(tmp_path / "results")},
+                "sweep": {
+                    "methods": ["ring", "usp"],
+                    "world_size": [8],
+                    "batch": [1, 4],
+                    "seq_len": [64512, 129024, 258048, 516096, 1032192],
+                    "heads": [32],
+                    "kv_heads": [8],
+                    "head_dim": [128],
+                    "dtype": ["bfloat16"],
+                    "causal": [True, False],
+                    "passes": ["fwd", "fwd_bwd"],
+                },
+            }
+        )
+    )
     cfg, text = load_config(cfg_path)
     res = run_sweep(cfg, text, progress=False)
     assert len(res.records) == 80 and all(r["status"] == "ok" for r in res.records)

@@ -1,6 +1,7 @@
 """The simulator's tracer: a method's own code on meta tensors records the schedule it executes.
 Its byte counts equal those of a real gloo run, and across ranks it computes every visible
 (query, key) pair exactly once."""
+
 import itertools
 
 import pytest
@@ -29,8 +30,9 @@ def test_every_visible_pair_is_computed_exactly_once(name, world_size):
     """Summed over ranks, forward blocks cover S(S+1)/2 (causal) or S^2 (full) pairs per head, and
     backward blocks the same: no block missing, none twice."""
     for causal in (True, False):
-        case = Case(batch=2, seq_len=48, heads=6, kv_heads=2, head_dim=8, dtype="float32", causal=causal,
-                    world_size=world_size)
+        case = Case(
+            batch=2, seq_len=48, heads=6, kv_heads=2, head_dim=8, dtype="float32", causal=causal, world_size=world_size
+        )
         ok, why = methods.get_method(name).supports(case)
         if not ok:
             continue
@@ -51,15 +53,18 @@ def test_events_are_ordered_with_waits_after_their_exchange():
             assert e.handle < i and isinstance(events[e.handle], CommRecord) and events[e.handle].kind == "p2p"
     assert all(c.dtype == "bfloat16" for c in tr.compute(1))
     # a million tokens is as cheap to trace as 64: nothing is computed or allocated
-    big = Case(batch=1, seq_len=1 << 20, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", causal=True,
-               world_size=8)
+    big = Case(
+        batch=1, seq_len=1 << 20, heads=32, kv_heads=8, head_dim=128, dtype="bfloat16", causal=True, world_size=8
+    )
     assert trace("ring", big, "fwd").bytes_sent(0) == 7 * 2 * (1 << 17) * 8 * 128 * 2
 
 
 def test_unsupported_cases_and_peers_say_why():
     with pytest.raises(ValueError, match="divisible"):
-        trace("zigzag_ring", Case(batch=1, seq_len=30, heads=2, kv_heads=2, head_dim=8, dtype="float32",
-                                  causal=True, world_size=4))
+        trace(
+            "zigzag_ring",
+            Case(batch=1, seq_len=30, heads=2, kv_heads=2, head_dim=8, dtype="float32", causal=True, world_size=4),
+        )
 
 
 CASES = [(name, causal, pass_) for name in OWN for causal in (True, False) for pass_ in ("fwd", "fwd_bwd")]
@@ -69,8 +74,16 @@ def _counted_in_gloo(comm, cases):
     """Each case run for real (random inputs, autograd) through a counting comm on this rank."""
     out = []
     for name, causal, pass_ in cases:
-        case = Case(batch=2, seq_len=48, heads=4, kv_heads=2, head_dim=8, dtype="float32", causal=causal,
-                    world_size=comm.world_size)
+        case = Case(
+            batch=2,
+            seq_len=48,
+            heads=4,
+            kv_heads=2,
+            head_dim=8,
+            dtype="float32",
+            causal=causal,
+            world_size=comm.world_size,
+        )
         method = methods.get_method(name)
         if not method.supports(case)[0]:
             out.append(None)
@@ -99,8 +112,9 @@ def test_trace_bytes_equal_a_real_gloo_run(world_size):
     for i, (name, causal, pass_) in enumerate(CASES):
         if per_rank[0][i] is None:
             continue
-        case = Case(batch=2, seq_len=48, heads=4, kv_heads=2, head_dim=8, dtype="float32", causal=causal,
-                    world_size=world_size)
+        case = Case(
+            batch=2, seq_len=48, heads=4, kv_heads=2, head_dim=8, dtype="float32", causal=causal, world_size=world_size
+        )
         tr = trace(name, case, pass_)
         for rank in range(world_size):
             traced = [(r.kind, r.bytes_sent, r.bytes_recv, r.per_peer) for r in tr.comm(rank)]
@@ -115,10 +129,19 @@ def test_unmasked_ring_forward_does_one_tensor_op_per_step(name, world_size):
     last, which starts from the first's cast); the last merge writes the output in the input dtype. TASP's units are
     views of its K/V and a step's keys a view of its units, with any batch."""
     from suite.sim.trace import Memory
+
     want = world_size if world_size == 2 else world_size - 1
     for batch in (1, 2):
-        case = Case(batch=batch, seq_len=16 * world_size * (world_size - 1), heads=4, kv_heads=2, head_dim=8,
-                    dtype="bfloat16", causal=False, world_size=world_size)
+        case = Case(
+            batch=batch,
+            seq_len=16 * world_size * (world_size - 1),
+            heads=4,
+            kv_heads=2,
+            head_dim=8,
+            dtype="bfloat16",
+            causal=False,
+            world_size=world_size,
+        )
         tr = trace(name, case, "fwd")
         for events in tr.ranks:
             assert sum(e.ops for e in events if isinstance(e, Memory)) == want, (name, batch)
@@ -128,28 +151,34 @@ def test_allocations_are_not_tensor_work():
     """Allocating a buffer (empty, empty_like, new_empty, ...) moves no bytes; a copy into it does,
     and is charged its read and its write."""
     from suite.sim.trace import TraceLedger, _Bookkeeping
+
     x = torch.empty(4, 8, device="meta", dtype=torch.float32)
     ledger = TraceLedger()
     with _Bookkeeping(ledger):
-        bufs = [torch.empty(4, 8, device="meta"), torch.empty_like(x), x.new_empty(4, 8),
-                x.new_empty_strided((4, 8), (8, 1)), torch.empty_strided((4, 8), (8, 1), device="meta")]
+        bufs = [
+            torch.empty(4, 8, device="meta"),
+            torch.empty_like(x),
+            x.new_empty(4, 8),
+            x.new_empty_strided((4, 8), (8, 1)),
+            torch.empty_strided((4, 8), (8, 1), device="meta"),
+        ]
     ledger.flush()
     assert ledger.events == []
     nbytes = x.numel() * x.element_size()
     with _Bookkeeping(ledger):
-        bufs[2].copy_(x)      # reads x, writes the buffer (its old contents are not read)
+        bufs[2].copy_(x)  # reads x, writes the buffer (its old contents are not read)
     ledger.flush()
     assert (ledger.events[-1].ops, ledger.events[-1].bytes) == (1, 2 * nbytes)
     with _Bookkeeping(ledger):
-        bufs[2].zero_()       # writes only
+        bufs[2].zero_()  # writes only
     ledger.flush()
     assert (ledger.events[-1].ops, ledger.events[-1].bytes) == (1, nbytes)
     with _Bookkeeping(ledger):
-        bufs[2].add_(x)       # reads both, writes one
+        bufs[2].add_(x)  # reads both, writes one
     ledger.flush()
     assert (ledger.events[-1].ops, ledger.events[-1].bytes) == (1, 3 * nbytes)
     with _Bookkeeping(ledger):
-        torch.add(x, x, out=bufs[3])   # an out= variant: reads two, writes its out argument
+        torch.add(x, x, out=bufs[3])  # an out= variant: reads two, writes its out argument
     ledger.flush()
     assert (ledger.events[-1].ops, ledger.events[-1].bytes) == (1, 3 * nbytes)
 
@@ -160,10 +189,19 @@ def test_ulysses_copies_each_tensor_once_per_direction():
     batch; the backward the same for dout, dq, dk, dv (the replicas' sum fused into the last).
     (USP shares these reshuffles; its inner ring adds its own accumulator work.)"""
     from suite.sim.trace import Memory
+
     for batch in (1, 2):
-        for kv_heads in (4, 2):    # 2 KV heads on 4 ranks: each replicated twice
-            case = Case(batch=batch, seq_len=48, heads=4, kv_heads=kv_heads, head_dim=8, dtype="bfloat16",
-                        causal=True, world_size=4)
+        for kv_heads in (4, 2):  # 2 KV heads on 4 ranks: each replicated twice
+            case = Case(
+                batch=batch,
+                seq_len=48,
+                heads=4,
+                kv_heads=kv_heads,
+                head_dim=8,
+                dtype="bfloat16",
+                causal=True,
+                world_size=4,
+            )
             tr = trace("ulysses", case, "fwd_bwd")
             fwd = tr.forward_part()
             for rank, events in enumerate(tr.ranks):
@@ -176,6 +214,7 @@ def test_index_put_is_charged_what_it_moves():
     """A scatter (x[idx] = values) reads its indices and values and writes as many bytes: the rest
     of the destination is neither read nor written."""
     from suite.sim.trace import TraceLedger, _Bookkeeping
+
     dest = torch.empty(10, 8, device="meta", dtype=torch.float32)
     values = torch.empty(4, 8, device="meta", dtype=torch.float32)
     idx = torch.empty(4, device="meta", dtype=torch.int64)
@@ -190,10 +229,12 @@ def test_allgather_kv_by_documents_puts_kv_in_order_in_one_pass():
     """Sharded by documents, the gathered K and V go into global order in one indexed pass each
     (the index's transfer to the device the third op), for any batch."""
     from suite.sim.trace import Memory
+
     for batch in (1, 2):
-        case = Case(batch=batch, seq_len=48, heads=4, kv_heads=2, head_dim=8, dtype="bfloat16", causal=False,
-                    world_size=3)
-        kv = 2 * batch * case.seq_len * case.kv_heads * case.head_dim * 2      # K and V, bf16
+        case = Case(
+            batch=batch, seq_len=48, heads=4, kv_heads=2, head_dim=8, dtype="bfloat16", causal=False, world_size=3
+        )
+        kv = 2 * batch * case.seq_len * case.kv_heads * case.head_dim * 2  # K and V, bf16
         for events in trace("allgather_kv", case, "fwd", {"sharding": "documents"}).ranks:
             work = [e for e in events if isinstance(e, Memory)]
             assert sum(e.ops for e in work) == 3, batch

@@ -1,5 +1,6 @@
 """End-to-end sweeps through the real harness: processes over gloo, results store, MLflow,
 and every failure behaviour of docs/DESIGN.md section 11."""
+
 import json
 import os
 import signal
@@ -65,9 +66,11 @@ def test_multiprocess_sweep_is_checked_recorded_and_logged_to_mlflow(write_confi
     run_dir = res.run_dir
     assert (run_dir / "config.yaml").exists() and json.loads((run_dir / "environment.json").read_text())["torch"]
     import pandas as pd
+
     assert len(pd.read_parquet(run_dir / "trials.parquet")) == 56
     # MLflow: one parent run, one nested child per trial, identity in params, numbers in metrics
     from mlflow.tracking import MlflowClient
+
     client = MlflowClient(f"sqlite:///{db}")
     exp = client.get_experiment_by_name("e2e")
     runs = client.search_runs([exp.experiment_id], max_results=1000)
@@ -84,14 +87,19 @@ def test_multiprocess_sweep_is_checked_recorded_and_logged_to_mlflow(write_confi
     # a report from the results folder is attached to the sweep's parent run; and the MLflow
     # experiment alone can be read back into a report with the same rows
     from suite.reports import build_report
+
     rep = build_report([str(run_dir)], out=tmp_path / "rep")
     assert rep.logged_to == [parents[0].info.run_id]
-    assert [a.path for a in client.list_artifacts(parents[0].info.run_id, "report")] == ["report/figures",
-                                                                                            "report/report.html"]
+    assert [a.path for a in client.list_artifacts(parents[0].info.run_id, "report")] == [
+        "report/figures",
+        "report/report.html",
+    ]
     assert len(client.list_artifacts(parents[0].info.run_id, "report/figures")) == len(
-        [f for f in rep.figures if f.endswith(".png")])
-    from_mlflow = build_report(None, out=tmp_path / "rep2", mlflow_experiment="e2e", mlflow_uri=f"sqlite:///{db}",
-                               log_to_mlflow=False)
+        [f for f in rep.figures if f.endswith(".png")]
+    )
+    from_mlflow = build_report(
+        None, out=tmp_path / "rep2", mlflow_experiment="e2e", mlflow_uri=f"sqlite:///{db}", log_to_mlflow=False
+    )
     assert from_mlflow.rows == 56 and (tmp_path / "rep2" / "tables" / "speedup_over_ring.csv").exists()
 
 
@@ -136,8 +144,13 @@ def test_killed_sweep_resumes_without_rerunning_or_losing_trials(write_config, t
       passes: [fwd, fwd_bwd]
     run: {warmup: 1, repeats: 1, breakdown: false, plugins: [tests.plugins.faulty]}
     """)
-    proc = subprocess.Popen([sys.executable, "-m", "suite", "run", str(path), "--no-progress"], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "suite", "run", str(path), "--no-progress"],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     trials = None
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -148,6 +161,7 @@ def test_killed_sweep_resumes_without_rerunning_or_losing_trials(write_config, t
         time.sleep(0.2)
     assert trials is not None, "the sweep never recorded 3 trials"
     import psutil
+
     workers = psutil.Process(proc.pid).children(recursive=True)
     proc.send_signal(signal.SIGKILL)  # a crash, not a polite stop
     proc.wait(timeout=30)
@@ -159,13 +173,14 @@ def test_killed_sweep_resumes_without_rerunning_or_losing_trials(write_config, t
     res = sweep(path, resume="latest")
     assert res.run_dir == trials.parent
     after = trials.read_text().splitlines(keepends=True)
-    assert after[:len(before)] == before  # finished trials untouched, not rerun
+    assert after[: len(before)] == before  # finished trials untouched, not rerun
     keys = [json.loads(line)["key"] for line in after]
     assert len(keys) == 12 and len(set(keys)) == 12
     assert all(json.loads(line)[M.STATUS] == M.OK for line in after)
     # MLflow, behind the store when the parent died, is reconciled by the resume: the same parent
     # run, one finished child per stored row
     from mlflow.tracking import MlflowClient
+
     client = MlflowClient(f"sqlite:///{tmp_path / 'results' / 'mlflow.db'}")
     runs = client.search_runs([client.get_experiment_by_name("killme").experiment_id], max_results=100)
     parents = [r for r in runs if "mlflow.parentRunId" not in r.data.tags]
@@ -201,9 +216,25 @@ def test_external_launcher_torchrun(write_config, tmp_path):
     tracking: {mlflow: false}
     """)
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          "-m", "suite", "run", str(path), "--no-progress"], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "suite",
+            "run",
+            str(path),
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     recs = ResultsStore.latest(tmp_path / "results", "ext").records()
     assert len(recs) == 4
@@ -239,8 +270,25 @@ def test_external_launcher_stops_every_rank_when_rank0_cannot_plan(write_config)
     tracking: {mlflow: false}
     """)
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                          "-m", "suite", "run", str(path), "--resume", "--no-progress"], cwd=ROOT,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=240)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "-m",
+            "suite",
+            "run",
+            str(path),
+            "--resume",
+            "--no-progress",
+        ],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode != 0 and time.monotonic() - t0 < 120
     assert "no earlier run of 'ext_nothing_to_resume'" in out.stderr

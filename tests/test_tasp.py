@@ -1,5 +1,6 @@
 """TASP's own tensor work under the causal mask, as the tracer sees it (the simulator of docs/DESIGN.md section 10
 replays these traces, so a copy hidden from it would be a speed-up the hardware never sees)."""
+
 import pytest
 
 from methods.base import Case
@@ -16,12 +17,20 @@ def test_causal_forward_copies_nothing_but_the_split_of_its_units(world_size):
     p, k = world_size, num_cycles(world_size)
     c = 2
     for batch in (1, 3):
-        case = Case(batch=batch, seq_len=2 * p * k * c, heads=4, kv_heads=2, head_dim=8, dtype="bfloat16",
-                    causal=True, world_size=p)
+        case = Case(
+            batch=batch,
+            seq_len=2 * p * k * c,
+            heads=4,
+            kv_heads=2,
+            head_dim=8,
+            dtype="bfloat16",
+            causal=True,
+            world_size=p,
+        )
         tr = trace("tasp", case, "fwd")
         for rank, events in enumerate(tr.ranks):
             calls = [piece_calls(p, True, rank, step, c) for step in range(1, p)]
-            rows = [slice(None)] + [r for step_calls in calls for r, _ in step_calls]   # every block, in order
+            rows = [slice(None)] + [r for step_calls in calls for r, _ in step_calls]  # every block, in order
             # the own block waits for the next: one pass starts the accumulators from both where that
             # one covers every query row (else a cast, then its merge); one op per later block; a last
             # block that does not cover every row leaves one cast of the output

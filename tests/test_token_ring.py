@@ -2,6 +2,7 @@
 dtypes and sizes, and that the traced schedule overlaps the results' return with kernels. Its
 numerics against float64 are checked by the generic tests (test_methods, test_methods_dist,
 test_varlen); packed documents at 8 ranks here."""
+
 import random
 
 import pytest
@@ -46,6 +47,7 @@ def recorded(world_size, causal=True, heads=4, kv_heads=4, dtype="float32", loca
         n_fwd = len(rec.exchanges)
         torch.autograd.grad(out, (q, k, v), lay.shard(prob.dout, comm.rank).to(case.torch_dtype))
         return rec.exchanges[:n_fwd], rec.exchanges[n_fwd:]
+
     return run_threads(world_size, rank)
 
 
@@ -126,8 +128,11 @@ def test_results_carry_only_the_rows_computed(causal):
                     continue
                 owner = result_peers(rank, p, step)[0]
                 # the owner is never r+1 while the queries hop (only at the closing exchange)
-                rows = {shape[1] if len(shape) == 4 else shape[2] for op, peer, shape, _ in ops
-                        if op == "send" and peer == owner}
+                rows = {
+                    shape[1] if len(shape) == 4 else shape[2]
+                    for op, peer, shape, _ in ops
+                    if op == "send" and peer == owner
+                }
                 want = local if not causal or rank < owner else local // 2
                 assert rows == {want}, (rank, step, owner, rows)
                 sizes.append(want)
@@ -140,9 +145,9 @@ def test_ranks_send_different_bytes_and_the_totals_balance():
         causal = Case(B, 48, 4, 2, D, "bfloat16", True, 4)
         per_rank = [m.expected_rank_bytes(causal, pass_, r) for r in range(4)]
         sent, recv = [s for s, _ in per_rank], [r for _, r in per_rank]
-        assert sent == sorted(sent, reverse=True) and sent[0] > sent[-1]     # rank 0 computes the most rows
-        assert recv == sorted(recv) and recv[-1] > recv[0]                   # rank P-1 receives the most
-        assert sum(sent) == sum(recv)                                         # every message has a receiver
+        assert sent == sorted(sent, reverse=True) and sent[0] > sent[-1]  # rank 0 computes the most rows
+        assert recv == sorted(recv) and recv[-1] > recv[0]  # rank P-1 receives the most
+        assert sum(sent) == sum(recv)  # every message has a receiver
         assert m.expected_bytes(causal, pass_) == (sent[0], recv[-1])
         full = Case(B, 48, 4, 2, D, "bfloat16", False, 4)
         assert len({m.expected_rank_bytes(full, pass_, r) for r in range(4)}) == 1
@@ -170,12 +175,12 @@ def test_traced_results_return_while_kernels_run(world_size):
         for i, e in enumerate(events):
             if isinstance(e, Wait):
                 waits.setdefault(e.handle, i)
-        for half in (posted[:world_size + 1], posted[world_size + 1:]):
-            for step in range(2, world_size):     # results go out with a step's queries; the last has none
+        for half in (posted[: world_size + 1], posted[world_size + 1 :]):
+            for step in range(2, world_size):  # results go out with a step's queries; the last has none
                 i = half[step]
                 owner = result_peers(rank, world_size, step)[0]
                 assert events[i].per_peer[owner][0] > 0
-                assert any(isinstance(e, Compute) for e in events[i + 1:waits[i]]), (rank, step)
+                assert any(isinstance(e, Compute) for e in events[i + 1 : waits[i]]), (rank, step)
 
 
 def test_packed_documents_at_eight_ranks():

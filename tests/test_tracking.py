@@ -1,5 +1,6 @@
 """MLflow as a derived view of the results store (suite/tracking.py): runs that open on the
 answer, reconciling with the store, the fresh-database race, credentials never recorded."""
+
 import json
 import os
 import subprocess
@@ -34,8 +35,11 @@ def stored(tmp_path_factory):
     """A small stored sweep (threads executor, no MLflow): 4 trials, usp with an option axis."""
     tmp = tmp_path_factory.mktemp("trk")
     cfg_path = tmp / "trk.yaml"
-    cfg_path.write_text(SWEEP.replace("method_options: {}\n", "").replace(
-        "passes: [fwd]}", "passes: [fwd],\n        method_options: {usp: {ulysses_degree: [2]}}}"))
+    cfg_path.write_text(
+        SWEEP.replace("method_options: {}\n", "").replace(
+            "passes: [fwd]}", "passes: [fwd],\n        method_options: {usp: {ulysses_degree: [2]}}}"
+        )
+    )
     cfg, text = load_config(cfg_path, [f"results.root={tmp / 'results'}"])
     res = run_sweep(cfg, text, progress=False, out=open(os.devnull, "w"))
     assert len(res.records) == 4
@@ -44,6 +48,7 @@ def stored(tmp_path_factory):
 
 def _client(db):
     from mlflow.tracking import MlflowClient
+
     return MlflowClient(f"sqlite:///{db}")
 
 
@@ -57,6 +62,7 @@ def _runs(client, name="trk"):
 
 def test_runs_open_on_the_answer(stored, tmp_path):
     from suite.tracking import relog
+
     db = tmp_path / "m.db"
     tracker = relog(stored, uri=f"sqlite:///{db}")
     assert tracker.enabled, tracker.disabled_reason
@@ -67,8 +73,9 @@ def test_runs_open_on_the_answer(stored, tmp_path):
     assert parents[0].info.end_time == max(c.info.end_time for c in children)  # relog: the sweep's end, not now
     # the experiment opens on the machine-learning runs table, and the link says so
     assert exp.tags.get("mlflow.experimentKind") == "custom_model_development"
-    assert f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=trials" in \
-        tracker.link
+    assert (
+        f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=trials" in tracker.link
+    )
     view = json.loads(exp.tags["mlflow.sharedViewState.trials"])  # the saved view the link opens
     assert "metrics.`time_ms_median`" in view["selectedColumns"]
     assert len(client.search_runs([exp.experiment_id], view["searchFilter"])) == 4  # the trials, not the parent
@@ -94,13 +101,15 @@ def test_runs_open_on_the_answer(stored, tmp_path):
     assert parent.data.params["sweep.method_options.usp.ulysses_degree"] == "2"
     arts = {a.path for a in client.list_artifacts(parent.info.run_id)}
     assert "trials_table.json" in arts
-    table = json.loads(Path(client.download_artifacts(parent.info.run_id, "trials_table.json", str(tmp_path)))
-                       .read_text())
+    table = json.loads(
+        Path(client.download_artifacts(parent.info.run_id, "trials_table.json", str(tmp_path))).read_text()
+    )
     assert sorted(row[table["columns"].index("key")] for row in table["data"]) == sorted(records)
 
 
 def test_relog_updates_the_existing_parent_and_logging_twice_adds_nothing(stored, tmp_path):
     from suite.tracking import relog
+
     db = tmp_path / "m.db"
     first = relog(stored, uri=f"sqlite:///{db}")
     client = _client(db)
@@ -113,24 +122,38 @@ def test_relog_updates_the_existing_parent_and_logging_twice_adds_nothing(stored
     assert {c.info.run_id for c in again} == set(lengths)
     for c in again:
         assert len(client.get_metric_history(c.info.run_id, "samples/time_ms")) == lengths[c.info.run_id]
-    table = json.loads(Path(client.download_artifacts(first.parent_run_id, "trials_table.json", str(tmp_path)))
-                       .read_text())
+    table = json.loads(
+        Path(client.download_artifacts(first.parent_run_id, "trials_table.json", str(tmp_path))).read_text()
+    )
     assert len(table["data"]) == 4  # replaced, not appended to
 
 
 def test_reconcile_logs_missing_completes_half_logged_removes_duplicates_and_kills_stale(stored, tmp_path):
     from suite.tracking import relog
+
     db = tmp_path / "m.db"
     first = relog(stored, uri=f"sqlite:///{db}")
     client = _client(db)
     exp, parents, children = _runs(client)
     missing, half, dup_of = children[0], children[1], children[2]
-    client.delete_run(missing.info.run_id)                          # never logged
-    client.update_run(half.info.run_id, status="RUNNING")           # killed while logging
-    dup = client.create_run(exp.experiment_id, run_name="dup", tags={           # logged twice
-        "mlflow.parentRunId": first.parent_run_id, M.KEY: dup_of.data.tags[M.KEY]})
-    stale = client.create_run(exp.experiment_id, run_name="stale", tags={       # a trial that never finished
-        "mlflow.parentRunId": first.parent_run_id, M.KEY: "0" * 16})
+    client.delete_run(missing.info.run_id)  # never logged
+    client.update_run(half.info.run_id, status="RUNNING")  # killed while logging
+    dup = client.create_run(
+        exp.experiment_id,
+        run_name="dup",
+        tags={  # logged twice
+            "mlflow.parentRunId": first.parent_run_id,
+            M.KEY: dup_of.data.tags[M.KEY],
+        },
+    )
+    stale = client.create_run(
+        exp.experiment_id,
+        run_name="stale",
+        tags={  # a trial that never finished
+            "mlflow.parentRunId": first.parent_run_id,
+            M.KEY: "0" * 16,
+        },
+    )
     client.update_run(first.parent_run_id, status="RUNNING")
     tracker = relog(stored, uri=f"sqlite:///{db}")
     assert tracker.counts == {"logged": 1, "completed": 1, "deleted": 1, "killed": 1}
@@ -158,8 +181,12 @@ def test_three_processes_creating_a_fresh_database_at_once(tmp_path):
         run = client.create_run(exp)
         print(exp, run.info.run_id)
     """)
-    procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True) for _ in range(3)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(3)
+    ]
     outs = [p.communicate(timeout=240) for p in procs]
     for p, (out, err) in zip(procs, outs):
         assert p.returncode == 0, err
@@ -171,8 +198,11 @@ def test_three_processes_creating_a_fresh_database_at_once(tmp_path):
 
 def test_redact_uri_and_environment_allowlist(monkeypatch):
     from suite.env import fingerprint, redact_uri
-    assert redact_uri("https://alice:s3cret@mlflow.example.org:5000/p?token=abc") == \
-        "https://***@mlflow.example.org:5000/p"
+
+    assert (
+        redact_uri("https://alice:s3cret@mlflow.example.org:5000/p?token=abc")
+        == "https://***@mlflow.example.org:5000/p"
+    )
     assert redact_uri("postgresql://u:pw@db/mlflow") == "postgresql://***@db/mlflow"
     assert redact_uri("sqlite:////tmp/x/mlflow.db") == "sqlite:////tmp/x/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "https://alice:s3cret@mlflow.example.org")
@@ -233,11 +263,17 @@ def test_ui_stops_its_whole_server_on_sigterm(tmp_path):
     import signal
     import socket
     import urllib.request
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "suite", "ui", "--results-root", str(tmp_path), "--port", str(port),
-                             "--workers", "2"], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "suite", "ui", "--results-root", str(tmp_path), "--port", str(port), "--workers", "2"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline, up = time.monotonic() + 150, False
         while time.monotonic() < deadline and proc.poll() is None and not up:
@@ -262,17 +298,23 @@ def test_ui_stops_its_whole_server_on_sigterm(tmp_path):
 @pytest.mark.slow
 def test_sigterm_ends_the_sweep_like_ctrl_c_and_its_parent_run_killed(write_config, tmp_path):
     import signal
+
     db = tmp_path / "m.db"
     path = write_config(f"""
     name: term
     sweep: {{methods: [ring, hanging], world_size: [2], seq_len: [32], heads: [2], kv_heads: [2], head_dim: [8],
             causal: [true], passes: [fwd]}}
     run: {{warmup: 1, repeats: 2, timeout_s: 600, breakdown: false, plugins: [tests.plugins.faulty]}}
-    results: {{root: "{tmp_path / 'results'}"}}
+    results: {{root: "{tmp_path / "results"}"}}
     tracking: {{uri: "sqlite:///{db}"}}
     """)
-    proc = subprocess.Popen([sys.executable, "-m", "suite", "run", str(path), "--no-progress"], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "suite", "run", str(path), "--no-progress"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and proc.poll() is None:
@@ -295,18 +337,20 @@ def test_sigterm_ends_the_sweep_like_ctrl_c_and_its_parent_run_killed(write_conf
 
 def test_a_harness_error_ends_the_parent_run_failed(write_config, tmp_path, monkeypatch):
     import errno
+
     db = tmp_path / "m.db"
     path = write_config(f"""
     name: full
     sweep: {{methods: [ring], world_size: [2], seq_len: [32], heads: [2], kv_heads: [2], head_dim: [8],
             causal: [true], passes: [fwd]}}
     run: {{executor: threads, warmup: 1, repeats: 1}}
-    results: {{root: "{tmp_path / 'results'}"}}
+    results: {{root: "{tmp_path / "results"}"}}
     tracking: {{uri: "sqlite:///{db}"}}
     """)
 
     def disk_full(self, record):
         raise OSError(errno.ENOSPC, "No space left on device")
+
     monkeypatch.setattr(ResultsStore, "append", disk_full)
     cfg, text = load_config(path)
     with pytest.raises(OSError):

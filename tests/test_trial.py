@@ -20,9 +20,26 @@ def make_record(spec, outcome, ctx=CTX, wall_s=1.0):
 
 
 def spec(**kw):
-    base = dict(method="ring", impl="own", executor="threads", hardware="cpu:test", topology="single-node",
-                world_size=2, nodes=1, ulysses_degree=1, ring_degree=2, batch=2, seq_len=32, heads=4, kv_heads=2,
-                head_dim=8, dtype="float32", causal=True, pass_="fwd_bwd", kernel="auto")
+    base = dict(
+        method="ring",
+        impl="own",
+        executor="threads",
+        hardware="cpu:test",
+        topology="single-node",
+        world_size=2,
+        nodes=1,
+        ulysses_degree=1,
+        ring_degree=2,
+        batch=2,
+        seq_len=32,
+        heads=4,
+        kv_heads=2,
+        head_dim=8,
+        dtype="float32",
+        causal=True,
+        pass_="fwd_bwd",
+        kernel="auto",
+    )
     base.update(kw)
     return TrialSpec(**base)
 
@@ -95,12 +112,23 @@ def test_unchecked_above_the_reference_limit():
 
 def test_breakdown_columns():
     s = spec()
-    base = dict(checked=False, kernel_used="cpu_flash", peak_mem=10, bytes_sent=0, bytes_recv=0,
-                samples_ms=[10.0, 10.0, 10.0])
-    r0 = RankReport(rank=0, breakdown=Breakdown(iter_ms=10.0, kernel_ms=6.0, comm_wait_ms=2.0,
-                                                compute_only_ms=[7.0, 7.0, 7.0], comm_only_ms=[4.0, 5.0, 4.0]), **base)
-    r1 = RankReport(rank=1, breakdown=Breakdown(iter_ms=12.0, kernel_ms=4.0, comm_wait_ms=4.0,
-                                                compute_only_ms=[8.0, 6.0, 6.0], comm_only_ms=[3.0, 3.0, 6.0]), **base)
+    base = dict(
+        checked=False, kernel_used="cpu_flash", peak_mem=10, bytes_sent=0, bytes_recv=0, samples_ms=[10.0, 10.0, 10.0]
+    )
+    r0 = RankReport(
+        rank=0,
+        breakdown=Breakdown(
+            iter_ms=10.0, kernel_ms=6.0, comm_wait_ms=2.0, compute_only_ms=[7.0, 7.0, 7.0], comm_only_ms=[4.0, 5.0, 4.0]
+        ),
+        **base,
+    )
+    r1 = RankReport(
+        rank=1,
+        breakdown=Breakdown(
+            iter_ms=12.0, kernel_ms=4.0, comm_wait_ms=4.0, compute_only_ms=[8.0, 6.0, 6.0], comm_only_ms=[3.0, 3.0, 6.0]
+        ),
+        **base,
+    )
     rec = make_record(s, Outcome("reported", [r0, r1]))
     assert rec[M.KERNEL_MS] == 5.0 and rec[M.COMM_WAIT_MS] == 3.0
     assert rec[M.OVERHEAD_RATIO] == pytest.approx((10 / 8 + 12 / 8) / 2)

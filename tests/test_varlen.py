@@ -4,6 +4,7 @@ Every check compares with float64 attention on the unsharded inputs under the do
 mask (a token sees the tokens of its own document, earlier ones when causal); padding rows are
 excluded, and must not change any real row.
 """
+
 import random
 
 import pytest
@@ -56,8 +57,14 @@ def test_block_masks_count_classify_and_cut_into_pieces_exactly():
         for causal in (True, False):
             m = docs.block(qp, kp, causal)
             ids = docs.doc_ids
-            brute = torch.stack([(ids[b, qp][:, None] == ids[b, kp][None, :]) & (ids[b, qp][:, None] >= 0)
-                                 & ((kp[None, :] <= qp[:, None]) if causal else True) for b in range(docs.batch)])
+            brute = torch.stack(
+                [
+                    (ids[b, qp][:, None] == ids[b, kp][None, :])
+                    & (ids[b, qp][:, None] >= 0)
+                    & ((kp[None, :] <= qp[:, None]) if causal else True)
+                    for b in range(docs.batch)
+                ]
+            )
             assert torch.equal(m.dense(), brute)
             assert m.pairs == int(brute.sum())
             kinds.add(m.kind)
@@ -109,8 +116,9 @@ def test_masked_kernels_match_float64(kernel):
         k, v = torch.randn(2, len(kp), 2, 8), torch.randn(2, len(kp), 2, 8)
         vis = m.dense()
         ro, rl = kernels.math_forward(*(x.double() for x in (q, k, v)), scale=0.3, causal_offset=None, visible=vis)
-        ref = kernels.math_backward(*(x.double() for x in (do, q, k, v)), ro, rl, scale=0.3, causal_offset=None,
-                                    visible=vis)
+        ref = kernels.math_backward(
+            *(x.double() for x in (do, q, k, v)), ro, rl, scale=0.3, causal_offset=None, visible=vis
+        )
         if kernel == "pieces":
             o, lse = kernels.forward_by_pieces(q, k, v, scale=0.3, mask=m, kernel="cpu_flash")
             grads = kernels.backward_by_pieces(do, q, k, v, o, lse, scale=0.3, mask=m, kernel="cpu_flash")
@@ -130,8 +138,9 @@ def test_masked_kernels_match_float64(kernel):
 def _documents_case(name, options, world_size, seq_len, docs_lengths, causal, heads=6, kv_heads=3, batch=None):
     m = methods.get_method(name, **options)
     b = len(docs_lengths)
-    case = Case(b, seq_len, heads, kv_heads, 8, "float32", causal, world_size,
-                documents=Documents(docs_lengths, seq_len))
+    case = Case(
+        b, seq_len, heads, kv_heads, 8, "float32", causal, world_size, documents=Documents(docs_lengths, seq_len)
+    )
     padded = m.padded_len(case)
     docs = Documents(docs_lengths, padded)
     return m, Case(b, padded, heads, kv_heads, 8, "float32", causal, world_size, documents=docs)
@@ -146,9 +155,20 @@ def check_documents(name, options, world_size, seq_len, lengths, causal, comm_ru
     ok, why = m.supports(case)
     if not ok:
         return why
-    prob = build_problem(case.batch, seq_len, case.heads, case.kv_heads, case.head_dim, "float32", causal, "docs",
-                         seed=0, device=torch.device("cpu"), with_reference=True,
-                         documents=Documents(lengths, seq_len))
+    prob = build_problem(
+        case.batch,
+        seq_len,
+        case.heads,
+        case.kv_heads,
+        case.head_dim,
+        "float32",
+        causal,
+        "docs",
+        seed=0,
+        device=torch.device("cpu"),
+        with_reference=True,
+        documents=Documents(lengths, seq_len),
+    )
     per_rank = comm_runner(world_size, _rank_outputs, m.name, options, case, prob)
     lay = m.layout(case)
     for i, t in enumerate(("out", "lse", "dq", "dk", "dv")):
@@ -166,6 +186,7 @@ def _rank_outputs(comm, name, options, case, prob):
 
     def padded(x):
         return torch.cat([x, x.new_zeros(x.shape[0], pad, *x.shape[2:])], dim=1) if pad else x
+
     q, k, v = (lay.shard(padded(x), comm.rank).requires_grad_() for x in (prob.q, prob.k, prob.v))
     out, lse = m.attention(q, k, v, causal=case.causal, comm=comm, return_lse=True, docs=case.documents)
     grads = torch.autograd.grad(out, (q, k, v), lay.shard(padded(prob.dout), comm.rank))
@@ -195,9 +216,20 @@ def _gloo_cases(world_size):
     for name, options in own_variants():
         m, case = _documents_case(name, options, world_size, seq_len, lengths, True, heads=8, kv_heads=4)
         if m.supports(case)[0]:
-            prob = build_problem(1, seq_len, case.heads, case.kv_heads, 8, "float32", True, "docs", seed=0,
-                                 device=torch.device("cpu"), with_reference=True,
-                                 documents=Documents(lengths, seq_len))
+            prob = build_problem(
+                1,
+                seq_len,
+                case.heads,
+                case.kv_heads,
+                8,
+                "float32",
+                True,
+                "docs",
+                seed=0,
+                device=torch.device("cpu"),
+                with_reference=True,
+                documents=Documents(lengths, seq_len),
+            )
             cases.append((name, options, case, prob))
     return cases
 
@@ -241,14 +273,15 @@ def test_packed_documents_over_gloo(world_size):
 def test_document_sharding_cuts_every_document_into_2p_chunks():
     lay = layouts.documents([5, 17, 3, 40], 3)
     everything = torch.cat([lay.positions(r) for r in range(3)])
-    assert torch.equal(everything.sort().values, torch.arange(lay.seq_len))   # a permutation
-    assert len({lay.local_len(r) for r in range(3)}) == 1                      # equal local lengths
+    assert torch.equal(everything.sort().values, torch.arange(lay.seq_len))  # a permutation
+    assert len({lay.local_len(r) for r in range(3)}) == 1  # equal local lengths
     for r in range(3):  # each rank holds chunks r and 5-r of the 40-token document: 2 x 6 or 7 tokens
         doc = lay.positions(r)[(lay.positions(r) >= 25) & (lay.positions(r) < 65)]
         assert 12 <= doc.numel() <= 14
     # one document of a length 2P divides: exactly the zigzag layout
-    assert all(torch.equal(layouts.documents([24], 3).positions(r), layouts.zigzag(24, 3).positions(r))
-               for r in range(3))
+    assert all(
+        torch.equal(layouts.documents([24], 3).positions(r), layouts.zigzag(24, 3).positions(r)) for r in range(3)
+    )
 
 
 def test_document_sharding_balances_a_long_tailed_mix_better_than_zigzag():
@@ -268,10 +301,12 @@ def test_document_sharding_balances_a_long_tailed_mix_better_than_zigzag():
 
 # -- the workload axis -----------------------------------------------------------------------------------
 def test_distributions_draw_reproducibly_and_fill_every_sequence():
-    cfgs = {"fixed": {"distribution": "fixed", "lengths": [300, 50, 900]},
-            "lognormal": {"distribution": "lognormal", "median": 64, "sigma": 1.2},
-            "powerlaw": {"distribution": "powerlaw", "alpha": 1.8, "min": 16, "max": 600},
-            "histogram": {"distribution": "histogram", "file": "configs/documents/stdlib_files.yaml"}}
+    cfgs = {
+        "fixed": {"distribution": "fixed", "lengths": [300, 50, 900]},
+        "lognormal": {"distribution": "lognormal", "median": 64, "sigma": 1.2},
+        "powerlaw": {"distribution": "powerlaw", "alpha": 1.8, "min": 16, "max": 600},
+        "histogram": {"distribution": "histogram", "file": "configs/documents/stdlib_files.yaml"},
+    }
     for name, cfg in cfgs.items():
         dist = Distribution.from_config(name, cfg)
         drawn = dist.draw(1000, 3, 0)
@@ -283,16 +318,22 @@ def test_distributions_draw_reproducibly_and_fill_every_sequence():
         assert lengths_of(ident, 1000, 3) == drawn  # what a rank redraws from the trial's identity
 
 
-@pytest.mark.parametrize("documents,match", [
-    ("{d: {distribution: histogram, file: configs/documents/none.yaml}}", "documents.d.file: histogram file not found"),
-    ("{d: {distribution: histogram, file: README.md}}", "documents.d.file: .* does not parse"),
-    ("{d: {distribution: fixed, lengths: [10, -3]}}", "documents.d.lengths: needs a list of lengths >= 1"),
-    ("{d: {distribution: fixed, lengths: [10, 20]}}", "documents.d.lengths: 30 tokens in all cannot fill"),
-    ("{d: {distribution: lognormal, median: 0, sigma: 1}}", "documents.d.median"),
-    ("{d: {distribution: powerlaw, alpha: 0.5}}", "documents.d.alpha: must be > 1"),
-    ("{d: {distribution: zipf}}", "documents.d.distribution"),
-    ("{}", "sweep.workload: unknown workload 'd'"),
-])
+@pytest.mark.parametrize(
+    "documents,match",
+    [
+        (
+            "{d: {distribution: histogram, file: configs/documents/none.yaml}}",
+            "documents.d.file: histogram file not found",
+        ),
+        ("{d: {distribution: histogram, file: README.md}}", "documents.d.file: .* does not parse"),
+        ("{d: {distribution: fixed, lengths: [10, -3]}}", "documents.d.lengths: needs a list of lengths >= 1"),
+        ("{d: {distribution: fixed, lengths: [10, 20]}}", "documents.d.lengths: 30 tokens in all cannot fill"),
+        ("{d: {distribution: lognormal, median: 0, sigma: 1}}", "documents.d.median"),
+        ("{d: {distribution: powerlaw, alpha: 0.5}}", "documents.d.alpha: must be > 1"),
+        ("{d: {distribution: zipf}}", "documents.d.distribution"),
+        ("{}", "sweep.workload: unknown workload 'd'"),
+    ],
+)
 def test_bad_distributions_are_refused_before_the_sweep_naming_the_key(write_config, documents, match):
     path = write_config(f"""
     name: bad

@@ -11,6 +11,7 @@ implementations (docs/DESIGN.md section 5):
 Ranks and peers are always *local to the comm* (0..world_size-1); the implementation maps them to
 whatever global numbering its backend uses.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -125,9 +126,7 @@ def validate_partition(groups: Sequence[Sequence[int]], world_size: int) -> tupl
     """Check that `groups` partitions range(world_size); return it as a hashable tuple."""
     flat = sorted(r for g in groups for r in g)
     if flat != list(range(world_size)):
-        raise ValueError(
-            f"split() needs a partition of ranks 0..{world_size - 1}; got {[list(g) for g in groups]}"
-        )
+        raise ValueError(f"split() needs a partition of ranks 0..{world_size - 1}; got {[list(g) for g in groups]}")
     return tuple(tuple(int(r) for r in g) for g in groups)
 
 

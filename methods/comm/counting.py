@@ -13,6 +13,7 @@ asks for, the quantity the papers' communication formulas describe.
   received = output bytes * (P-1) (every other rank's contribution to our chunk).
 - all_reduce: counted as a reduce-scatter + all-gather: sent = received = 2 * bytes * (P-1)/P.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -72,8 +73,7 @@ class CountingComm(WrappedComm):
     sub-comm); `group_ranks` maps them back to the ranks of the outermost comm for reports.
     """
 
-    def __init__(self, inner: Comm, ledger: CommLedger | None = None,
-                 group_ranks: Sequence[int] | None = None):
+    def __init__(self, inner: Comm, ledger: CommLedger | None = None, group_ranks: Sequence[int] | None = None):
         super().__init__(inner)
         self.ledger = ledger if ledger is not None else CommLedger()
         self._group_ranks = tuple(group_ranks) if group_ranks is not None else tuple(range(inner.world_size))
@@ -95,20 +95,23 @@ class CountingComm(WrappedComm):
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
         p = self.world_size
-        self.ledger.records.append(CommRecord(
-            "all_to_all", _nbytes(input) * (p - 1) // p, _nbytes(output) * (p - 1) // p, self._group_ranks))
+        self.ledger.records.append(
+            CommRecord("all_to_all", _nbytes(input) * (p - 1) // p, _nbytes(output) * (p - 1) // p, self._group_ranks)
+        )
         self.inner.all_to_all(output, input)
 
     def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
         p = self.world_size
-        self.ledger.records.append(CommRecord(
-            "all_gather", _nbytes(input) * (p - 1), _nbytes(output) * (p - 1) // p, self._group_ranks))
+        self.ledger.records.append(
+            CommRecord("all_gather", _nbytes(input) * (p - 1), _nbytes(output) * (p - 1) // p, self._group_ranks)
+        )
         self.inner.all_gather(output, input)
 
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> None:
         p = self.world_size
-        self.ledger.records.append(CommRecord(
-            "reduce_scatter", _nbytes(input) * (p - 1) // p, _nbytes(output) * (p - 1), self._group_ranks))
+        self.ledger.records.append(
+            CommRecord("reduce_scatter", _nbytes(input) * (p - 1) // p, _nbytes(output) * (p - 1), self._group_ranks)
+        )
         self.inner.reduce_scatter(output, input)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:

@@ -4,6 +4,7 @@ The process group is passed in explicitly (no module globals). Sub-groups made b
 created once per partition and cached on the comm, because `new_group` is collective over the
 whole default group and creating communicators is expensive (NCCL).
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -42,8 +43,11 @@ class DistComm:
         self.group = group if group is not None else dist.group.WORLD
         self._rank = dist.get_rank(self.group)
         self._world_size = dist.get_world_size(self.group)
-        self._global_ranks = [dist.get_global_rank(group, r) for r in range(self._world_size)] \
-            if group is not None else list(range(self._world_size))
+        self._global_ranks = (
+            [dist.get_global_rank(group, r) for r in range(self._world_size)]
+            if group is not None
+            else list(range(self._world_size))
+        )
         self._splits: dict[tuple, DistComm] = {}
 
     @property

@@ -8,6 +8,7 @@
   the host at once and instead make the compute stream wait, so CUDA events recorded on the current
   stream around each call and wait measure the stream's stall (host time would read about 0).
 """
+
 from __future__ import annotations
 
 from typing import Sequence

@@ -10,6 +10,7 @@ they were sent; an exchange's `wait()` returns once its receives have arrived *a
 been taken by their receivers (as with a real transport, a rank cannot run ahead of a slow peer
 and pile up messages); collectives complete only when every rank of the group has called them.
 """
+
 from __future__ import annotations
 
 import queue
@@ -33,7 +34,8 @@ class ThreadWorld:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self._mailboxes: dict[tuple[int, int], queue.SimpleQueue[tuple[torch.Tensor, threading.Event]]] = {
-            (s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)}
+            (s, d): queue.SimpleQueue() for s in range(world_size) for d in range(world_size)
+        }
         self._barrier = threading.Barrier(world_size)
         self._slots: list[Any] = [None] * world_size
         self._lock = threading.Lock()
@@ -232,8 +234,7 @@ def run_threads(world_size: int, fn: Callable[[ThreadComm], Any], *, timeout_s: 
             errors[rank] = exc
             world.abort()
 
-    threads = [threading.Thread(target=target, args=(r,), name=f"vrank{r}", daemon=True)
-               for r in range(world_size)]
+    threads = [threading.Thread(target=target, args=(r,), name=f"vrank{r}", daemon=True) for r in range(world_size)]
     for t in threads:
         t.start()
     deadline = time.monotonic() + timeout_s + 5

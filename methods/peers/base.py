@@ -1,5 +1,6 @@
 """What every peer adapter shares: the library's own autograd instead of our forward/backward
 split, and no byte counting or time breakdown (the library talks to torch.distributed itself)."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -30,15 +31,27 @@ class PeerMethod(Method):
 
     needs_processes: ClassVar[bool] = True
     library: ClassVar[str] = ""
-    supports_documents: ClassVar[bool] = False   # a library with a varlen path says True and takes `docs`
+    supports_documents: ClassVar[bool] = False  # a library with a varlen path says True and takes `docs`
 
-    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool, comm: Comm,
-                  softmax_scale: Optional[float] = None, return_lse: bool = False, docs=None):
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        causal: bool,
+        comm: Comm,
+        softmax_scale: Optional[float] = None,
+        return_lse: bool = False,
+        docs=None,
+    ):
         check_local_inputs(q, k, v)
         world = dist_world_size()
         if comm.world_size != world:
-            raise RuntimeError(f"{self.name} runs over the whole torch.distributed group "
-                               f"({world} ranks); this comm has {comm.world_size}")
+            raise RuntimeError(
+                f"{self.name} runs over the whole torch.distributed group "
+                f"({world} ranks); this comm has {comm.world_size}"
+            )
         if docs is not None and not self.supports_documents:
             raise ValueError(self.documents_reason or f"{self.name} takes no packed documents")
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
@@ -55,6 +68,7 @@ class PeerMethod(Method):
 
 def dist_world_size() -> int:
     import torch.distributed as dist
+
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("peer adapters need an initialised torch.distributed group (run.executor=dist)")
     return dist.get_world_size()

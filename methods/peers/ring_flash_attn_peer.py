@@ -13,6 +13,7 @@ the world size, so packed workloads of any length are skipped for them with that
 Layouts (the library's tests): ring contiguous chunks in rank order; zigzag chunks r and 2W-1-r;
 stripe tokens r, r+W, ... The LSE comes back with `return_attn_probs=True` and is checked too.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -31,8 +32,10 @@ def _import_error() -> str | None:
     try:
         import ring_flash_attn  # noqa: F401
     except Exception as exc:  # noqa: BLE001 - ImportError, or whatever its import chain raises
-        return (f"ring-flash-attn is not importable here ({type(exc).__name__}: {str(exc)[:200]}); it imports "
-                f"flash_attn (CUDA only) and transformers<5 helpers at import time")
+        return (
+            f"ring-flash-attn is not importable here ({type(exc).__name__}: {str(exc)[:200]}); it imports "
+            f"flash_attn (CUDA only) and transformers<5 helpers at import time"
+        )
     return None
 
 
@@ -41,7 +44,8 @@ class _RFA(PeerMethod):
     documents_reason: ClassVar[str] = (
         "ring-flash-attn's ring/zigzag varlen functions need every document's length divisible by the world size "
         "(2 x world size for zigzag), each rank holding a slice of every document, and stripe has no varlen "
-        "function: packed documents of any length run through rfa_llama3")
+        "function: packed documents of any length run through rfa_llama3"
+    )
     impl: str = f"ring-flash-attn {VERSION}"
     function: ClassVar[str]
     causal_only: ClassVar[bool] = False
@@ -51,8 +55,10 @@ class _RFA(PeerMethod):
         if case.device != "cuda" and not self.shim:
             return False, "ring-flash-attn runs flash-attn CUDA kernels only"
         if case.dtype not in ("bfloat16", "float16"):
-            return False, ("ring-flash-attn needs bf16/fp16: with fp32 its dq/dk buffers alias the reused block "
-                           "buffers and the gradients are wrong (upstream quirk)")
+            return False, (
+                "ring-flash-attn needs bf16/fp16: with fp32 its dq/dk buffers alias the reused block "
+                "buffers and the gradients are wrong (upstream quirk)"
+            )
         if self.causal_only and not case.causal:
             return False, f"ring-flash-attn's {self.function} asserts causal=True"
         return super().supports(case)
@@ -62,6 +68,7 @@ class _RFA(PeerMethod):
 
     def _call(self, q, k, v, causal: bool, scale: float):
         import ring_flash_attn
+
         fn = getattr(ring_flash_attn, self.function)
         out, lse, _ = fn(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
         return out, lse
@@ -85,10 +92,22 @@ class _Llama3(_RFA):
         lengths = list(docs.lengths[0]) + ([docs.padding] if docs.padding else []) if docs is not None else [total]
         cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=q.device)
         cu_q, cu_k, max_q, max_k, local_k_slice = llama3_flash_attn_prepare_cu_seqlens(
-            cu, causal=causal, rank=rank, world_size=world)
+            cu, causal=causal, rank=rank, world_size=world
+        )
         out, lse, _ = llama3_flash_attn_varlen_func(
-            q[0], k[0], v[0], cu_q, cu_k, max_q, max_k, heads_k_stride=1, local_k_slice=local_k_slice,
-            softmax_scale=scale, causal=causal, return_attn_probs=True)
+            q[0],
+            k[0],
+            v[0],
+            cu_q,
+            cu_k,
+            max_q,
+            max_k,
+            heads_k_stride=1,
+            local_k_slice=local_k_slice,
+            softmax_scale=scale,
+            causal=causal,
+            return_attn_probs=True,
+        )
         return out.unsqueeze(0), (lse.unsqueeze(0) if lse.dim() == 2 else lse)
 
 

@@ -8,6 +8,7 @@ memory-efficient, cuDNN): on CPU, SDPA dispatches to `_scaled_dot_product_flash_
 and torch raises NotImplementedError ("does not have a sharding strategy registered", seen with
 torch 2.13 over gloo), so these methods are skipped on CPU with that reason.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
@@ -51,16 +52,18 @@ def _real_import_error() -> str:
         try:
             from torch.distributed.tensor.experimental import context_parallel  # noqa: F401
             from torch.distributed.tensor.experimental._attention import set_rotate_method  # noqa: F401
+
             _IMPORTED.append("")
         except Exception as exc:  # noqa: BLE001
-            _IMPORTED.append(f"this torch ({torch.__version__}) has no context_parallel ({type(exc).__name__}: "
-                             f"{exc})")
+            _IMPORTED.append(f"this torch ({torch.__version__}) has no context_parallel ({type(exc).__name__}: {exc})")
     return _IMPORTED[0]
 
 
 class _TorchCP(PeerMethod):
-    documents_reason = ("PyTorch's context_parallel shards SDPA with its causal flag only: it takes no document "
-                        "mask (packed documents or padding)")
+    documents_reason = (
+        "PyTorch's context_parallel shards SDPA with its causal flag only: it takes no document "
+        "mask (packed documents or padding)"
+    )
     library: ClassVar[str] = "torch"
     impl: str = f"torch {torch.__version__.split('+')[0]} context_parallel"
     rotate: ClassVar[str]
@@ -68,19 +71,24 @@ class _TorchCP(PeerMethod):
     @classmethod
     def available_here(cls) -> tuple[bool, str]:
         if not torch.cuda.is_available():
-            return False, ("CUDA only: torch context_parallel has no sharding rule for the CPU SDPA kernel "
-                           "(NotImplementedError for aten._scaled_dot_product_flash_attention_for_cpu)")
+            return False, (
+                "CUDA only: torch context_parallel has no sharding rule for the CPU SDPA kernel "
+                "(NotImplementedError for aten._scaled_dot_product_flash_attention_for_cpu)"
+            )
         why = _real_import_error()
         return (False, why) if why else (True, "")
 
     def layout(self, case: Case):
         from methods import layouts
+
         return layouts.make("zigzag" if case.causal else "contiguous", case.seq_len, case.world_size)
 
     def supports(self, case: Case) -> tuple[bool, str]:
         if case.device != "cuda":
-            return False, ("torch context_parallel has sharding rules only for the CUDA SDPA kernels; on CPU it "
-                           "raises NotImplementedError for aten._scaled_dot_product_flash_attention_for_cpu")
+            return False, (
+                "torch context_parallel has sharding rules only for the CUDA SDPA kernels; on CPU it "
+                "raises NotImplementedError for aten._scaled_dot_product_flash_attention_for_cpu"
+            )
         if case.heads != case.kv_heads:
             return False, "torch context_parallel's SDPA path takes equal query and KV heads (no GQA)"
         ok, why = super().supports(case)  # first: no CUDA here ends it without importing DTensor
@@ -103,13 +111,15 @@ class _TorchCP(PeerMethod):
             _MESHES[world] = init_device_mesh(q.device.type, (world,))
         set_rotate_method(self.rotate)
         with context_parallel(_MESHES[world]):
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=causal, scale=scale)
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=causal, scale=scale
+            )
         return out.transpose(1, 2).contiguous(), None
 
 
 _REASON = _import_error()
 if _REASON is None:
+
     @register
     class TorchCPAllGather(_TorchCP):
         name, rotate = "torch_cp_allgather", "allgather"

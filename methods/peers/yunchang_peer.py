@@ -21,6 +21,7 @@ LSE) for the duration of each call, so that yunchang's process groups, all-to-al
 on CPU against a correct kernel. Such rows carry impl `yunchang <version>+cpu-kernel`: they test
 the adapter's plumbing and yunchang's communication logic, not yunchang's kernels.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,7 +36,7 @@ from methods.registry import register, register_unavailable
 
 RING_IMPLS = ("basic", "zigzag", "strip")
 VERSION = version_of("yunchang")
-_GROUPS: dict[tuple[int, int], tuple] = {}   # (U, R) -> (ulysses group, ring group) of this process
+_GROUPS: dict[tuple[int, int], tuple] = {}  # (U, R) -> (ulysses group, ring group) of this process
 
 
 def _import_error() -> Optional[str]:
@@ -58,8 +59,19 @@ def _set_groups(ud: int, rd: int) -> None:
     PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = _GROUPS[(ud, rd)]
 
 
-def _shim_forward(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, window_size=(-1, -1), softcap=None,
-                  alibi_slopes=None, return_softmax=False, op_type="math"):
+def _shim_forward(
+    q,
+    k,
+    v,
+    dropout_p=0.0,
+    softmax_scale=None,
+    causal=True,
+    window_size=(-1, -1),
+    softcap=None,
+    alibi_slopes=None,
+    return_softmax=False,
+    op_type="math",
+):
     """yunchang's block-kernel signature on the suite's CPU kernel: (out, lse [B, H, S] float32).
     flash-attn's causal convention for unequal blocks is bottom-right aligned."""
     if dropout_p:
@@ -71,7 +83,8 @@ def _shim_forward(q, k, v, dropout_p=0.0, softmax_scale=None, causal=True, windo
 @contextlib.contextmanager
 def _kernel_shim():
     import yunchang.kernels as yk
-    original = yk.pytorch_attn_forward   # select_flash_attn_impl looks this name up at call time
+
+    original = yk.pytorch_attn_forward  # select_flash_attn_impl looks this name up at call time
     yk.pytorch_attn_forward = _shim_forward
     try:
         yield
@@ -80,17 +93,21 @@ def _kernel_shim():
 
 
 class _YunchangBase(PeerMethod):
-    documents_reason = ("yunchang's LongContextAttention has no varlen path: its ring varlen functions are not "
-                        "reachable from the USP layer, so packed documents (and padding) cannot be expressed")
+    documents_reason = (
+        "yunchang's LongContextAttention has no varlen path: its ring varlen functions are not "
+        "reachable from the USP layer, so packed documents (and padding) cannot be expressed"
+    )
     library: ClassVar[str] = "yunchang"
     impl: str = f"yunchang {VERSION}"
 
-    def __init__(self, kernel: str = "auto", ulysses_degree: int = 0, ring_impl: str = "basic",
-                 kernel_shim: bool = False):
+    def __init__(
+        self, kernel: str = "auto", ulysses_degree: int = 0, ring_impl: str = "basic", kernel_shim: bool = False
+    ):
         super().__init__(kernel)
         if ring_impl not in RING_IMPLS:
-            raise ValueError(f"{self.name}: ring_impl must be one of {RING_IMPLS} (yunchang's name is 'strip'), "
-                             f"got {ring_impl!r}")
+            raise ValueError(
+                f"{self.name}: ring_impl must be one of {RING_IMPLS} (yunchang's name is 'strip'), got {ring_impl!r}"
+            )
         if ulysses_degree < 0:
             raise ValueError(f"{self.name}: ulysses_degree must be >= 0 (0 = auto), got {ulysses_degree}")
         self.ulysses_degree, self.ring_impl, self.kernel_shim = ulysses_degree, ring_impl, bool(kernel_shim)
@@ -113,6 +130,7 @@ class _YunchangBase(PeerMethod):
 
     def attn_type(self, device: torch.device) -> str:
         from yunchang.kernels import HAS_FLASH_ATTN
+
         if self.kernel_shim:
             return "torch_math"
         return "fa" if device.type == "cuda" and HAS_FLASH_ATTN else "torch_math"
@@ -123,23 +141,32 @@ class _YunchangBase(PeerMethod):
         except ValueError as exc:
             return False, str(exc)
         if case.heads % ud or case.kv_heads % ud:
-            return False, (f"yunchang scatters heads over the Ulysses degree {ud}: heads ({case.heads}) and kv_heads "
-                           f"({case.kv_heads}) must be divisible by it")
+            return False, (
+                f"yunchang scatters heads over the Ulysses degree {ud}: heads ({case.heads}) and kv_heads "
+                f"({case.kv_heads}) must be divisible by it"
+            )
         if self.ring_impl != "basic" and not case.causal:
             return False, f"yunchang's {self.ring_impl} ring asserts causal=True"
         kv_local, q_local = case.kv_heads // ud, case.heads // ud
-        if self.attn_type(torch.device(case.device)) == "torch_math" and not self.kernel_shim \
-                and kv_local not in (1, q_local):
-            return False, (f"yunchang's torch_math kernel has no GQA: after the Ulysses all-to-all each rank holds "
-                           f"{q_local} query heads and {kv_local} KV heads (torch SDPA broadcasts only 1)")
+        if (
+            self.attn_type(torch.device(case.device)) == "torch_math"
+            and not self.kernel_shim
+            and kv_local not in (1, q_local)
+        ):
+            return False, (
+                f"yunchang's torch_math kernel has no GQA: after the Ulysses all-to-all each rank holds "
+                f"{q_local} query heads and {kv_local} KV heads (torch SDPA broadcasts only 1)"
+            )
         if self.kernel_shim and case.device != "cpu":
             return False, "kernel_shim substitutes the suite's CPU kernel: CPU only"
         return super().supports(case)
 
     def forward_only_reason(self, case: Case) -> Optional[str]:
         if self.attn_type(torch.device(case.device)) != "fa":
-            return ("yunchang's torch attention types have no backward (it raises 'Not implemented backward for "
-                    "PyTorch attention types'); needs flash-attn on CUDA")
+            return (
+                "yunchang's torch attention types have no backward (it raises 'Not implemented backward for "
+                "PyTorch attention types'); needs flash-attn on CUDA"
+            )
         return None
 
     def kernel_used(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
@@ -148,17 +175,29 @@ class _YunchangBase(PeerMethod):
         return "yunchang " + self.attn_type(device)
 
     def options(self) -> dict:
-        return {"kernel": self.kernel, "ulysses_degree": self.ulysses_degree, "ring_impl": self.ring_impl,
-                "kernel_shim": self.kernel_shim}
+        return {
+            "kernel": self.kernel,
+            "ulysses_degree": self.ulysses_degree,
+            "ring_impl": self.ring_impl,
+            "kernel_shim": self.kernel_shim,
+        }
 
     def _call(self, q, k, v, causal: bool, scale: float):
         from yunchang import LongContextAttention
         from yunchang.kernels import AttnType
 
         world = dist_world_size()
-        case = Case(batch=q.shape[0], seq_len=q.shape[1] * world, heads=q.shape[2], kv_heads=k.shape[2],
-                    head_dim=q.shape[3], dtype=dtype_name(q.dtype), causal=causal, world_size=world,
-                    device=q.device.type)
+        case = Case(
+            batch=q.shape[0],
+            seq_len=q.shape[1] * world,
+            heads=q.shape[2],
+            kv_heads=k.shape[2],
+            head_dim=q.shape[3],
+            dtype=dtype_name(q.dtype),
+            causal=causal,
+            world_size=world,
+            device=q.device.type,
+        )
         ud, rd = self.degrees(case)
         _set_groups(ud, rd)
         attn = LongContextAttention(ring_impl_type=self.ring_impl, attn_type=AttnType(self.attn_type(q.device)))
@@ -190,6 +229,7 @@ def strip_layout(seq_len: int, ud: int, rd: int) -> layouts.Layout:
 
 _REASON = _import_error()
 if _REASON is None:
+
     @register
     class YunchangUSP(_YunchangBase):
         name = "yunchang_usp"

@@ -8,6 +8,7 @@
 Every problem (unknown key, wrong type, bad value, unknown method) raises `ConfigError` naming the
 key and what is allowed, before anything starts. `methods/` never sees any of this.
 """
+
 from suite.config.load import bundled_configs, config_from_node, load_config
 from suite.config.schema import (
     AXES,
@@ -24,6 +25,20 @@ from suite.config.schema import (
 )
 from suite.config.validate import validate
 
-__all__ = ["AXES", "KINDS", "PASSES", "ConfigError", "DocumentsConfig", "RunConfig", "SimConfig", "SuiteConfig",
-           "SweepConfig", "bundled_configs", "config_from_node", "load_config", "option_points",
-           "to_dict", "validate"]
+__all__ = [
+    "AXES",
+    "KINDS",
+    "PASSES",
+    "ConfigError",
+    "DocumentsConfig",
+    "RunConfig",
+    "SimConfig",
+    "SuiteConfig",
+    "SweepConfig",
+    "bundled_configs",
+    "config_from_node",
+    "load_config",
+    "option_points",
+    "to_dict",
+    "validate",
+]

@@ -1,6 +1,7 @@
 """Loading a sweep config: a YAML file composed with Hydra's Compose API (so `defaults:` lists
 work), merged into the schema, then command-line overrides in Hydra's grammar (`run.repeats=3`,
 `sweep.seq_len=[512,1024]`, or the sweep form `sweep.seq_len=512,1024`); the result is validated."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -99,10 +100,13 @@ def check_yaml_size(text: str, source: str) -> None:
             n += sum(size(k) + size(v) for k, v in node.value)
         sizes[id(node)] = n
         return n
+
     total = sum(size(root) for root in roots if root is not None)
     if total > MAX_YAML_NODES:
-        raise ConfigError(f"{source}: the YAML expands to {total} nodes through its aliases (at most "
-                          f"{MAX_YAML_NODES}); write the values out instead of repeating aliases")
+        raise ConfigError(
+            f"{source}: the YAML expands to {total} nodes through its aliases (at most "
+            f"{MAX_YAML_NODES}); write the values out instead of repeating aliases"
+        )
 
 
 def _list_field(schema: type, name: str) -> bool:
@@ -124,15 +128,22 @@ def _lists_from_scalars(node: DictConfig, schema: type) -> None:
         if isinstance(f.default_factory, type) and dataclasses.is_dataclass(f.default_factory):
             if isinstance(value, DictConfig):
                 _lists_from_scalars(value, f.default_factory)
-        elif _list_field(schema, f.name) and not OmegaConf.is_list(value) and value is not None \
-                and not OmegaConf.is_missing(node, f.name) and node[f.name] is not None:
+        elif (
+            _list_field(schema, f.name)
+            and not OmegaConf.is_list(value)
+            and value is not None
+            and not OmegaConf.is_missing(node, f.name)
+            and node[f.name] is not None
+        ):
             node[f.name] = [node[f.name]]
 
 
 def _compose(path: Path) -> DictConfig:
     if not path.is_file():
-        raise ConfigError(f"config file not found: {path}; give a path, or the name of a bundled sweep "
-                          f"({', '.join(bundled_configs())})")
+        raise ConfigError(
+            f"config file not found: {path}; give a path, or the name of a bundled sweep "
+            f"({', '.join(bundled_configs())})"
+        )
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -164,8 +175,9 @@ def _apply_override(cfg: DictConfig, text: str) -> None:
     try:
         (ov,) = OverridesParser.create().parse_overrides([text])
     except HydraException as exc:
-        raise ConfigError(f"bad override {text!r}: {exc}. Use key=value, e.g. run.repeats=3 or "
-                          f"sweep.seq_len=[512,1024]") from None
+        raise ConfigError(
+            f"bad override {text!r}: {exc}. Use key=value, e.g. run.repeats=3 or sweep.seq_len=[512,1024]"
+        ) from None
     key = ov.key_or_group
     exists = OmegaConf.select(cfg, key, default=_MISSING_KEY) is not _MISSING_KEY
     if ov.is_delete():
@@ -173,11 +185,14 @@ def _apply_override(cfg: DictConfig, text: str) -> None:
         return
     value = list(ov.sweep_iterator()) if ov.is_sweep_override() else ov.value()
     if ov.is_add() and exists:
-        raise ConfigError(f"override {text!r}: {key!r} is already set; use {key}=... to change it "
-                          f"(or ++{key}=... to add or replace)")
+        raise ConfigError(
+            f"override {text!r}: {key!r} is already set; use {key}=... to change it (or ++{key}=... to add or replace)"
+        )
     if not exists and not (ov.is_add() or ov.is_force_add()):
-        raise ConfigError(_unknown_key_message(key) + (f" (to add an entry to a dict section, write +{key}=...)"
-                                                       if _in_dict_section(key) else ""))
+        raise ConfigError(
+            _unknown_key_message(key)
+            + (f" (to add an entry to a dict section, write +{key}=...)" if _in_dict_section(key) else "")
+        )
     parts = key.split(".")
     schema = _schema_for(parts[:-1])
     if schema is not None and _list_field(schema, parts[-1]) and not isinstance(value, list) and value is not None:
@@ -192,7 +207,7 @@ def _in_dict_section(key: str) -> bool:
     """Whether `key` lies under a free-form dict of the schema (method_options, documents)."""
     parts = key.split(".")
     for i in range(len(parts) - 1, 0, -1):
-        schema = _schema_for(parts[:i - 1]) if i > 1 else SuiteConfig
+        schema = _schema_for(parts[: i - 1]) if i > 1 else SuiteConfig
         if schema is None:
             continue
         hit = {f.name: f for f in fields(schema)}.get(parts[i - 1])
@@ -209,6 +224,7 @@ def _delete(cfg: DictConfig, key: str, text: str) -> None:
     parent = OmegaConf.select(cfg, parent_key) if parent_key else cfg
     if _in_dict_section(key):
         from omegaconf import open_dict
+
         with open_dict(parent):  # the schema's struct flag forbids deletion, also in its dict sections
             del parent[leaf]
         return
@@ -250,5 +266,3 @@ def _explain(exc: OmegaConfBaseException, source: str = "") -> str:
         msg = str(exc).splitlines()[0]
         return f"{prefix}{key}: {msg}" if key else prefix + msg
     return prefix + str(exc).splitlines()[0]
-
-

@@ -1,5 +1,6 @@
 """The sweep config's schema: every section as a dataclass, every field documented (the
 defaults are the documentation's values). Loading is in load.py, value rules in validate.py."""
+
 from __future__ import annotations
 
 import itertools
@@ -16,16 +17,30 @@ EXECUTORS = ("dist", "threads", "sim")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
 # Sweep axes as they appear in trial identities (and in exclude rules).
-AXES = ("method", "topology", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
-        "causal", "pass", "ulysses_degree", "ring_degree", "workload")
+AXES = (
+    "method",
+    "topology",
+    "world_size",
+    "batch",
+    "seq_len",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "causal",
+    "pass",
+    "ulysses_degree",
+    "ring_degree",
+    "workload",
+)
 
 
 class ConfigError(ValueError):
     """A configuration problem, reported before anything runs."""
 
 
-MAX_NAME = 100              # a sweep name is a folder name and an MLflow experiment name
-MAX_TIMEOUT_S = 7 * 86400   # a week: longer waits are a typo (and inf overflows the waits)
+MAX_NAME = 100  # a sweep name is a folder name and an MLflow experiment name
+MAX_TIMEOUT_S = 7 * 86400  # a week: longer waits are a typo (and inf overflows the waits)
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The rules a config's values must meet beyond their types (ranges, choices, names), each
 failure a ConfigError naming the key and the fix; and the method groups of `sweep.methods`."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,22 +39,43 @@ def validate(cfg: SuiteConfig) -> None:
     from methods.base import DTYPES
     from methods.kernels import KERNEL_CHOICES
 
-    _require(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", cfg.name or "")), "name",
-             f"{cfg.name!r} must be letters, digits, '-', '_' or '.' (it names a folder)")
-    _require(len(cfg.name) <= MAX_NAME, "name", f"is {len(cfg.name)} characters; at most {MAX_NAME} (it names a "
-                                                f"folder and an MLflow experiment): use a shorter name")
+    _require(
+        bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", cfg.name or "")),
+        "name",
+        f"{cfg.name!r} must be letters, digits, '-', '_' or '.' (it names a folder)",
+    )
+    _require(
+        len(cfg.name) <= MAX_NAME,
+        "name",
+        f"is {len(cfg.name)} characters; at most {MAX_NAME} (it names a "
+        f"folder and an MLflow experiment): use a shorter name",
+    )
     expand_method_groups(cfg)  # imports run.plugins first
     s, r = cfg.sweep, cfg.run
     known = set(methods.available()) | set(methods.unavailable())
-    for axis in ("methods", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
-                 "causal", "passes", "workload"):
+    for axis in (
+        "methods",
+        "world_size",
+        "batch",
+        "seq_len",
+        "heads",
+        "kv_heads",
+        "head_dim",
+        "dtype",
+        "causal",
+        "passes",
+        "workload",
+    ):
         values = getattr(s, axis)
         _require(len(values) > 0, f"sweep.{axis}", "needs at least one value")
         _require(len(set(map(str, values))) == len(values), f"sweep.{axis}", f"has duplicates: {values}")
     for m in s.methods:
-        _require(m in known, "sweep.methods",
-                 f"unknown method {m!r}; registered methods: {', '.join(sorted(known))}; groups: "
-                 f"{', '.join(methods.GROUPS)}")
+        _require(
+            m in known,
+            "sweep.methods",
+            f"unknown method {m!r}; registered methods: {', '.join(sorted(known))}; groups: "
+            f"{', '.join(methods.GROUPS)}",
+        )
     for axis in ("world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim"):
         for v in getattr(s, axis):
             _require(v >= 1, f"sweep.{axis}", f"values must be >= 1, got {v}")
@@ -65,20 +87,30 @@ def validate(cfg: SuiteConfig) -> None:
     for i, rule in enumerate(s.exclude):
         _require(bool(rule), f"sweep.exclude[{i}]", "an empty rule would exclude everything")
         for k in rule:
-            _require(k in AXES or k in option_keys, f"sweep.exclude[{i}]",
-                     f"unknown axis {k!r}; axes are {list(AXES)} and the options in sweep.method_options")
+            _require(
+                k in AXES or k in option_keys,
+                f"sweep.exclude[{i}]",
+                f"unknown axis {k!r}; axes are {list(AXES)} and the options in sweep.method_options",
+            )
     for m, opts in s.method_options.items():
         _require(m in s.methods, "sweep.method_options", f"options for {m!r}, which is not in sweep.methods")
         if m in methods.available():
             from methods.base import option_names
+
             allowed = option_names(methods.method_class(m))
             for k, v in opts.items():
-                _require(k in allowed and k != "kernel", f"sweep.method_options.{m}",
-                         f"unknown option {k!r}; options of {m}: {[a for a in allowed if a != 'kernel']} "
-                         f"(the kernel is run.kernel)")
+                _require(
+                    k in allowed and k != "kernel",
+                    f"sweep.method_options.{m}",
+                    f"unknown option {k!r}; options of {m}: {[a for a in allowed if a != 'kernel']} "
+                    f"(the kernel is run.kernel)",
+                )
                 if isinstance(v, (list, tuple)):
-                    _require(len(v) > 0 and len(set(map(repr, v))) == len(v), f"sweep.method_options.{m}.{k}",
-                             f"a list of values is an axis and needs distinct values; got {list(v)}")
+                    _require(
+                        len(v) > 0 and len(set(map(repr, v))) == len(v),
+                        f"sweep.method_options.{m}.{k}",
+                        f"a list of values is an axis and needs distinct values; got {list(v)}",
+                    )
             for point in option_points(dict(opts)):  # every value must build the method
                 try:
                     methods.get_method(m, **point)
@@ -93,11 +125,17 @@ def validate(cfg: SuiteConfig) -> None:
     _require(r.check_max_seq_len >= 1, "run.check_max_seq_len", "must be >= 1")
     for k in ("timeout_s", "startup_timeout_s", "prepare_timeout_s", "fail_grace_s"):
         v = getattr(r, k)  # inf or NaN would overflow the waits (OverflowError) or never time out
-        _require(math.isfinite(v) and 0 <= v <= MAX_TIMEOUT_S and (v > 0 or k == "fail_grace_s"), f"run.{k}",
-                 f"must be a finite number of seconds, {'>=' if k == 'fail_grace_s' else '>'} 0 and at most "
-                 f"{MAX_TIMEOUT_S} (a week), got {v}")
-    _require(math.isfinite(r.max_ranks_per_core) and r.max_ranks_per_core > 0, "run.max_ranks_per_core",
-             f"must be a finite number > 0, got {r.max_ranks_per_core}")
+        _require(
+            math.isfinite(v) and 0 <= v <= MAX_TIMEOUT_S and (v > 0 or k == "fail_grace_s"),
+            f"run.{k}",
+            f"must be a finite number of seconds, {'>=' if k == 'fail_grace_s' else '>'} 0 and at most "
+            f"{MAX_TIMEOUT_S} (a week), got {v}",
+        )
+    _require(
+        math.isfinite(r.max_ranks_per_core) and r.max_ranks_per_core > 0,
+        "run.max_ranks_per_core",
+        f"must be a finite number > 0, got {r.max_ranks_per_core}",
+    )
     _require(r.threads_per_rank >= 0, "run.threads_per_rank", "must be >= 0 (0 = automatic)")
     if r.backend == "nccl":
         _require(r.device != "cpu", "run.backend", "nccl needs run.device cuda (or auto on a GPU machine)")
@@ -119,8 +157,11 @@ def _validate_documents(cfg: SuiteConfig) -> None:
 
     dists = {}
     for name, d in cfg.documents.items():
-        _require(bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name)) and name != UNIFORM, f"documents.{name}",
-                 "names are letters, digits, '-', '_' or '.', and not 'uniform' (the unpacked workload)")
+        _require(
+            bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name)) and name != UNIFORM,
+            f"documents.{name}",
+            "names are letters, digits, '-', '_' or '.', and not 'uniform' (the unpacked workload)",
+        )
         try:
             dists[name] = Distribution.from_config(name, dataclasses.asdict(d))
             for seq_len in cfg.sweep.seq_len:  # every distribution must fill every sequence
@@ -128,17 +169,23 @@ def _validate_documents(cfg: SuiteConfig) -> None:
         except LengthsError as exc:
             raise ConfigError(str(exc)) from None
     for w in cfg.sweep.workload:
-        _require(w == UNIFORM or w in dists, "sweep.workload",
-                 f"unknown workload {w!r}: use 'uniform' or a name defined under documents: "
-                 f"({', '.join(sorted(dists)) or 'none defined'})")
+        _require(
+            w == UNIFORM or w in dists,
+            "sweep.workload",
+            f"unknown workload {w!r}: use 'uniform' or a name defined under documents: "
+            f"({', '.join(sorted(dists)) or 'none defined'})",
+        )
 
 
 def _validate_sim(cfg: SuiteConfig) -> None:
     from suite.sim.compute import ComputeModel
     from suite.sim.topology import TopologyError, load_topology
 
-    _require(cfg.kind == "attention", "run.executor",
-             "sim predicts attention trials; a perplexity check trains a model and needs dist or threads")
+    _require(
+        cfg.kind == "attention",
+        "run.executor",
+        "sim predicts attention trials; a perplexity check trains a model and needs dist or threads",
+    )
     _require(len(cfg.sim.topology) > 0, "sim.topology", "needs at least one topology")
     names = []
     for t in cfg.sim.topology:
@@ -148,8 +195,11 @@ def _validate_sim(cfg: SuiteConfig) -> None:
         except TopologyError as exc:
             raise ConfigError(f"sim.topology: {exc}") from None
         names.append(topo.name)
-    _require(len(set(names)) == len(names), "sim.topology",
-             f"topology names must differ (they name the trials); got {names}: change `name:` in the copied file")
+    _require(
+        len(set(names)) == len(names),
+        "sim.topology",
+        f"topology names must differ (they name the trials); got {names}: change `name:` in the copied file",
+    )
 
 
 def expand_method_groups(cfg: SuiteConfig) -> None:

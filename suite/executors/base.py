@@ -6,6 +6,7 @@ and the simulator's `SimExecutor` (suite/executors/sim.py). Each holds its own l
 `supports`, says where its trials run (`places`, for the plan) and how long it spent starting
 worker groups (`startup_s`, which is not any trial's time).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, ClassVar
@@ -20,10 +21,10 @@ if TYPE_CHECKING:
 
 class Executor:
     name: ClassVar[str]
-    device: str = "cpu"            # "cpu" or "cuda": where trials run (the simulator traces on CPU)
-    startup_s: float = 0.0         # time spent starting worker groups (harness overhead, reported)
+    device: str = "cpu"  # "cpu" or "cuda": where trials run (the simulator traces on CPU)
+    startup_s: float = 0.0  # time spent starting worker groups (harness overhead, reported)
     groups_started: int = 0
-    leader: bool = True            # False on the ranks of an external launch other than 0: they only serve()
+    leader: bool = True  # False on the ranks of an external launch other than 0: they only serve()
 
     def places(self) -> list[Place]:
         """Where this executor's trials run (hardware, topology, nodes per world size)."""

@@ -5,6 +5,7 @@ trial of that size and reused for all of them. A trial that fails on any rank, h
 timeout, or loses a worker gets the group replaced before the next trial (its communicators may
 hold unmatched messages).
 """
+
 from __future__ import annotations
 
 import multiprocessing as mp
@@ -54,14 +55,27 @@ class LocalGroup:
         self._listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self._listener.bind(("127.0.0.1", 0))
         self._listener.listen(max(64, 2 * self.world_size))
-        self._store = dist.TCPStore("127.0.0.1", self._listener.getsockname()[1], None, True, wait_for_workers=False,
-                                    timeout=timedelta(seconds=startup_timeout_s),
-                                    master_listen_fd=self._listener.fileno(), use_libuv=True)
+        self._store = dist.TCPStore(
+            "127.0.0.1",
+            self._listener.getsockname()[1],
+            None,
+            True,
+            wait_for_workers=False,
+            timeout=timedelta(seconds=startup_timeout_s),
+            master_listen_fd=self._listener.fileno(),
+            use_libuv=True,
+        )
         self._tasks = [ctx.Queue() for _ in range(self.world_size)]
         self._results = ctx.Queue()
-        self._procs = [ctx.Process(target=worker_main, name=f"suite-worker-{r}", daemon=True,
-                                   args=(r, self._store.port, settings, self._tasks[r], self._results, os.getpid()))
-                       for r in range(self.world_size)]
+        self._procs = [
+            ctx.Process(
+                target=worker_main,
+                name=f"suite-worker-{r}",
+                daemon=True,
+                args=(r, self._store.port, settings, self._tasks[r], self._results, os.getpid()),
+            )
+            for r in range(self.world_size)
+        ]
         for p in self._procs:
             p.start()
         try:
@@ -90,8 +104,7 @@ class LocalGroup:
     def dead_ranks(self) -> list[tuple[int, Optional[int]]]:
         return [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
 
-    def run(self, spec: TrialSpec, timeout_s: float, grace_s: float,
-            prepare_timeout_s: float) -> tuple[Outcome, bool]:
+    def run(self, spec: TrialSpec, timeout_s: float, grace_s: float, prepare_timeout_s: float) -> tuple[Outcome, bool]:
         """Send `spec` to every rank and collect their reports.
 
         The limit is `prepare_timeout_s` for building inputs and the float64 reference, then
@@ -111,11 +124,16 @@ class LocalGroup:
                 if failed:  # someone failed and the others are stuck waiting for it
                     return Outcome("failed", reports, f"ranks {missing} did not finish after the failure"), False
                 if len(prepared) < self.world_size:
-                    return Outcome("timeout", reports, f"ranks {sorted(set(range(self.world_size)) - prepared)} "
-                                                       f"still building inputs and the float64 reference after "
-                                                       f"{prepare_timeout_s:g}s (run.prepare_timeout_s)"), False
-                return Outcome("timeout", reports, f"no report from ranks {missing} within {timeout_s:g}s "
-                                                   f"(run.timeout_s)"), False
+                    return Outcome(
+                        "timeout",
+                        reports,
+                        f"ranks {sorted(set(range(self.world_size)) - prepared)} "
+                        f"still building inputs and the float64 reference after "
+                        f"{prepare_timeout_s:g}s (run.prepare_timeout_s)",
+                    ), False
+                return Outcome(
+                    "timeout", reports, f"no report from ranks {missing} within {timeout_s:g}s (run.timeout_s)"
+                ), False
             try:
                 kind, rank, key, payload = self._results.get(timeout=min(0.5, deadline - now))
             except queue.Empty:
@@ -166,9 +184,20 @@ class LocalDistExecutor(Executor):
 
     name = "dist"
 
-    def __init__(self, *, device: str, backend: str, run: RunSettings, threads_per_rank: int,
-                 plugins: tuple[str, ...], timeout_s: float, startup_timeout_s: float, grace_s: float,
-                 prepare_timeout_s: float, hardware: str = "auto"):
+    def __init__(
+        self,
+        *,
+        device: str,
+        backend: str,
+        run: RunSettings,
+        threads_per_rank: int,
+        plugins: tuple[str, ...],
+        timeout_s: float,
+        startup_timeout_s: float,
+        grace_s: float,
+        prepare_timeout_s: float,
+        hardware: str = "auto",
+    ):
         self.device = device
         self._hardware = hardware_label(device) if hardware == "auto" else hardware
         self._device, self._backend, self._run = device, backend, run
@@ -184,17 +213,25 @@ class LocalDistExecutor(Executor):
 
     def supports(self, spec, method, workload) -> tuple[bool, str]:
         if self.device == "cuda" and spec.world_size > torch.cuda.device_count():
-            return False, (f"needs {spec.world_size} GPUs on this node, found {torch.cuda.device_count()} "
-                           f"(run.executor=threads emulates ranks on one GPU, for numerics only)")
+            return False, (
+                f"needs {spec.world_size} GPUs on this node, found {torch.cuda.device_count()} "
+                f"(run.executor=threads emulates ranks on one GPU, for numerics only)"
+            )
         return True, ""
 
     def _group_for(self, world_size: int) -> LocalGroup:
         if self._group is not None and self._group.world_size == world_size:
             return self._group
         self.close()
-        settings = WorkerSettings(world_size=world_size, device=self._device, backend=self._backend,
-                                  threads=threads_per_rank(self._threads, world_size), plugins=self._plugins,
-                                  comm_timeout_s=self._timeout_s + self._prepare_timeout_s + 60, run=self._run)
+        settings = WorkerSettings(
+            world_size=world_size,
+            device=self._device,
+            backend=self._backend,
+            threads=threads_per_rank(self._threads, world_size),
+            plugins=self._plugins,
+            comm_timeout_s=self._timeout_s + self._prepare_timeout_s + 60,
+            run=self._run,
+        )
         self.groups_started += 1
         t0 = time.perf_counter()
         try:

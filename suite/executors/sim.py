@@ -7,6 +7,7 @@ workload builds the row from the same `RankReport`s), so simulated rows carry th
 time, bytes per rank, kernel time, time blocked on communication, CCR and overlap efficiency.
 Nothing is checked numerically (a simulated row is `checked=false`) and every row says executor=sim.
 """
+
 from __future__ import annotations
 
 from suite.executors.base import Executor
@@ -35,8 +36,10 @@ class SimExecutor(Executor):
 
     def supports(self, spec: TrialSpec, method, workload) -> tuple[bool, str]:
         if method.needs_processes:
-            return False, (f"{spec.method} calls torch.distributed itself, so its schedule cannot be traced; "
-                           f"simulate the suite's own implementation of the algorithm instead")
+            return False, (
+                f"{spec.method} calls torch.distributed itself, so its schedule cannot be traced; "
+                f"simulate the suite's own implementation of the algorithm instead"
+            )
         topo, compute = self.topologies[spec.topology]
         ok, why = topo.fits(spec.world_size)
         if not ok:
@@ -62,11 +65,24 @@ def predict(spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache
         ledger = tr.ledger(r)  # what the counting comm of a measured trial reports
         # what a measured trial's pair-counting kernel reports: visible pairs x heads of the forward
         pairs = round(sum(c.pairs * c.batch * c.heads for c in forward.compute(r) if c.op == "fwd"))
-        reports.append(RankReport(
-            rank=r, checked=False, kernel_used=f"sim: {compute.source}",
-            bytes_sent=ledger.bytes_sent, bytes_recv=ledger.bytes_recv, comm_ops=dict(sorted(ledger.counts().items())),
-            samples_ms=[full.time_s * 1e3], peak_mem=None, pairs=pairs,
-            breakdown=Breakdown(iter_ms=full.end_s[r] * 1e3, kernel_ms=full.kernel_s[r] * 1e3,
-                                comm_wait_ms=full.blocked_s[r] * 1e3, compute_only_ms=[comp.end_s[r] * 1e3],
-                                comm_only_ms=[comm.end_s[r] * 1e3])))
+        reports.append(
+            RankReport(
+                rank=r,
+                checked=False,
+                kernel_used=f"sim: {compute.source}",
+                bytes_sent=ledger.bytes_sent,
+                bytes_recv=ledger.bytes_recv,
+                comm_ops=dict(sorted(ledger.counts().items())),
+                samples_ms=[full.time_s * 1e3],
+                peak_mem=None,
+                pairs=pairs,
+                breakdown=Breakdown(
+                    iter_ms=full.end_s[r] * 1e3,
+                    kernel_ms=full.kernel_s[r] * 1e3,
+                    comm_wait_ms=full.blocked_s[r] * 1e3,
+                    compute_only_ms=[comp.end_s[r] * 1e3],
+                    comm_only_ms=[comm.end_s[r] * 1e3],
+                ),
+            )
+        )
     return reports

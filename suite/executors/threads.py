@@ -3,6 +3,7 @@
 Numerics, not performance: every own method's check runs without spawning processes, on the CPU or
 on one GPU (NCCL refuses two ranks on one GPU). Rows say executor=threads.
 """
+
 from __future__ import annotations
 
 import torch
@@ -44,8 +45,10 @@ class ThreadExecutor(Executor):
         if method.needs_processes:
             return False, f"{spec.method} calls torch.distributed itself; it needs run.executor=dist"
         if workload.needs_autograd and not self._autograd:
-            return False, ("training needs autograd across ranks, which virtual ranks on one GPU cannot use "
-                           "(autograd runs a device's backward on one thread); use run.executor=dist")
+            return False, (
+                "training needs autograd across ranks, which virtual ranks on one GPU cannot use "
+                "(autograd runs a device's backward on one thread); use run.executor=dist"
+            )
         return True, ""
 
     def run(self, spec: TrialSpec) -> Outcome:

@@ -15,6 +15,7 @@ processes on a collective timeout, so a hang ends the job; every finished trial 
 store and `--resume` (a new launch) continues after it. Trials that raise are recorded under both
 backends.
 """
+
 from __future__ import annotations
 
 import os
@@ -41,13 +42,19 @@ def external_launch() -> Optional[dict]:
     """Rank facts when this process was started by torchrun (or srun with MASTER_ADDR set)."""
     env = os.environ
     if "RANK" in env and "WORLD_SIZE" in env and "MASTER_ADDR" in env:
-        return {"rank": int(env["RANK"]), "world_size": int(env["WORLD_SIZE"]),
-                "local_rank": int(env.get("LOCAL_RANK", 0)),
-                "local_world_size": int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"]))}
+        return {
+            "rank": int(env["RANK"]),
+            "world_size": int(env["WORLD_SIZE"]),
+            "local_rank": int(env.get("LOCAL_RANK", 0)),
+            "local_world_size": int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])),
+        }
     if "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1 and "MASTER_ADDR" in env:
-        return {"rank": int(env["SLURM_PROCID"]), "world_size": int(env["SLURM_NTASKS"]),
-                "local_rank": int(env.get("SLURM_LOCALID", 0)),
-                "local_world_size": int(env.get("SLURM_NTASKS_PER_NODE", env["SLURM_NTASKS"]).split("(")[0])}
+        return {
+            "rank": int(env["SLURM_PROCID"]),
+            "world_size": int(env["SLURM_NTASKS"]),
+            "local_rank": int(env.get("SLURM_LOCALID", 0)),
+            "local_world_size": int(env.get("SLURM_NTASKS_PER_NODE", env["SLURM_NTASKS"]).split("(")[0]),
+        }
     return None
 
 
@@ -56,8 +63,9 @@ class TorchrunExecutor(Executor):
 
     name = "dist"
 
-    def __init__(self, launch: dict, *, device: str, backend: str, run: RunSettings, timeout_s: float,
-                 hardware: str = "auto"):
+    def __init__(
+        self, launch: dict, *, device: str, backend: str, run: RunSettings, timeout_s: float, hardware: str = "auto"
+    ):
         import torch.distributed as dist
 
         self.rank, self.world = launch["rank"], launch["world_size"]
@@ -71,6 +79,7 @@ class TorchrunExecutor(Executor):
         dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout_s))
         self._control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)  # object messages
         from methods.comm import DistComm
+
         self._comm = DistComm()
         self._dev = torch.device("cuda", torch.cuda.current_device()) if device == "cuda" else torch.device("cpu")
         self._run = run
@@ -86,8 +95,10 @@ class TorchrunExecutor(Executor):
 
     def supports(self, spec, method, workload) -> tuple[bool, str]:
         if spec.world_size != self.world:
-            return False, (f"world_size {spec.world_size} needs its own launch: this group has {self.world} "
-                           f"ranks (torchrun --nproc-per-node ... with {spec.world_size} ranks in all)")
+            return False, (
+                f"world_size {spec.world_size} needs its own launch: this group has {self.world} "
+                f"ranks (torchrun --nproc-per-node ... with {spec.world_size} ranks in all)"
+            )
         return True, ""
 
     def run(self, spec: TrialSpec) -> Outcome:

@@ -5,6 +5,7 @@ Workers never write results or talk to MLflow: every trial's report goes back to
 through a queue (only the parent writes anything persistent). A worker exits when the parent sends None, or when the
 parent disappears (so a killed sweep leaves no orphans).
 """
+
 from __future__ import annotations
 
 import os
@@ -25,9 +26,9 @@ class WorkerSettings:
     """Everything a worker needs to start (picklable)."""
 
     world_size: int
-    device: str          # "cpu" or "cuda"
-    backend: str         # "gloo" or "nccl"
-    threads: int         # torch CPU threads per worker
+    device: str  # "cpu" or "cuda"
+    backend: str  # "gloo" or "nccl"
+    threads: int  # torch CPU threads per worker
     plugins: tuple[str, ...]
     comm_timeout_s: float
     run: RunSettings
@@ -51,6 +52,7 @@ def watch_parent(parent_pid: int, every_s: float = 0.5) -> None:
             if os.getppid() != parent_pid:
                 os._exit(3)
             time.sleep(every_s)
+
     threading.Thread(target=watch, name="suite-parent-watch", daemon=True).start()
 
 
@@ -72,10 +74,16 @@ def worker_main(rank: int, store_port: int, settings: WorkerSettings, tasks, res
             device = torch.device("cuda", torch.cuda.current_device())
         else:
             device = torch.device("cpu")
-        store = dist.TCPStore("127.0.0.1", store_port, is_master=False,
-                              timeout=timedelta(seconds=settings.comm_timeout_s))
-        dist.init_process_group(settings.backend, store=store, rank=rank, world_size=settings.world_size,
-                                timeout=timedelta(seconds=settings.comm_timeout_s))
+        store = dist.TCPStore(
+            "127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=settings.comm_timeout_s)
+        )
+        dist.init_process_group(
+            settings.backend,
+            store=store,
+            rank=rank,
+            world_size=settings.world_size,
+            timeout=timedelta(seconds=settings.comm_timeout_s),
+        )
         comm = DistComm()
         comm.barrier()  # the group really works before we say so
     except Exception:  # noqa: BLE001
@@ -92,10 +100,13 @@ def worker_main(rank: int, store_port: int, settings: WorkerSettings, tasks, res
             continue
         if spec is None:
             break
+
         def prepared(key=spec.key) -> None:
             results.put(("prepared", rank, key, None))
-        results.put(("report", rank, spec.key, run_trial(spec, settings.run, comm, device, cache,
-                                                         on_prepared=prepared)))
+
+        results.put(
+            ("report", rank, spec.key, run_trial(spec, settings.run, comm, device, cache, on_prepared=prepared))
+        )
     try:
         dist.destroy_process_group()
     except Exception:  # noqa: BLE001 - exiting anyway

@@ -1,6 +1,7 @@
 """The perplexity check's section of a sweep config (`perplexity:`; kind: perplexity), with the
 rules its values must meet. suite/config/ merges it into the sweep schema and turns each problem
 into a ConfigError naming the key."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -65,8 +66,10 @@ def problems(p: PerplexityConfig, causal: list[bool]) -> Iterator[tuple[str, str
     """Each value of `p` (and the sweep's `causal` axis) the check cannot run with, as (key, what
     is wrong and what to set)."""
     if list(causal) != [True]:
-        yield "sweep.causal", ("a perplexity check trains a causal language model: set sweep.causal: [true] "
-                               f"(got {causal})")
+        yield (
+            "sweep.causal",
+            (f"a perplexity check trains a causal language model: set sweep.causal: [true] (got {causal})"),
+        )
     for k in ("layers", "steps", "eval_batches"):
         if getattr(p, k) < 1:
             yield f"perplexity.{k}", "must be >= 1"
@@ -78,8 +81,10 @@ def problems(p: PerplexityConfig, causal: list[bool]) -> Iterator[tuple[str, str
     for k in ("lr", "rope_theta", "loss_rtol", "ppl_rtol"):
         if not getattr(p, k) > 0:
             yield f"perplexity.{k}", "must be > 0"
-    for key, value, allowed in (("perplexity.planted_bug", p.planted_bug, tuple(PLANTED_BUGS)),
-                                ("perplexity.data.source", p.data.source, SOURCES)):
+    for key, value, allowed in (
+        ("perplexity.planted_bug", p.planted_bug, tuple(PLANTED_BUGS)),
+        ("perplexity.data.source", p.data.source, SOURCES),
+    ):
         if value not in allowed:
             yield key, f"{value!r} is not allowed; choose one of {list(allowed)}"
     if not 0 < p.data.val_fraction < 1:

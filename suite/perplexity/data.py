@@ -7,6 +7,7 @@ compare only when they trained on the same bytes (the stdlib differs between Pyt
 A user's text file and, when the `datasets` package is installed, a Hugging Face dataset load the
 same way. Tokens are bytes (vocabulary 256): no tokenizer to download or to disagree about.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -27,13 +28,20 @@ class Corpus:
 
     name: str
     sha256: str
-    train: torch.Tensor   # uint8 [N_train]
-    val: torch.Tensor     # uint8 [N_val]
+    train: torch.Tensor  # uint8 [N_train]
+    val: torch.Tensor  # uint8 [N_val]
 
 
-def load_corpus(source: str = "stdlib", *, path: Optional[str] = None, hf_dataset: Optional[str] = None,
-                hf_split: str = "train", hf_text_field: str = "text", max_bytes: int = 4_000_000,
-                val_fraction: float = 0.1) -> Corpus:
+def load_corpus(
+    source: str = "stdlib",
+    *,
+    path: Optional[str] = None,
+    hf_dataset: Optional[str] = None,
+    hf_split: str = "train",
+    hf_text_field: str = "text",
+    max_bytes: int = 4_000_000,
+    val_fraction: float = 0.1,
+) -> Corpus:
     """The corpus a perplexity check trains and evaluates on (deterministic for a given source)."""
     if source == "stdlib":
         name, blob = "python-stdlib", _stdlib_bytes(max_bytes)
@@ -51,8 +59,12 @@ def load_corpus(source: str = "stdlib", *, path: Optional[str] = None, hf_datase
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
     tokens = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
     n_val = int(len(tokens) * val_fraction)
-    return Corpus(name=name, sha256=hashlib.sha256(blob).hexdigest(), train=tokens[:len(tokens) - n_val],
-                  val=tokens[len(tokens) - n_val:])
+    return Corpus(
+        name=name,
+        sha256=hashlib.sha256(blob).hexdigest(),
+        train=tokens[: len(tokens) - n_val],
+        val=tokens[len(tokens) - n_val :],
+    )
 
 
 def _stdlib_bytes(max_bytes: int) -> bytes:
@@ -93,8 +105,9 @@ def train_windows(corpus: Corpus, *, steps: int, batch: int, seq_len: int, seed:
     """
     n = corpus.train.numel() - seq_len - 1
     if n <= 0:
-        raise ValueError(f"the training split has {corpus.train.numel()} tokens, fewer than seq_len + 1 = "
-                         f"{seq_len + 1}")
+        raise ValueError(
+            f"the training split has {corpus.train.numel()} tokens, fewer than seq_len + 1 = {seq_len + 1}"
+        )
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, n, (steps, batch), generator=g)
     offsets = torch.arange(seq_len + 1)
@@ -106,7 +119,9 @@ def val_windows(corpus: Corpus, *, batches: int, batch: int, seq_len: int) -> to
     need = batches * batch
     have = (corpus.val.numel() - 1) // seq_len
     if have < need:
-        raise ValueError(f"the validation split ({corpus.val.numel()} tokens) holds {have} windows of {seq_len} "
-                         f"tokens; eval needs {need} (lower perplexity.eval_batches or raise data.max_bytes)")
+        raise ValueError(
+            f"the validation split ({corpus.val.numel()} tokens) holds {have} windows of {seq_len} "
+            f"tokens; eval needs {need} (lower perplexity.eval_batches or raise data.max_bytes)"
+        )
     starts = torch.arange(need) * seq_len
     return corpus.val[starts[:, None] + torch.arange(seq_len + 1)].long().view(batches, batch, seq_len + 1)

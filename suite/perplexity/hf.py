@@ -14,6 +14,7 @@ ranks can share one model object). Each rank feeds the model only its layout's t
 attention (`python -m suite hf-perplexity MODEL_DIR`). Virtual ranks (executor threads): numerics,
 not performance.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -32,8 +33,9 @@ NAME = "suite_sp"
 _active = threading.local()
 
 
-def _suite_attention(module, query, key, value, attention_mask, scaling: Optional[float] = None,
-                     dropout: float = 0.0, **kwargs):
+def _suite_attention(
+    module, query, key, value, attention_mask, scaling: Optional[float] = None, dropout: float = 0.0, **kwargs
+):
     """transformers' attention signature: q [B, H, S, D], k/v [B, Hkv, S, D] -> ([B, S, H, D], None)."""
     state = getattr(_active, "state", None)
     if state is None:
@@ -83,9 +85,17 @@ def use_suite_attention(model) -> None:
 def model_case(model, batch: int, seq_len: int, world_size: int, dtype: str = "float32", device: str = "cpu") -> Case:
     cfg = model.config
     heads = cfg.num_attention_heads
-    return Case(batch=batch, seq_len=seq_len, heads=heads, kv_heads=getattr(cfg, "num_key_value_heads", heads),
-                head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads, dtype=dtype, causal=True,
-                world_size=world_size, device=device)
+    return Case(
+        batch=batch,
+        seq_len=seq_len,
+        heads=heads,
+        kv_heads=getattr(cfg, "num_key_value_heads", heads),
+        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+        dtype=dtype,
+        causal=True,
+        world_size=world_size,
+        device=device,
+    )
 
 
 def _layout(model, input_ids: torch.Tensor, method: Method, world_size: int, docs: Optional[Documents] = None):
@@ -97,8 +107,9 @@ def _layout(model, input_ids: torch.Tensor, method: Method, world_size: int, doc
     return method.layout(case)
 
 
-def sharded_logits(model, input_ids: torch.Tensor, method: Method, comm: Comm,
-                   docs: Optional[Documents] = None) -> torch.Tensor:
+def sharded_logits(
+    model, input_ids: torch.Tensor, method: Method, comm: Comm, docs: Optional[Documents] = None
+) -> torch.Tensor:
     """This rank's logits [B, S_local, vocab] for the global `input_ids` [B, S] (model in suite_sp
     mode). With packed documents `docs`, `position_ids` restart at every document and the method
     masks across documents (as packed training feeds a Hugging Face model)."""
@@ -112,16 +123,19 @@ def sharded_logits(model, input_ids: torch.Tensor, method: Method, comm: Comm,
         return model(input_ids=tokens, position_ids=positions, use_cache=False).logits
 
 
-def gathered_logits(model, input_ids: torch.Tensor, method: Method, world_size: int,
-                    docs: Optional[Documents] = None) -> torch.Tensor:
+def gathered_logits(
+    model, input_ids: torch.Tensor, method: Method, world_size: int, docs: Optional[Documents] = None
+) -> torch.Tensor:
     """Global logits [B, S, vocab] computed by `world_size` virtual ranks with `method`."""
     from methods.comm import run_threads
 
     layout = _layout(model, input_ids, method, world_size, docs)
     use_suite_attention(model)
+
     def rank(comm: Comm) -> torch.Tensor:
         with torch.no_grad():  # grad mode is per thread
             return sharded_logits(model, input_ids, method, comm, docs)
+
     parts = run_threads(world_size, rank)
     return layout.unshard(parts)
 
@@ -135,9 +149,16 @@ def eager_logits(model, input_ids: torch.Tensor, docs: Optional[Documents] = Non
             return model(input_ids=input_ids, use_cache=False).logits
         rows = []
         for b, lengths in enumerate(docs.lengths):
-            starts = [0] + [sum(lengths[:i + 1]) for i in range(len(lengths) - 1)]
-            rows.append(torch.cat([model(input_ids=input_ids[b:b + 1, a:a + n], use_cache=False).logits
-                                   for a, n in zip(starts, lengths)], dim=1))
+            starts = [0] + [sum(lengths[: i + 1]) for i in range(len(lengths) - 1)]
+            rows.append(
+                torch.cat(
+                    [
+                        model(input_ids=input_ids[b : b + 1, a : a + n], use_cache=False).logits
+                        for a, n in zip(starts, lengths)
+                    ],
+                    dim=1,
+                )
+            )
         return torch.cat(rows)
 
 
@@ -156,13 +177,15 @@ class HFResult:
 
 def _nll(logits: torch.Tensor, input_ids: torch.Tensor) -> tuple[float, int]:
     """Summed next-token NLL (labels shifted on the global sequence) and the token count."""
-    lp = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten(),
-                                           reduction="sum")
+    lp = torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1), input_ids[:, 1:].flatten(), reduction="sum"
+    )
     return float(lp), input_ids[:, 1:].numel()
 
 
-def hf_perplexity(model, batches: list[torch.Tensor], method_names: list[str],
-                  world_sizes: list[int]) -> list[HFResult]:
+def hf_perplexity(
+    model, batches: list[torch.Tensor], method_names: list[str], world_sizes: list[int]
+) -> list[HFResult]:
     """Perplexity of `model` on `batches` ([B, S] token ids each) with each method and world size,
     against the model's eager attention on the same tokens."""
     import methods
@@ -192,13 +215,21 @@ def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 256):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=8192)
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+    )
     return LlamaForCausalLM(cfg).eval()
 
 
-def load_model_and_batches(model_ref: str, *, text_path: Optional[str], batch: int, seq_len: int, batches: int,
-                           dtype: str, device: str):
+def load_model_and_batches(
+    model_ref: str, *, text_path: Optional[str], batch: int, seq_len: int, batches: int, dtype: str, device: str
+):
     """The model (`tiny-llama` or a local folder for `from_pretrained`) and token batches of the text:
     the model's own tokenizer when its folder has one, else byte tokens (vocabulary >= 256)."""
     from methods.base import torch_dtype
@@ -208,6 +239,7 @@ def load_model_and_batches(model_ref: str, *, text_path: Optional[str], batch: i
         model, tokenizer = tiny_llama(), None
     else:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
         model = AutoModelForCausalLM.from_pretrained(model_ref, local_files_only=True)
         try:
             tokenizer = AutoTokenizer.from_pretrained(model_ref, local_files_only=True)

@@ -9,6 +9,7 @@ attention is per token, so the only things that must know about the other ranks 
 - attention itself, the `attend(q, k, v)` callable: local [B, S_local, H, D] shards in, local
   output out, causal on global positions (a method's `attention` bound to its comm).
 """
+
 from __future__ import annotations
 
 import math
@@ -29,7 +30,7 @@ class ModelConfig:
     head_dim: int
     layers: int = 2
     vocab: int = 256
-    mlp_hidden: int = 0          # 0: LLaMA's rule, 2/3 * 4 * dim rounded up to a multiple of 32
+    mlp_hidden: int = 0  # 0: LLaMA's rule, 2/3 * 4 * dim rounded up to a multiple of 32
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
 
@@ -57,12 +58,12 @@ def rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor
     (packed documents: positions restart at each document) (LLaMA's rotate-half convention)."""
     d = x.shape[-1]
     inv_freq = 1.0 / theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d)
-    angles = positions.to(x.device, torch.float64)[..., None] * inv_freq              # [(B,) S, D/2]
+    angles = positions.to(x.device, torch.float64)[..., None] * inv_freq  # [(B,) S, D/2]
     angles = torch.cat((angles, angles), dim=-1)
     if angles.dim() == 2:
-        angles = angles.unsqueeze(0)                                                   # [1, S, D]
+        angles = angles.unsqueeze(0)  # [1, S, D]
     cos, sin = angles.cos().to(x.dtype)[:, :, None, :], angles.sin().to(x.dtype)[:, :, None, :]
-    x1, x2 = x[..., : d // 2], x[..., d // 2:]
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
@@ -138,8 +139,7 @@ class TinyLlama(nn.Module):
         return self.head(self.norm(x))
 
 
-def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Single-device causal attention with torch's SDPA (the baseline; none of the suite's code).
     `mask`: [B, S, S] bool of visible pairs (packed documents), instead of the plain causal mask."""
     rep = q.shape[2] // k.shape[2]

@@ -14,6 +14,7 @@ the two differ only where sequence parallelism must differ:
 
 `planted_bug` breaks one of these on purpose, so that a test (or a user) can see the check catch it.
 """
+
 from __future__ import annotations
 
 import math
@@ -35,10 +36,10 @@ PLANTED_BUGS = {
     "none": "no bug",
     "local_positions": "RoPE gets local positions 0..S_local-1 instead of the layout's global positions",
     "local_label_shift": "labels shifted per rank after sharding (each shard's last token loses its label, "
-                         "and non-contiguous layouts get wrong next tokens)",
+    "and non-contiguous layouts get wrong next tokens)",
     "no_grad_sync": "parameter gradients are not summed over the sequence-parallel group",
     "cross_document_attention": "with packed documents, the sequence-parallel attention ignores their boundaries "
-                                "(attends across documents; no effect on one document per sequence)",
+    "(attends across documents; no effect on one document per sequence)",
 }
 
 
@@ -58,10 +59,10 @@ class TrainConfig:
 
 @dataclass
 class TrainResult:
-    losses: list[float]          # global mean training loss of each step (before its update)
-    val_loss: float              # global mean validation loss after training
-    step_ms: list[float]         # wall time of each step on this rank
-    attn_bytes_sent: int = 0     # attention communication of one training step (forward + backward)
+    losses: list[float]  # global mean training loss of each step (before its update)
+    val_loss: float  # global mean validation loss after training
+    step_ms: list[float]  # wall time of each step on this rank
+    attn_bytes_sent: int = 0  # attention communication of one training step (forward + backward)
     attn_bytes_recv: int = 0
 
     @property
@@ -77,10 +78,18 @@ def build_model(cfg: ModelConfig, seed: int, dtype: torch.dtype, device: torch.d
     return model.to(device=device, dtype=dtype)
 
 
-def train_and_evaluate(model_cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, *, layout: layouts.Layout,
-                       comm: Optional[Comm], make_attend: Callable[[Optional[Comm]], Attend],
-                       dtype: torch.dtype = torch.float32, device: torch.device = torch.device("cpu"),
-                       docs: Optional[Documents] = None) -> TrainResult:
+def train_and_evaluate(
+    model_cfg: ModelConfig,
+    tc: TrainConfig,
+    corpus: Corpus,
+    *,
+    layout: layouts.Layout,
+    comm: Optional[Comm],
+    make_attend: Callable[[Optional[Comm]], Attend],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device = torch.device("cpu"),
+    docs: Optional[Documents] = None,
+) -> TrainResult:
     """Train for `tc.steps` steps, then evaluate on the validation windows.
 
     `comm` is the sequence-parallel group (None on a single device); `make_attend(comm)` returns the
@@ -95,8 +104,12 @@ def train_and_evaluate(model_cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, 
     params = [p for p in model.parameters()]
     decay = [p for p in params if p.dim() == 2]
     no_decay = [p for p in params if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": tc.weight_decay},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": tc.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=tc.lr,
+        betas=(0.9, 0.95),
+        eps=1e-8,
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, tc.warmup_steps)))
     windows = train_windows(corpus, steps=tc.steps, batch=tc.batch, seq_len=tc.seq_len, seed=tc.seed)
     n_tokens = tc.batch * tc.seq_len
@@ -139,8 +152,8 @@ def train_and_evaluate(model_cfg: ModelConfig, tc: TrainConfig, corpus: Corpus, 
 def _shard(window: torch.Tensor, layout: layouts.Layout, rank: int, bug: str, docs: Optional[Documents] = None):
     """This rank's (tokens, labels, positions) of a [B, S + 1] window: positions [S_local], or
     [B, S_local] with packed documents (each document's tokens numbered from 0)."""
-    inputs, labels = window[:, :-1], window[:, 1:]           # shifted on the global sequence
-    if docs is not None and docs.padding:                      # padding: token 0, no loss
+    inputs, labels = window[:, :-1], window[:, 1:]  # shifted on the global sequence
+    if docs is not None and docs.padding:  # padding: token 0, no loss
         inputs = torch.cat([inputs, inputs.new_zeros(inputs.shape[0], docs.padding)], dim=1)
         labels = torch.cat([labels, labels.new_full((labels.shape[0], docs.padding), -100)], dim=1)
     tokens = layout.shard(inputs, rank)
@@ -161,21 +174,31 @@ def _unflatten_grads(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
     offset = 0
     for p in params:
         n = p.numel()
-        p.grad.copy_(flat[offset:offset + n].view_as(p.grad))
+        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
         offset += n
 
 
 @torch.no_grad()
-def _evaluate(model: TinyLlama, tc: TrainConfig, corpus: Corpus, layout: layouts.Layout, rank: int,
-              comm: Optional[Comm], attend: Attend, device: torch.device, docs: Optional[Documents]) -> float:
+def _evaluate(
+    model: TinyLlama,
+    tc: TrainConfig,
+    corpus: Corpus,
+    layout: layouts.Layout,
+    rank: int,
+    comm: Optional[Comm],
+    attend: Attend,
+    device: torch.device,
+    docs: Optional[Documents],
+) -> float:
     model.eval()
     windows = val_windows(corpus, batches=tc.eval_batches, batch=tc.batch, seq_len=tc.seq_len)
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for w in windows:
         tokens, labels, positions = _shard(w.to(device), layout, rank, tc.planted_bug, docs)
         logits = model(tokens, positions, attend)
-        total += F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100,
-                                 reduction="sum").double()
+        total += F.cross_entropy(
+            logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
+        ).double()
     if comm is not None and comm.world_size > 1:
         comm.all_reduce(total)
     return float(total) / (windows.shape[0] * tc.batch * tc.seq_len)

@@ -14,6 +14,7 @@ Blocks that see no key cost nothing (the methods skip the kernel for them). The 
 tensor work between blocks (`Memory` events) costs `op_us` per operation plus its bytes at
 `mem_GBps`: measured by calibrate (the table's `memory` section) or the topology's figures.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -67,20 +68,32 @@ class ComputeModel:
 
     def _load_table(self, path: Path) -> None:
         if not path.is_file():
-            raise TopologyError(f"topology {self.topology.name}: compute table {path} not found "
-                                f"(write it with `python -m suite calibrate`)")
+            raise TopologyError(
+                f"topology {self.topology.name}: compute table {path} not found "
+                f"(write it with `python -m suite calibrate`)"
+            )
         data = yaml.safe_load(path.read_text()) or {}
         mem = data.get("memory") or {}
         if mem:
             self.mem_Bps, self.op_s = float(mem["GBps"]) * 1e9, float(mem["op_us"]) * 1e-6
         by_class: dict[tuple, list[tuple[float, float]]] = {}
         for b in data.get("blocks", []):
-            e = Compute(b["op"], b["batch"], b["sq"], b["sk"], b["heads"], b["kv_heads"], b["head_dim"],
-                        b["causal_offset"], b["dtype"])
+            e = Compute(
+                b["op"],
+                b["batch"],
+                b["sq"],
+                b["sk"],
+                b["heads"],
+                b["kv_heads"],
+                b["head_dim"],
+                b["causal_offset"],
+                b["dtype"],
+            )
             self.table[e] = float(b["seconds"])
             if e.pairs:
                 by_class.setdefault((e.op, mask_class(e), e.head_dim, e.dtype), []).append(
-                    (math.log(e.flops), e.flops / float(b["seconds"])))
+                    (math.log(e.flops), e.flops / float(b["seconds"]))
+                )
         for k, pts in by_class.items():
             pts.sort()
             self.rates[k] = ([p[0] for p in pts], [p[1] for p in pts])
@@ -105,11 +118,13 @@ class ComputeModel:
                 return hit
             cls = (e.op, mask_class(e), e.head_dim, e.dtype)
             if cls not in self.rates:
-                raise TopologyError(f"compute table of {self.topology.name} has no {cls} blocks near {e}; "
-                                    f"calibrate with this sweep")
+                raise TopologyError(
+                    f"compute table of {self.topology.name} has no {cls} blocks near {e}; calibrate with this sweep"
+                )
             xs, ys = self.rates[cls]
             return e.flops / _interp(xs, ys, math.log(e.flops))
         eff = self.eff
         curve = eff[e.op] if mask_class(e) == "full" else eff.get(f"{e.op}_causal", eff[e.op])
-        return self.launch_s + e.flops / (self.peak[e.dtype] * _interp(self.log_tokens, curve,
-                                                                        0.5 * math.log(e.sq * e.sk)))
+        return self.launch_s + e.flops / (
+            self.peak[e.dtype] * _interp(self.log_tokens, curve, 0.5 * math.log(e.sq * e.sk))
+        )

@@ -18,6 +18,7 @@ Concurrent flows share every link, port and NIC they cross max-min fairly (progr
 each also capped by its own single-flow limit (`Topology.path`). So on an NVSwitch node 7 flows
 out of one GPU each get 1/7 of its port, while on a full mesh each gets its own link.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -39,7 +40,7 @@ class SimError(RuntimeError):
 @dataclass(eq=False)
 class Flow:
     resources: tuple
-    cap: float                   # its own limit (bytes/s, or work/s for compute)
+    cap: float  # its own limit (bytes/s, or work/s for compute)
     size: float
     on_done: Callable[[], None]
     remaining: float = field(init=False)
@@ -63,8 +64,10 @@ def max_min_rates(flows: list[Flow], capacity: dict) -> None:
     count = {r: len(us) for r, us in users.items()}
     level = 0.0
     while unfrozen:
-        inc = min(min((f.cap - level for f in unfrozen), default=math.inf),
-                  min((left[r] / n for r, n in count.items() if n > 0), default=math.inf))
+        inc = min(
+            min((f.cap - level for f in unfrozen), default=math.inf),
+            min((left[r] / n for r, n in count.items() if n > 0), default=math.inf),
+        )
         inc = max(inc, 0.0)
         level += inc
         for r, n in count.items():
@@ -100,8 +103,9 @@ class _Handle:
         self.rank, self.pending, self.waiting = rank, 0, False
 
 
-def replay(trace: Trace, topology, compute_time: Callable[[Compute], float], *, comm: bool = True,
-           compute: bool = True) -> Replay:
+def replay(
+    trace: Trace, topology, compute_time: Callable[[Compute], float], *, comm: bool = True, compute: bool = True
+) -> Replay:
     """Simulate one iteration of `trace` on `topology`. `comm=False` makes every message free
     (the compute-only time), `compute=False` every block (the comm-only time)."""
     return _Sim(trace, topology, compute_time, comm, compute).run()
@@ -287,7 +291,9 @@ class _Sim:
                 fn()
         stuck = [r for r in range(self.p) if self.pc[r] < len(self.tr.ranks[r]) or self.blocked[r]]
         if stuck:
-            raise SimError(f"{self.tr.method}: ranks {stuck} never finished (blocked on "
-                           f"{[self.blocked[r] for r in stuck]}): unmatched messages or a collective not all "
-                           f"ranks called")
+            raise SimError(
+                f"{self.tr.method}: ranks {stuck} never finished (blocked on "
+                f"{[self.blocked[r] for r in stuck]}): unmatched messages or a collective not all "
+                f"ranks called"
+            )
         return Replay(self.end, self.kernel_s, self.blocked_s)

@@ -23,6 +23,7 @@ tests/test_advise.py checks the working set against the peak that suite.memtrack
 every own method at a small shape (virtual ranks as threads), within a stated factor. Kernel
 workspaces that never become tensors (flash-attention's tiles) are not counted.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,9 +36,9 @@ from methods.common import kv_replication, ulysses_bytes
 class MemoryEstimate:
     """Bytes per rank of one attention call."""
 
-    inputs: int    # q, k, v shards (and dout) the caller holds before the call
-    working: int   # what the call itself allocates at its peak, beyond its inputs
-    saved: int     # kept per layer for the backward pass (0 for forward only)
+    inputs: int  # q, k, v shards (and dout) the caller holds before the call
+    working: int  # what the call itself allocates at its peak, beyond its inputs
+    saved: int  # kept per layer for the backward pass (0 for forward only)
 
     def total(self, layers: int = 1) -> int:
         """Peak of one layer's call, plus what the other `layers - 1` layers keep for backward."""
@@ -52,39 +53,38 @@ def estimate(method: Method, case: Case, pass_: str) -> MemoryEstimate:
     local = case.seq_len // p
     u, r = method.degrees(case)
     rep = kv_replication(case.kv_heads, u) if u > 1 else 1
-    tokens_heads = case.batch * local * case.head_dim     # one head's worth of local tokens, in elements
+    tokens_heads = case.batch * local * case.head_dim  # one head's worth of local tokens, in elements
     q = tokens_heads * case.heads * e
-    kv = tokens_heads * case.kv_heads * e                 # one of k, v
+    kv = tokens_heads * case.kv_heads * e  # one of k, v
     lse = case.batch * case.heads * local * 4
     q_acc, kv_acc = q // e * a, kv // e * a
     fwd = bwd = 0
-    bwd_inputs = q if pass_ == "fwd_bwd" else 0            # dout
-    fwd += q + q_acc + lse + q_acc                        # out, its accumulator, LSE, one block's result
+    bwd_inputs = q if pass_ == "fwd_bwd" else 0  # dout
+    fwd += q + q_acc + lse + q_acc  # out, its accumulator, LSE, one block's result
     scattered = 0
     if u > 1:
-        scattered = q + 2 * kv * rep                       # every token of the group for this rank's heads
-        fwd += scattered + max(q, kv * rep)                # ... and the all-to-all's send buffer
+        scattered = q + 2 * kv * rep  # every token of the group for this rank's heads
+        fwd += scattered + max(q, kv * rep)  # ... and the all-to-all's send buffer
     fwd_step, bwd_step = _ring_step_bytes(method, case, pass_, u, r, kv * rep, kv_acc * rep)
     if method.gathers_whole_sequence:
-        fwd += 2 * 2 * kv * p                              # whole K/V and the all-gather's buffer
+        fwd += 2 * 2 * kv * p  # whole K/V and the all-gather's buffer
     elif r > 1:
-        fwd += 2 * fwd_step                                # the block held and the next one arriving
+        fwd += 2 * fwd_step  # the block held and the next one arriving
     if pass_ == "fwd_bwd":
-        bwd += q + 2 * kv + q_acc + 2 * kv_acc * rep       # dq, dk, dv and their fp32 accumulators
+        bwd += q + 2 * kv + q_acc + 2 * kv_acc * rep  # dq, dk, dv and their fp32 accumulators
         if u > 1:
-            bwd += scattered                               # head-scattered dout, dq, dk, dv
+            bwd += scattered  # head-scattered dout, dq, dk, dv
         if method.gathers_whole_sequence:
-            bwd += 2 * kv_acc * p                          # the whole sequence's dK/dV
+            bwd += 2 * kv_acc * p  # the whole sequence's dK/dV
         elif r > 1:
-            bwd += 2 * bwd_step                            # what circulates: K/V and dK/dV, or query packets
+            bwd += 2 * bwd_step  # what circulates: K/V and dK/dV, or query packets
     saved = 0
     if pass_ == "fwd_bwd":
         saved = q + 2 * kv + q + lse + scattered + (q if u > 1 else 0)
     return MemoryEstimate(inputs=q + 2 * kv + bwd_inputs, working=fwd + bwd, saved=saved)
 
 
-def _ring_step_bytes(method: Method, case: Case, pass_: str, u: int, r: int, kv: int, kv_acc: int
-                     ) -> tuple[int, int]:
+def _ring_step_bytes(method: Method, case: Case, pass_: str, u: int, r: int, kv: int, kv_acc: int) -> tuple[int, int]:
     """(forward, backward) bytes one ring step moves per rank: the size of the block in flight.
 
     Read from the method's own communication formula (`expected_bytes`, less the Ulysses

@@ -22,6 +22,7 @@ source in a comment, tagged [P] (a primary source: the vendor's or the library's
 document or code), [S] (a secondary source), [D] (derived by arithmetic from cited numbers) or
 [assumed].
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,8 +52,9 @@ def topology_path(name_or_path: str) -> Path:
     q = TOPOLOGIES / f"{name_or_path}.yaml"
     if q.is_file():
         return q
-    raise TopologyError(f"unknown topology {name_or_path!r}: give a YAML file or one of {available_topologies()} "
-                        f"(in {TOPOLOGIES})")
+    raise TopologyError(
+        f"unknown topology {name_or_path!r}: give a YAML file or one of {available_topologies()} (in {TOPOLOGIES})"
+    )
 
 
 def load_topology(name_or_path: str) -> "Topology":
@@ -94,9 +96,16 @@ class Topology:
         for k in ("name", "gpu", "gpus_per_node", "intra", "compute"):
             if k not in d:
                 raise TopologyError(f"{where}: key {k!r} is missing")
-        t = cls(name=str(d["name"]), gpu=str(d["gpu"]), gpus_per_node=int(d["gpus_per_node"]),
-                max_nodes=int(d.get("max_nodes", 1)), intra=dict(d["intra"]),
-                inter=dict(d["inter"]) if d.get("inter") else None, compute=dict(d["compute"]), source=source)
+        t = cls(
+            name=str(d["name"]),
+            gpu=str(d["gpu"]),
+            gpus_per_node=int(d["gpus_per_node"]),
+            max_nodes=int(d.get("max_nodes", 1)),
+            intra=dict(d["intra"]),
+            inter=dict(d["inter"]) if d.get("inter") else None,
+            compute=dict(d["compute"]),
+            source=source,
+        )
         t._validate(where)
         return t
 
@@ -104,15 +113,19 @@ class Topology:
         kind = self.intra.get("kind")
         if kind not in FABRICS:
             raise TopologyError(f"{where}: intra.kind must be one of {list(FABRICS)}, got {kind!r}")
-        need = {"switch": ("port_GBps", "flow_GBps"), "mesh": ("link_GBps",),
-                "pcie": ("gpus_per_switch", "gpu_GBps", "switch_GBps", "host_GBps")}[kind]
+        need = {
+            "switch": ("port_GBps", "flow_GBps"),
+            "mesh": ("link_GBps",),
+            "pcie": ("gpus_per_switch", "gpu_GBps", "switch_GBps", "host_GBps"),
+        }[kind]
         for k in need + ("latency_us",):
             _num(self.intra, k, f"{where}: intra")
         _num(self.intra, "fabric_GBps", f"{where}: intra", optional=True)
         if self.max_nodes > 1:
             if self.inter is None:
-                raise TopologyError(f"{where}: max_nodes is {self.max_nodes} but there is no inter section "
-                                    f"(nic_GBps, latency_us)")
+                raise TopologyError(
+                    f"{where}: max_nodes is {self.max_nodes} but there is no inter section (nic_GBps, latency_us)"
+                )
             for k in ("nic_GBps", "latency_us"):
                 _num(self.inter, k, f"{where}: inter")
 
@@ -123,8 +136,10 @@ class Topology:
     def fits(self, world_size: int) -> tuple[bool, str]:
         n = self.nodes_for(world_size)
         if n > self.max_nodes:
-            return False, (f"topology {self.name} has at most {self.max_nodes} node(s) of {self.gpus_per_node} "
-                           f"GPUs; world size {world_size} needs {n}")
+            return False, (
+                f"topology {self.name} has at most {self.max_nodes} node(s) of {self.gpus_per_node} "
+                f"GPUs; world size {world_size} needs {n}"
+            )
         return True, ""
 
     def node(self, rank: int) -> int:

@@ -11,6 +11,7 @@ mode). Since it is the method's own code that runs, a trace cannot drift from th
 FLOPs per block follow flash-attention's convention on the *visible* (query, key) pairs of the
 block: forward 4 * B * H * D * pairs, backward 2.5x that.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -33,7 +34,7 @@ from methods.kernels import visible_pairs
 class Compute:
     """One block-kernel call (also the key of a measured block time)."""
 
-    op: str                      # "fwd" or "bwd"
+    op: str  # "fwd" or "bwd"
     batch: int
     sq: int
     sk: int
@@ -96,7 +97,7 @@ class TraceLedger(CommLedger):
         super().__init__()
         self.events: list[Event] = []
         self.records = _Tap(self)
-        self.paused = 0               # > 0 inside kernels and communication: their tensor work is not bookkeeping
+        self.paused = 0  # > 0 inside kernels and communication: their tensor work is not bookkeeping
         self._bytes = self._ops = 0
 
     def add(self, event: Event) -> None:
@@ -122,12 +123,23 @@ class TraceLedger(CommLedger):
             self.paused -= 1
 
 
-_FREE = {"aten.empty.memory_format", "aten.empty_like.default", "aten.empty_strided.default", "aten.new_empty.default",
-         "aten.new_empty_strided.default", "aten.lift_fresh.default"}  # allocations: no memory traffic
+_FREE = {
+    "aten.empty.memory_format",
+    "aten.empty_like.default",
+    "aten.empty_strided.default",
+    "aten.new_empty.default",
+    "aten.new_empty_strided.default",
+    "aten.lift_fresh.default",
+}  # allocations: no memory traffic
 # in-place ops that overwrite their first argument without reading it: charged its write only (the
 # generic rule charges every argument as read and the output as written)
-_OVERWRITE = {"aten.copy_.default", "aten.fill_.Scalar", "aten.fill_.Tensor", "aten.zero_.default",
-              "aten.index_copy_.default"}
+_OVERWRITE = {
+    "aten.copy_.default",
+    "aten.fill_.Scalar",
+    "aten.fill_.Tensor",
+    "aten.zero_.default",
+    "aten.index_copy_.default",
+}
 # in-place ops that write only the places their index names, from `values`, without reading the rest
 # of the destination: charged the indices and values read and as many bytes written as values holds
 # (the generic rule charged the whole destination as read and written, three passes for one)
@@ -190,8 +202,12 @@ class _Bookkeeping(TorchDispatchMode):
         # the traced data lives on meta; real (CPU) tensors are the host's index arithmetic (packed
         # documents' masks, positions), not device work
         if not func.is_view and str(func) not in _FREE and _on_meta([args, kwargs, out]):
-            nbytes = (_tensor_bytes(list(args)) + _tensor_bytes(list((kwargs or {}).values()))
-                      + _tensor_bytes(out) + _written_bytes(func, args, kwargs or {}, out))
+            nbytes = (
+                _tensor_bytes(list(args))
+                + _tensor_bytes(list((kwargs or {}).values()))
+                + _tensor_bytes(out)
+                + _written_bytes(func, args, kwargs or {}, out)
+            )
             if str(func) in _OVERWRITE:
                 nbytes -= _tensor_bytes(args[0])
             elif str(func) in _SCATTER and not (args[3] if len(args) > 3 else (kwargs or {}).get("accumulate")):
@@ -255,8 +271,16 @@ class TracingKernel(kernels.TimedKernel):
         self._ledger = ledger
 
     @contextlib.contextmanager
-    def measure(self, device: torch.device, *, op: str, q: torch.Tensor, k: torch.Tensor,
-                causal_offset: Optional[int], mask=None):
+    def measure(
+        self,
+        device: torch.device,
+        *,
+        op: str,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        causal_offset: Optional[int],
+        mask=None,
+    ):
         b, sq, h, d = q.shape
         if mask is not None:  # packed documents: the mask's own pairs (a partly visible block has no offset)
             plain = None if mask.kind in ("full", "partial") else (mask.causal_offset if mask.kind == "offset" else -sq)
@@ -277,14 +301,20 @@ class Trace:
     case: Case
     pass_: str
     ranks: list[list[Event]] = field(default_factory=list)
-    forward_end: Optional[list[int]] = None   # fwd_bwd traces: per rank, where the backward's events start
+    forward_end: Optional[list[int]] = None  # fwd_bwd traces: per rank, where the backward's events start
 
     def forward_part(self) -> "Trace":
         """The forward pass alone of a fwd_bwd trace: the same code runs first in both passes."""
         if self.pass_ == "fwd":
             return self
-        return Trace(self.method, self.options, self.case, "fwd",
-                     [r[:n] for r, n in zip(self.ranks, self.forward_end)], list(self.forward_end))
+        return Trace(
+            self.method,
+            self.options,
+            self.case,
+            "fwd",
+            [r[:n] for r, n in zip(self.ranks, self.forward_end)],
+            list(self.forward_end),
+        )
 
     def comm(self, rank: int) -> list[CommRecord]:
         return [e for e in self.ranks[rank] if isinstance(e, CommRecord)]
@@ -307,8 +337,9 @@ class Trace:
         return sum(c.flops for r in ranks for c in self.compute(r) if op is None or c.op == op)
 
 
-def trace(method_name: str, case: Case, pass_: str = "fwd", options: Optional[dict[str, Any]] = None,
-          timeout_s: float = 120.0) -> Trace:
+def trace(
+    method_name: str, case: Case, pass_: str = "fwd", options: Optional[dict[str, Any]] = None, timeout_s: float = 120.0
+) -> Trace:
     """Run `method_name` on `case` with `case.world_size` virtual ranks on meta tensors and record
     each rank's schedule. `pass_`: "fwd" or "fwd_bwd". Raises ValueError if the method does not
     support the case (the reason)."""
@@ -335,8 +366,9 @@ def trace(method_name: str, case: Case, pass_: str = "fwd", options: Optional[di
         extra = {"docs": case.documents} if case.documents is not None else {}
         # what `attention` + autograd run (no LSE asked for: it can cost messages)
         with torch.no_grad(), _Bookkeeping(ledger):
-            _, _, residuals = method.forward(ql, kl, vl, comm=c, causal=case.causal, scale=scale, return_lse=False,
-                                             **extra)
+            _, _, residuals = method.forward(
+                ql, kl, vl, comm=c, causal=case.causal, scale=scale, return_lse=False, **extra
+            )
             ledger.flush()
             forward_end = len(ledger.events)
             if pass_ == "fwd_bwd":
@@ -391,13 +423,17 @@ def extrapolate(traces: dict[tuple[int, int], Trace], batch: int, seq_len: int) 
             raise ValueError(f"schedule of {name} is not affine in batch and length ({what})")
         return num // den
 
-    def lin(x: int, y: int) -> int:          # affine in the length
+    def lin(x: int, y: int) -> int:  # affine in the length
         return x + exact((y - x) * (seq_len - s1), s2 - s1, (x, y))
 
-    def bil(v11: int, v12: int, v21: int, v22: int) -> int:   # bilinear in batch and length
+    def bil(v11: int, v12: int, v21: int, v22: int) -> int:  # bilinear in batch and length
         db, ds = batch - b1, seq_len - s1
-        return (v11 + exact((v21 - v11) * db, b2 - b1, (v11, v21)) + exact((v12 - v11) * ds, s2 - s1, (v11, v12))
-                + exact((v22 - v21 - v12 + v11) * db * ds, (b2 - b1) * (s2 - s1), (v11, v12, v21, v22)))
+        return (
+            v11
+            + exact((v21 - v11) * db, b2 - b1, (v11, v21))
+            + exact((v12 - v11) * ds, s2 - s1, (v11, v12))
+            + exact((v22 - v21 - v12 + v11) * db * ds, (b2 - b1) * (s2 - s1), (v11, v12, v21, v22))
+        )
 
     def one(e: Event, f: Event, g: Event, h: Event) -> Event:
         if not type(e) is type(f) is type(g) is type(h):
@@ -408,10 +444,17 @@ def extrapolate(traces: dict[tuple[int, int], Trace], batch: int, seq_len: int) 
         if isinstance(e, CommRecord):
             if any(x.kind != e.kind or x.peers != e.peers or x.per_peer.keys() != e.per_peer.keys() for x in (f, g, h)):
                 raise ValueError(f"traces of {name} at different sizes talk to different peers")
-            per_peer = {p: tuple(bil(e.per_peer[p][i], f.per_peer[p][i], g.per_peer[p][i], h.per_peer[p][i])
-                                 for i in (0, 1)) for p in e.per_peer}
-            return CommRecord(e.kind, bil(e.bytes_sent, f.bytes_sent, g.bytes_sent, h.bytes_sent),
-                              bil(e.bytes_recv, f.bytes_recv, g.bytes_recv, h.bytes_recv), e.peers, per_peer)
+            per_peer = {
+                p: tuple(bil(e.per_peer[p][i], f.per_peer[p][i], g.per_peer[p][i], h.per_peer[p][i]) for i in (0, 1))
+                for p in e.per_peer
+            }
+            return CommRecord(
+                e.kind,
+                bil(e.bytes_sent, f.bytes_sent, g.bytes_sent, h.bytes_sent),
+                bil(e.bytes_recv, f.bytes_recv, g.bytes_recv, h.bytes_recv),
+                e.peers,
+                per_peer,
+            )
         if isinstance(e, Memory):
             if not e.ops == f.ops == g.ops == h.ops:
                 raise ValueError(f"traces of {name} at different sizes do different tensor work")
@@ -420,12 +463,21 @@ def extrapolate(traces: dict[tuple[int, int], Trace], batch: int, seq_len: int) 
             raise ValueError(f"traces of {name} at different sizes wait differently")
         return e
 
-    if not [len(r) for r in t11.ranks] == [len(r) for r in t12.ranks] == [len(r) for r in t21.ranks] \
-            == [len(r) for r in t22.ranks]:
+    if (
+        not [len(r) for r in t11.ranks]
+        == [len(r) for r in t12.ranks]
+        == [len(r) for r in t21.ranks]
+        == [len(r) for r in t22.ranks]
+    ):
         raise ValueError(f"traces of {name} at different sizes differ in structure")
-    return Trace(name, t11.options, replace(t11.case, batch=batch, seq_len=seq_len), t11.pass_,
-                 [[one(*evs) for evs in zip(*ranks)] for ranks in zip(t11.ranks, t12.ranks, t21.ranks, t22.ranks)],
-                 t11.forward_end)
+    return Trace(
+        name,
+        t11.options,
+        replace(t11.case, batch=batch, seq_len=seq_len),
+        t11.pass_,
+        [[one(*evs) for evs in zip(*ranks)] for ranks in zip(t11.ranks, t12.ranks, t21.ranks, t22.ranks)],
+        t11.forward_end,
+    )
 
 
 class TraceCache:
@@ -459,15 +511,33 @@ class TraceCache:
         traced_pass = "fwd" if methods.get_method(method_name, **options).forward_only_reason(case) else "fwd_bwd"
         if pass_ == "fwd_bwd" and traced_pass == "fwd":
             raise ValueError(f"{method_name} has no backward for this case")
-        key = (method_name, traced_pass, tuple(sorted(options.items())), case.world_size, case.causal, case.heads,
-               case.kv_heads, case.head_dim, case.dtype, s0, batches)
+        key = (
+            method_name,
+            traced_pass,
+            tuple(sorted(options.items())),
+            case.world_size,
+            case.causal,
+            case.heads,
+            case.kv_heads,
+            case.head_dim,
+            case.dtype,
+            s0,
+            batches,
+        )
         if key not in self._templates:
-            self._templates[key] = {(b, s): trace(method_name, replace(case, batch=b, seq_len=s),
-                                                  traced_pass, options)
-                                    for b in batches for s in (s0, 2 * s0)}
+            self._templates[key] = {
+                (b, s): trace(method_name, replace(case, batch=b, seq_len=s), traced_pass, options)
+                for b in batches
+                for s in (s0, 2 * s0)
+            }
             self.traced += len(self._templates[key])
-        if any(e.doc_pairs is not None for t in self._templates[key].values() for r in t.ranks for e in r
-               if isinstance(e, Compute)):
+        if any(
+            e.doc_pairs is not None
+            for t in self._templates[key].values()
+            for r in t.ranks
+            for e in r
+            if isinstance(e, Compute)
+        ):
             # a method that masks by documents even without packed ones (sharding by documents):
             # its block masks do not scale with the length; trace the case itself
             return self._trace_directly(method_name, case, pass_, options)

@@ -1,4 +1,5 @@
 """Workloads by the config's `kind` (suite/workloads/base.py describes the seam)."""
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
@@ -15,9 +16,11 @@ def workload_class(kind: str) -> type[Workload]:
     """The class of workload `kind` (a value of the config's `kind`, see suite.config.KINDS)."""
     if kind == "attention":
         from suite.workloads.attention import AttentionWorkload
+
         return AttentionWorkload
     if kind == "perplexity":  # imported on demand: it loads the model and its corpus code
         from suite.workloads.perplexity import PerplexityWorkload
+
         return PerplexityWorkload
     raise KeyError(f"unknown workload kind {kind!r}")
 

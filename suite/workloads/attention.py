@@ -5,6 +5,7 @@ against the float64 reference, run one iteration through a byte-counting comm, w
 `repeats` iterations, then split one iteration's time (kernels, blocked on communication, the
 rest). The parent's row takes the worst rank for errors, times and bytes.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -43,19 +44,23 @@ class AttentionWorkload(Workload):
     def run_rank(self, spec: TrialSpec, ctx: RankContext) -> RankReport:
         comm, device, settings = ctx.comm, ctx.device, ctx.settings
         method = spec.build_method()
-        case = spec.run_case(method)            # padded to the method's granule, with any documents
+        case = spec.run_case(method)  # padded to the method's granule, with any documents
         docs = case.documents
         layout = method.layout(case)
         checked = settings.check and spec.seq_len <= settings.check_max_seq_len
         lengths = spec.document_lengths()
         true_docs = Documents(lengths, spec.seq_len) if lengths is not None else None
-        prob = ctx.cache.get((spec.problem_key(), checked, settings.seed, str(device)), lambda: build_problem(
-            *spec.problem_key(), seed=settings.seed, device=device, with_reference=checked, documents=true_docs))
+        prob = ctx.cache.get(
+            (spec.problem_key(), checked, settings.seed, str(device)),
+            lambda: build_problem(
+                *spec.problem_key(), seed=settings.seed, device=device, with_reference=checked, documents=true_docs
+            ),
+        )
         ctx.prepared()
         rank = comm.rank
         pad = case.seq_len - spec.seq_len
         q, k, v, dout = (layout.shard(_pad(x, pad), rank) for x in (prob.q, prob.k, prob.v, prob.dout))
-        real = layout.positions(rank) < spec.seq_len   # this rank's rows that are not padding
+        real = layout.positions(rank) < spec.seq_len  # this rank's rows that are not padding
         report = RankReport(rank=rank, checked=checked, kernel_used=method.kernel_used(device, q.dtype, spec.head_dim))
 
         # 1. Correctness against float64 attention on the unsharded inputs (padding rows excluded).
@@ -65,8 +70,9 @@ class AttentionWorkload(Workload):
                     continue
                 dim = 2 if name == "lse" else 1
                 ref = layout.shard(_pad(prob.ref[name], pad, dim), rank, dim=dim)
-                report.errors[name] = max_abs_err(tensor.index_select(dim, _where(real, tensor)),
-                                                  ref.index_select(dim, _where(real, ref)))
+                report.errors[name] = max_abs_err(
+                    tensor.index_select(dim, _where(real, tensor)), ref.index_select(dim, _where(real, ref))
+                )
                 report.tol[name] = prob.tolerance(name, spec.world_size)
 
         # 2. One iteration through a counting comm and a pair-counting kernel: bytes per rank, and
@@ -106,8 +112,7 @@ class AttentionWorkload(Workload):
             report.breakdown = _breakdown(method, step, comm, device, settings.repeats)
         return report
 
-    def row(self, spec: TrialSpec, outcome: Outcome, ctx: RowContext, started_at: str,
-            wall_s: float) -> dict[str, Any]:
+    def row(self, spec: TrialSpec, outcome: Outcome, ctx: RowContext, started_at: str, wall_s: float) -> dict[str, Any]:
         """One result row from the ranks' reports (max over ranks for errors, times and bytes)."""
         row, reports = begin_row(spec, outcome, ctx, started_at, wall_s)
         if reports is None:
@@ -127,14 +132,16 @@ class AttentionWorkload(Workload):
         row.update(breakdown_columns(reports, med))
         row.update(comm_columns(reports))
         peaks = [r.peak_mem for r in reports]
-        row.update({
-            M.KERNEL_USED: reports[0].kernel_used,
-            M.TFLOPS_PER_GPU: M.tflops_per_gpu(flops, med / 1e3, spec.world_size),
-            M.TOKENS_PER_S: M.tokens_per_s(spec.batch, spec.seq_len, med / 1e3),
-            M.PEAK_MEM: max(peaks) if None not in peaks else None,
-            M.STATUS: M.INCORRECT if bad else M.OK,
-            M.REASON: "; ".join(bad),
-        })
+        row.update(
+            {
+                M.KERNEL_USED: reports[0].kernel_used,
+                M.TFLOPS_PER_GPU: M.tflops_per_gpu(flops, med / 1e3, spec.world_size),
+                M.TOKENS_PER_S: M.tokens_per_s(spec.batch, spec.seq_len, med / 1e3),
+                M.PEAK_MEM: max(peaks) if None not in peaks else None,
+                M.STATUS: M.INCORRECT if bad else M.OK,
+                M.REASON: "; ".join(bad),
+            }
+        )
         return finish(row, outcome)
 
 
@@ -144,7 +151,7 @@ def _pad(x: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
         return x
     shape = list(x.shape)
     shape[dim] = n
-    fill = float("-inf") if x.dim() == 3 else 0.0   # lse is [B, H, S]; every other tensor [B, S, H, D]
+    fill = float("-inf") if x.dim() == 3 else 0.0  # lse is [B, H, S]; every other tensor [B, S, H, D]
     return torch.cat([x, x.new_full(shape, fill)], dim=dim)
 
 
@@ -160,8 +167,12 @@ def _outputs(method, spec: TrialSpec, q, k, v, dout, comm: Comm, autograd: bool,
             out, lse = method.attention(q, k, v, causal=spec.causal, comm=comm, return_lse=True, **extra)
         return {"out": out, "lse": lse}
     if not autograd:
-        return dict(zip(("out", "lse", "dq", "dk", "dv"),
-                        method.attention_fwd_bwd(q, k, v, dout, causal=spec.causal, comm=comm, **extra)))
+        return dict(
+            zip(
+                ("out", "lse", "dq", "dk", "dv"),
+                method.attention_fwd_bwd(q, k, v, dout, causal=spec.causal, comm=comm, **extra),
+            )
+        )
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
     out, lse = method.attention(qg, kg, vg, causal=spec.causal, comm=comm, return_lse=True, **extra)
     got = {"out": out.detach(), "lse": lse}
@@ -197,25 +208,35 @@ def _breakdown(method, step, comm: Comm, device: torch.device, repeats: int) -> 
         comm_only = time_iterations(lambda: step(comm), comm=comm, repeats=repeats, device=device)
     finally:
         method.kernel = kernel
-    return Breakdown(iter_ms=total_s * 1e3, kernel_ms=kernel_s * 1e3, comm_wait_ms=wait_s * 1e3,
-                     compute_only_ms=compute_only, comm_only_ms=comm_only)
+    return Breakdown(
+        iter_ms=total_s * 1e3,
+        kernel_ms=kernel_s * 1e3,
+        comm_wait_ms=wait_s * 1e3,
+        compute_only_ms=compute_only,
+        comm_only_ms=comm_only,
+    )
 
 
 def _make_step(method, spec: TrialSpec, q, k, v, dout, autograd: bool, docs):
     """The timed unit: forward without an autograd graph, or forward + backward."""
     extra = {"docs": docs} if docs is not None else {}
     if spec.pass_ == "fwd":
+
         def step(c: Comm) -> None:
             with torch.no_grad():
                 method.attention(q, k, v, causal=spec.causal, comm=c, **extra)
+
         return step
     if not autograd:
+
         def step(c: Comm) -> None:
             method.attention_fwd_bwd(q, k, v, dout, causal=spec.causal, comm=c, **extra)
+
         return step
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
 
     def step(c: Comm) -> None:
         out = method.attention(qg, kg, vg, causal=spec.causal, comm=c, **extra)
         torch.autograd.grad(out, (qg, kg, vg), dout)
+
     return step

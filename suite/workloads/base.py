@@ -5,6 +5,7 @@ A workload plans (its passes and the identity of what it runs), runs one trial o
 rank's report. The runner and the executors call these and nothing else, so a new kind of trial
 (packed documents, a model's training) is one class here, with no branch elsewhere.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ def documents_identity(cfg: "SuiteConfig", workload: str, batch: int, seq_len: i
     if workload == UNIFORM:
         return ""
     import dataclasses
+
     dist = Distribution.from_config(workload, dataclasses.asdict(cfg.documents[workload]))
     return identity(dist, seq_len, batch, cfg.run.seed)
 
@@ -95,6 +97,5 @@ class Workload:
     def run_rank(self, spec: TrialSpec, ctx: RankContext) -> RankReport:
         raise NotImplementedError
 
-    def row(self, spec: TrialSpec, outcome: Outcome, ctx: RowContext, started_at: str,
-            wall_s: float) -> dict[str, Any]:
+    def row(self, spec: TrialSpec, outcome: Outcome, ctx: RowContext, started_at: str, wall_s: float) -> dict[str, Any]:
         raise NotImplementedError

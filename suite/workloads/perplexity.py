@@ -6,6 +6,7 @@ final perplexity with a baseline trained on one device from the same seed with t
 of the suite's attention code). The baseline is computed once per workload in the parent, stored
 as its own row (method `baseline`, executor `local`), and read back on `--resume`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -31,9 +32,9 @@ from suite.plan import TrialSpec
 from suite.records import Outcome, RankReport, RowContext, base_row, begin_row, complete, finish, timing_columns
 from suite.workloads.base import RankContext, Workload, documents_identity
 
-TRAIN = "train"          # the `pass` of a perplexity trial
-BASELINE = "baseline"    # the method name of the single-device baseline row
-LOCAL = "local"          # its executor: the parent process, one device
+TRAIN = "train"  # the `pass` of a perplexity trial
+BASELINE = "baseline"  # the method name of the single-device baseline row
+LOCAL = "local"  # its executor: the parent process, one device
 
 
 # ---------------------------------------------------------------------------------------------
@@ -45,8 +46,10 @@ def workload_json(cfg) -> str:
     data = dataclasses.asdict(p.data)
     corpus = _corpus(json.dumps(data, sort_keys=True))
     model = {"layers": p.layers, "mlp_hidden": p.mlp_hidden, "rope_theta": p.rope_theta}
-    train = {k: getattr(p, k) for k in ("steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "eval_batches",
-                                        "planted_bug")}
+    train = {
+        k: getattr(p, k)
+        for k in ("steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "eval_batches", "planted_bug")
+    }
     train["seed"] = cfg.run.seed
     data.update(name=corpus.name, sha256=corpus.sha256)
     return json.dumps({"model": model, "train": train, "data": data}, sort_keys=True, separators=(",", ":"))
@@ -55,8 +58,15 @@ def workload_json(cfg) -> str:
 @functools.lru_cache(maxsize=4)
 def _corpus(data_json: str) -> Corpus:
     d = json.loads(data_json)
-    return load_corpus(d["source"], path=d["path"], hf_dataset=d["hf_dataset"], hf_split=d["hf_split"],
-                       hf_text_field=d["hf_text_field"], max_bytes=d["max_bytes"], val_fraction=d["val_fraction"])
+    return load_corpus(
+        d["source"],
+        path=d["path"],
+        hf_dataset=d["hf_dataset"],
+        hf_split=d["hf_split"],
+        hf_text_field=d["hf_text_field"],
+        max_bytes=d["max_bytes"],
+        val_fraction=d["val_fraction"],
+    )
 
 
 def _configs(spec: TrialSpec) -> tuple[ModelConfig, TrainConfig, Corpus]:
@@ -64,9 +74,11 @@ def _configs(spec: TrialSpec) -> tuple[ModelConfig, TrainConfig, Corpus]:
     data = {k: v for k, v in w["data"].items() if k not in ("name", "sha256")}
     corpus = _corpus(json.dumps(data, sort_keys=True))
     if corpus.sha256 != w["data"]["sha256"]:
-        raise RuntimeError(f"this process reads a different corpus ({corpus.name}, sha256 {corpus.sha256[:12]}) "
-                           f"than the one planned (sha256 {w['data']['sha256'][:12]}): every rank must see "
-                           f"the same data (same Python version for the stdlib corpus)")
+        raise RuntimeError(
+            f"this process reads a different corpus ({corpus.name}, sha256 {corpus.sha256[:12]}) "
+            f"than the one planned (sha256 {w['data']['sha256'][:12]}): every rank must see "
+            f"the same data (same Python version for the stdlib corpus)"
+        )
     model = ModelConfig(heads=spec.heads, kv_heads=spec.kv_heads, head_dim=spec.head_dim, **w["model"])
     train = TrainConfig(batch=spec.batch, seq_len=spec.seq_len, **w["train"])
     return model, train, corpus
@@ -102,11 +114,13 @@ class PerplexityWorkload(Workload):
     def run_rank(self, spec: TrialSpec, ctx: RankContext) -> RankReport:
         """Train and evaluate with `spec`'s method on this rank (raises on error; the caller records it)."""
         if not ctx.autograd:
-            raise RuntimeError("training needs autograd across ranks, which virtual ranks on one GPU cannot use "
-                               "(autograd runs a device's backward on one thread); use run.executor=dist")
+            raise RuntimeError(
+                "training needs autograd across ranks, which virtual ranks on one GPU cannot use "
+                "(autograd runs a device's backward on one thread); use run.executor=dist"
+            )
         model_cfg, train_cfg, corpus = _configs(spec)
         method = spec.build_method()
-        case = spec.run_case(method)           # padded to the method's granule, with any packed documents
+        case = spec.run_case(method)  # padded to the method's granule, with any packed documents
         layout = method.layout(case)
         docs = case.documents
         ctx.prepared()
@@ -118,15 +132,29 @@ class PerplexityWorkload(Workload):
             extra = {"docs": told} if told is not None else {}
             return functools.partial(method.attention, causal=True, comm=c, **extra)
 
-        result = train_and_evaluate(model_cfg, train_cfg, corpus, layout=layout, comm=ctx.comm, make_attend=attend,
-                                    dtype=torch_dtype(spec.dtype), device=ctx.device, docs=docs)
-        return RankReport(rank=ctx.comm.rank, checked=True,
-                          kernel_used=method.kernel_used(ctx.device, torch_dtype(spec.dtype), spec.head_dim),
-                          losses=result.losses, val_loss=result.val_loss, samples_ms=result.step_ms,
-                          bytes_sent=result.attn_bytes_sent, bytes_recv=result.attn_bytes_recv)
+        result = train_and_evaluate(
+            model_cfg,
+            train_cfg,
+            corpus,
+            layout=layout,
+            comm=ctx.comm,
+            make_attend=attend,
+            dtype=torch_dtype(spec.dtype),
+            device=ctx.device,
+            docs=docs,
+        )
+        return RankReport(
+            rank=ctx.comm.rank,
+            checked=True,
+            kernel_used=method.kernel_used(ctx.device, torch_dtype(spec.dtype), spec.head_dim),
+            losses=result.losses,
+            val_loss=result.val_loss,
+            samples_ms=result.step_ms,
+            bytes_sent=result.attn_bytes_sent,
+            bytes_recv=result.attn_bytes_recv,
+        )
 
-    def row(self, spec: TrialSpec, outcome: Outcome, ctx: RowContext, started_at: str,
-            wall_s: float) -> dict[str, Any]:
+    def row(self, spec: TrialSpec, outcome: Outcome, ctx: RowContext, started_at: str, wall_s: float) -> dict[str, Any]:
         """One result row: ok when every step's loss and the final perplexity match the baseline."""
         baseline = self._baselines.get(spec)
         p = self.cfg.perplexity
@@ -134,13 +162,25 @@ class PerplexityWorkload(Workload):
         if reports is None:
             return row
         first = reports[0]
-        row.update(_result_columns(spec, [r.samples_ms for r in reports], first.losses, first.val_loss,
-                                   ctx.settings.warmup))
-        row.update({M.CHECKED: True, M.KERNEL_USED: first.kernel_used,  # bytes of one training step's attention
-                    M.BYTES_SENT: max(r.bytes_sent for r in reports), M.BYTES_RECV: max(r.bytes_recv for r in reports)})
+        row.update(
+            _result_columns(spec, [r.samples_ms for r in reports], first.losses, first.val_loss, ctx.settings.warmup)
+        )
+        row.update(
+            {
+                M.CHECKED: True,
+                M.KERNEL_USED: first.kernel_used,  # bytes of one training step's attention
+                M.BYTES_SENT: max(r.bytes_sent for r in reports),
+                M.BYTES_RECV: max(r.bytes_recv for r in reports),
+            }
+        )
         if baseline[M.STATUS] != M.OK:
-            row.update({M.STATUS: M.FAILED, M.CHECKED: False,
-                        M.REASON: f"no verdict: the single-device baseline failed: {baseline[M.REASON]}"[:4000]})
+            row.update(
+                {
+                    M.STATUS: M.FAILED,
+                    M.CHECKED: False,
+                    M.REASON: f"no verdict: the single-device baseline failed: {baseline[M.REASON]}"[:4000],
+                }
+            )
             return finish(row, outcome)
         base_losses, base_ppl = baseline[M.LOSS_CURVE], baseline[M.PPL]
         worst, worst_step = 0.0, 0
@@ -154,13 +194,24 @@ class PerplexityWorkload(Workload):
         ppl_rel = row[M.PPL] / base_ppl - 1.0
         bad = []
         if not worst <= p.loss_rtol:
-            bad.append(f"training loss differs from the single-device baseline by {worst:.3g} (relative) at step "
-                       f"{worst_step}; tolerance {p.loss_rtol:g}")
+            bad.append(
+                f"training loss differs from the single-device baseline by {worst:.3g} (relative) at step "
+                f"{worst_step}; tolerance {p.loss_rtol:g}"
+            )
         if not abs(ppl_rel) <= p.ppl_rtol:
-            bad.append(f"perplexity {row[M.PPL]:.4f} vs baseline {base_ppl:.4f} ({ppl_rel:+.3g} relative); "
-                       f"tolerance {p.ppl_rtol:g}")
-        row.update({M.PPL_BASELINE: base_ppl, M.PPL_REL_DIFF: ppl_rel, M.LOSS_MAX_REL_DIFF: worst,
-                    M.STATUS: M.INCORRECT if bad else M.OK, M.REASON: "; ".join(bad)})
+            bad.append(
+                f"perplexity {row[M.PPL]:.4f} vs baseline {base_ppl:.4f} ({ppl_rel:+.3g} relative); "
+                f"tolerance {p.ppl_rtol:g}"
+            )
+        row.update(
+            {
+                M.PPL_BASELINE: base_ppl,
+                M.PPL_REL_DIFF: ppl_rel,
+                M.LOSS_MAX_REL_DIFF: worst,
+                M.STATUS: M.INCORRECT if bad else M.OK,
+                M.REASON: "; ".join(bad),
+            }
+        )
         return finish(row, outcome)
 
 
@@ -169,9 +220,18 @@ class PerplexityWorkload(Workload):
 # ---------------------------------------------------------------------------------------------
 def baseline_spec(spec: TrialSpec) -> TrialSpec:
     """The baseline's identity: the trial's problem and workload on one device, torch SDPA."""
-    return dataclasses.replace(spec, method=BASELINE, impl=f"torch {torch.__version__.split('+')[0]} sdpa",
-                               executor=LOCAL, world_size=1, nodes=1, ulysses_degree=1, ring_degree=1,
-                               kernel="sdpa", options="{}")
+    return dataclasses.replace(
+        spec,
+        method=BASELINE,
+        impl=f"torch {torch.__version__.split('+')[0]} sdpa",
+        executor=LOCAL,
+        world_size=1,
+        nodes=1,
+        ulysses_degree=1,
+        ring_degree=1,
+        kernel="sdpa",
+        options="{}",
+    )
 
 
 def run_baseline(bspec: TrialSpec, ctx: RowContext) -> dict[str, Any]:
@@ -188,16 +248,38 @@ def run_baseline(bspec: TrialSpec, ctx: RowContext) -> dict[str, Any]:
             everything = torch.arange(bspec.seq_len)
             mask = docs.block(everything, everything, causal=True).dense(torch.device(bspec.device))
             attend = functools.partial(sdpa_attend, mask=mask)
-        result = train_and_evaluate(model_cfg, train_cfg, corpus, layout=layouts.contiguous(bspec.seq_len, 1),
-                                    comm=None, make_attend=lambda c: attend, dtype=torch_dtype(bspec.dtype),
-                                    device=torch.device(bspec.device), docs=docs)
+        result = train_and_evaluate(
+            model_cfg,
+            train_cfg,
+            corpus,
+            layout=layouts.contiguous(bspec.seq_len, 1),
+            comm=None,
+            make_attend=lambda c: attend,
+            dtype=torch_dtype(bspec.dtype),
+            device=torch.device(bspec.device),
+            docs=docs,
+        )
     except Exception as exc:  # noqa: BLE001 - recorded; the method trials then say why they have no verdict
-        row.update({M.STATUS: M.FAILED, M.REASON: f"{type(exc).__name__}: {exc}"[:2000],
-                    M.ERROR_TRACE: traceback.format_exc(limit=30)[-8000:], M.DURATION_S: time.perf_counter() - t0})
+        row.update(
+            {
+                M.STATUS: M.FAILED,
+                M.REASON: f"{type(exc).__name__}: {exc}"[:2000],
+                M.ERROR_TRACE: traceback.format_exc(limit=30)[-8000:],
+                M.DURATION_S: time.perf_counter() - t0,
+            }
+        )
         return complete(row)
     row.update(_result_columns(bspec, [result.step_ms], result.losses, result.val_loss, ctx.settings.warmup))
-    row.update({M.STATUS: M.OK, M.REASON: "", M.CHECKED: True, M.KERNEL_USED: "sdpa",
-                M.PPL_BASELINE: result.perplexity, M.DURATION_S: time.perf_counter() - t0})
+    row.update(
+        {
+            M.STATUS: M.OK,
+            M.REASON: "",
+            M.CHECKED: True,
+            M.KERNEL_USED: "sdpa",
+            M.PPL_BASELINE: result.perplexity,
+            M.DURATION_S: time.perf_counter() - t0,
+        }
+    )
     return complete(row)
 
 
@@ -216,9 +298,14 @@ class Baselines:
             # training it takes as long as a trial or longer, before the bar moves: say so
             self._say(f"training the single-device baseline ({bspec.label()}) ...")
             row = run_baseline(bspec, self._ctx)
-            self._say(f"baseline {row[M.STATUS]} in {row.get(M.DURATION_S) or 0.0:.1f}s"
-                      + (f": perplexity {row[M.PPL]:.4f}" if row.get(M.PPL) is not None else
-                         f": {str(row.get(M.REASON))[:200]}"))
+            self._say(
+                f"baseline {row[M.STATUS]} in {row.get(M.DURATION_S) or 0.0:.1f}s"
+                + (
+                    f": perplexity {row[M.PPL]:.4f}"
+                    if row.get(M.PPL) is not None
+                    else f": {str(row.get(M.REASON))[:200]}"
+                )
+            )
             self._store.append(row)
             self._tracker.log_trial(row)
             self.created.append(row)
@@ -226,13 +313,19 @@ class Baselines:
         return self._rows[bspec.key]
 
 
-def _result_columns(spec: TrialSpec, step_ms_per_rank: list[list[float]], losses: list[float], val_loss: float,
-                    warmup: int) -> dict[str, Any]:
+def _result_columns(
+    spec: TrialSpec, step_ms_per_rank: list[list[float]], losses: list[float], val_loss: float, warmup: int
+) -> dict[str, Any]:
     """Timing (per training step, the first `warmup` steps left out when there are more) and losses."""
     n = len(step_ms_per_rank[0])
     skip = warmup if n > warmup else 0
     cols = timing_columns([steps[skip:] for steps in step_ms_per_rank])
-    cols.update({M.TOKENS_PER_S: M.tokens_per_s(spec.batch, spec.seq_len, cols[M.TIME_MS_MEDIAN] / 1e3),
-                 M.LOSS_CURVE: list(losses), M.VAL_LOSS: val_loss,
-                 M.PPL: math.exp(val_loss) if not math.isnan(val_loss) else math.nan})
+    cols.update(
+        {
+            M.TOKENS_PER_S: M.tokens_per_s(spec.batch, spec.seq_len, cols[M.TIME_MS_MEDIAN] / 1e3),
+            M.LOSS_CURVE: list(losses),
+            M.VAL_LOSS: val_loss,
+            M.PPL: math.exp(val_loss) if not math.isnan(val_loss) else math.nan,
+        }
+    )
     return cols

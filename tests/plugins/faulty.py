@@ -8,6 +8,7 @@ exchange, as they would with a real bug):
 - `wrong`: no fault in control flow; it forgets the causal mask, so the float64 check must flag it.
 - `slow`: sleeps 0.3 s per call on every rank (to kill a sweep mid-way).
 """
+
 import os
 import time
 

@@ -9,6 +9,7 @@ methods in shim mode: their rows say impl `ring-flash-attn <version>+cpu-kernel`
 adapters and ring-flash-attn's communication and merging, never its (CUDA) kernels. It replaces
 modules process-wide, which is why it is a test plugin and not a user option.
 """
+
 import sys
 import types
 
@@ -18,22 +19,58 @@ from methods import kernels
 
 
 def _offset(sq: int, sk: int, causal: bool):
-    return (sk - sq) if causal else None   # flash-attn: causal aligned bottom-right
+    return (sk - sq) if causal else None  # flash-attn: causal aligned bottom-right
 
 
-def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left=-1, window_size_right=-1,
-                        softcap=0.0, alibi_slopes=None, return_softmax=False):
-    out, lse = kernels.block_forward(q, k, v, scale=softmax_scale,
-                                     causal_offset=_offset(q.shape[1], k.shape[1], causal))
+def _flash_attn_forward(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+):
+    out, lse = kernels.block_forward(
+        q, k, v, scale=softmax_scale, causal_offset=_offset(q.shape[1], k.shape[1], causal)
+    )
     return out, lse, None, None
 
 
-def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
-                         window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-                         deterministic=False, rng_state=None):
-    gq, gk, gv = kernels.block_backward(dout.contiguous(), q.contiguous(), k.contiguous(), v.contiguous(),
-                                        out.contiguous(), softmax_lse.float().contiguous(), scale=softmax_scale,
-                                        causal_offset=_offset(q.shape[1], k.shape[1], causal))
+def _flash_attn_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    rng_state=None,
+):
+    gq, gk, gv = kernels.block_backward(
+        dout.contiguous(),
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        out.contiguous(),
+        softmax_lse.float().contiguous(),
+        scale=softmax_scale,
+        causal_offset=_offset(q.shape[1], k.shape[1], causal),
+    )
     dq.copy_(gq), dk.copy_(gk), dv.copy_(gv)
     return None
 
@@ -43,28 +80,73 @@ def _segments(cu):
     return list(zip(cu[:-1], cu[1:]))
 
 
-def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                               softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
-                               alibi_slopes=None, return_softmax=False, block_table=None):
+def _flash_attn_varlen_forward(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+    block_table=None,
+):
     outs, lses = [], []
     for (qa, qb), (ka, kb) in zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)):
-        o, l = kernels.block_forward(q[None, qa:qb], k[None, ka:kb], v[None, ka:kb], scale=softmax_scale,
-                                     causal_offset=_offset(qb - qa, kb - ka, causal))
+        o, l = kernels.block_forward(
+            q[None, qa:qb],
+            k[None, ka:kb],
+            v[None, ka:kb],
+            scale=softmax_scale,
+            causal_offset=_offset(qb - qa, kb - ka, causal),
+        )
         outs.append(o[0]), lses.append(l[0])
-    return torch.cat(outs), torch.cat(lses, dim=-1), None, None    # lse [H, total_q]
+    return torch.cat(outs), torch.cat(lses, dim=-1), None, None  # lse [H, total_q]
 
 
-def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
-                                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left=-1,
-                                window_size_right=-1, softcap=0.0, alibi_slopes=None, deterministic=False,
-                                rng_state=None):
+def _flash_attn_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    rng_state=None,
+):
     dq.zero_(), dk.zero_(), dv.zero_()
     for (qa, qb), (ka, kb) in zip(_segments(cu_seqlens_q), _segments(cu_seqlens_k)):
         gq, gk, gv = kernels.block_backward(
-            dout[None, qa:qb].contiguous(), q[None, qa:qb].contiguous(), k[None, ka:kb].contiguous(),
-            v[None, ka:kb].contiguous(), out[None, qa:qb].contiguous(),
-            softmax_lse[None, :, qa:qb].float().contiguous(), scale=softmax_scale,
-            causal_offset=_offset(qb - qa, kb - ka, causal))
+            dout[None, qa:qb].contiguous(),
+            q[None, qa:qb].contiguous(),
+            k[None, ka:kb].contiguous(),
+            v[None, ka:kb].contiguous(),
+            out[None, qa:qb].contiguous(),
+            softmax_lse[None, :, qa:qb].float().contiguous(),
+            scale=softmax_scale,
+            causal_offset=_offset(qb - qa, kb - ka, causal),
+        )
         dq[qa:qb] += gq[0]
         dk[ka:kb] += gk[0]
         dv[ka:kb] += gv[0]

@@ -1,6 +1,7 @@
 """Test-only plugin (`run.plugins`): every rank takes 4 s longer to build a trial's inputs and
 float64 reference, so a test can tell the preparation limit from the trial limit without relying
 on how fast this machine computes the reference."""
+
 import time
 
 import suite.workloads.attention
