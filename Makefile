@@ -12,7 +12,7 @@ INSTALLER  ?= pip
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 UV_FLAGS   := $(foreach d,$(FIND_LINKS),--find-links $(d))
 
-.PHONY: install quickstart test test-fast lint list ui clean sim-check simulate gpu-check
+.PHONY: install quickstart test test-fast lint format list ui clean sim-check simulate gpu-check
 
 install: $(VENV)/.installed
 
@@ -36,11 +36,18 @@ quickstart: install
 test: install
 	$(PY) -m pytest -q
 
-# ruff (pyproject.toml [tool.ruff]): 120 columns, unused or undefined names, import order;
-# mypy (pyproject.toml [tool.mypy]) type-checks methods/.
+# ruff (pyproject.toml [tool.ruff]): 120 columns, unused or undefined names, import order, and the
+# format (`make format` writes it); mypy (pyproject.toml [tool.mypy]) type-checks methods/.
+# .pre-commit-config.yaml runs the same before each commit.
+LINTED := suite methods tests benchmarks .ci
 lint: install
-	$(PY) -m ruff check suite methods tests
+	$(PY) -m ruff check $(LINTED)
+	$(PY) -m ruff format --check $(LINTED)
 	$(PY) -m mypy methods
+
+format: install
+	$(PY) -m ruff format $(LINTED)
+	$(PY) -m ruff check --fix $(LINTED)
 
 test-fast: install  ## everything except multi-process and end-to-end sweeps
 	$(PY) -m pytest -q -m "not slow"

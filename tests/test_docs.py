@@ -303,3 +303,26 @@ def test_relative_links_resolve():
             if not (page.parent / target.split("#")[0]).exists():
                 bad.append(f"{page.relative_to(ROOT)}: {target}")
     assert not bad, "links to nothing:\n" + "\n".join(bad)
+
+
+# -- the habits' tooling ------------------------------------------------------------------------------------
+def test_the_commit_subject_hook_refuses_long_subjects_and_a_missing_blank_line():
+    spec = importlib.util.spec_from_file_location("commit_subject", ROOT / ".ci" / "commit_subject.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    assert hook.problems("Short subject\n\nThe reason.\n") == []
+    assert hook.problems("# git's comment\nShort subject\n") == []
+    assert "72" in hook.problems("x" * 73 + "\n\nbody")[0]
+    assert hook.problems("Subject\nbody at once") and hook.problems("\n\nbody")
+
+
+def test_pre_commit_runs_what_make_lint_runs():
+    import yaml
+
+    lint = ROOT.joinpath("Makefile").read_text().split("\nlint:", 1)[1].split("\n\n", 1)[0]
+    hooks = [
+        h for repo in yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())["repos"] for h in repo["hooks"]
+    ]
+    entries = " | ".join(h["entry"] for h in hooks)
+    for tool in ("ruff check", "ruff format --check", "mypy methods"):
+        assert tool in lint and tool in entries, tool
