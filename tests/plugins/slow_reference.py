@@ -1,4 +1,4 @@
-"""Test-only plugin (`run.plugins`): every rank takes 4 s longer to build a trial's inputs and
+"""Test-only plugin (`run.plugins`): every rank takes 12 s longer to build a trial's inputs and
 float64 reference, so a test can tell the preparation limit from the trial limit without relying
 on how fast this machine computes the reference."""
 
@@ -10,7 +10,7 @@ _build = suite.workloads.attention.build_problem
 
 
 def _slow_build(*args, **kwargs):
-    time.sleep(4.0)
+    time.sleep(12.0)
     return _build(*args, **kwargs)
 
 
