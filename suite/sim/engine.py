@@ -16,7 +16,19 @@ Each rank runs its traced events in order (`suite/sim/trace.py`):
 
 Concurrent flows share every link, port and NIC they cross max-min fairly (progressive filling),
 each also capped by its own single-flow limit (`Topology.path`). So on an NVSwitch node 7 flows
-out of one GPU each get 1/7 of its port, while on a full mesh each gets its own link.
+out of one GPU each get 1/7 of its port, while on a full mesh each gets its own link (up to the
+GPU's aggregate cap where the topology gives one).
+
+Overlap has a cost (the topology's `overlap` section): while a rank has a flow of its own in
+flight (it sends or receives it), its kernels run at 1 / (1 + compute_slowdown) of their speed -
+NCCL's kernels hold SMs and move their bytes through HBM beside the attention kernel. Rates are
+recomputed whenever a flow starts or ends, so a kernel that overlaps communication for part of
+its run is slowed for that part only. And every exchange pays two cross-stream event dependencies
+of `sync_us`: its flows start that long after the exchange is posted and its latency has passed
+(the communication stream waits for the compute stream that produced the buffers), and a `Wait`
+returns that long after the last flow ends, or after the wait is reached if they already ended (the
+compute stream waits for the communication stream). The per-message `latency_us` stays the
+library's own per-operation latency; the launch of the communication kernels is part of it.
 """
 
 from __future__ import annotations
@@ -43,11 +55,15 @@ class Flow:
     cap: float  # its own limit (bytes/s, or work/s for compute)
     size: float
     on_done: Callable[[], None]
+    ranks: tuple = ()  # a message's sender and receiver: the ranks whose kernels it slows
+    computing: Optional[int] = None  # a kernel's rank: slowed while that rank's messages flow
     remaining: float = field(init=False)
     rate: float = 0.0
+    base_cap: float = field(init=False)
 
     def __post_init__(self):
         self.remaining = self.size
+        self.base_cap = self.cap
 
 
 def max_min_rates(flows: list[Flow], capacity: dict) -> None:
@@ -101,6 +117,7 @@ class Replay:
 class _Handle:
     def __init__(self, rank: int):
         self.rank, self.pending, self.waiting = rank, 0, False
+        self.synced = False  # it carried messages, so waiting for it is a cross-stream dependency
 
 
 def replay(
@@ -135,21 +152,40 @@ class _Sim:
         self.ready = deque(range(p))
         self.capacity = dict(topology.capacities(p))
         self.dirty = True
+        overlap = getattr(topology, "overlap", None) or {}
+        self.slowdown = float(overlap.get("compute_slowdown", 0.0))
+        self.sync_s = float(overlap.get("sync_us", 0.0)) * 1e-6
 
     # -- scheduling primitives ------------------------------------------------------------------
     def at(self, when: float, fn: Callable[[], None]) -> None:
         self.tick += 1
         heapq.heappush(self.timers, (when, self.tick, fn))
 
-    def start_flow(self, resources: tuple, cap: float, size: float, on_done: Callable[[], None]) -> None:
+    def start_flow(
+        self,
+        resources: tuple,
+        cap: float,
+        size: float,
+        on_done: Callable[[], None],
+        *,
+        ranks: tuple = (),
+        computing: Optional[int] = None,
+    ) -> None:
         if size <= 0:
             on_done()
             return
         for r in resources:
             if r not in self.capacity:
                 raise SimError(f"topology {self.topo.name} has no resource {r}")
-        self.flows.append(Flow(resources, cap, size, on_done))
+        self.flows.append(Flow(resources, cap, size, on_done, ranks, computing))
         self.dirty = True
+
+    def slow_overlapped_kernels(self) -> None:
+        """Cap every kernel whose rank has a message in flight at 1 / (1 + slowdown) of its speed."""
+        talking = {r for f in self.flows for r in f.ranks}
+        for f in self.flows:
+            if f.computing is not None:
+                f.cap = f.base_cap / (1.0 + self.slowdown) if f.computing in talking else f.base_cap
 
     def unblock(self, rank: int) -> None:
         if self.blocked[rank] != "compute":  # computing is not waiting on communication
@@ -167,16 +203,19 @@ class _Sim:
             if isinstance(e, (Compute, Memory)):
                 secs = self.compute_time(e) if self.with_compute else 0.0
                 if secs > 0:
-                    if isinstance(e, Compute):
-                        self.kernel_s[r] += secs
                     self.blocked[r] = "compute"
                     res, cap = self.topo.compute_resource(r)
-                    self.start_flow(res, cap, secs, lambda r=r: self.unblock(r))
+                    done = self.kernel_done(r, self.t) if isinstance(e, Compute) else (lambda r=r: self.unblock(r))
+                    self.start_flow(res, cap, secs, done, computing=r)
             elif isinstance(e, Wait):
                 h = self.handles[(r, e.handle)]
                 if h.pending:
                     h.waiting = True
                     self.block(r, "wait")
+                elif h.synced and self.sync_s > 0:
+                    # the exchange is done; the compute stream still waits on its event
+                    self.block(r, "wait")
+                    self.at(self.t + self.sync_s, lambda r=r: self.unblock(r))
             elif e.kind == "p2p":
                 self.post_exchange(r, i, e)
             elif e.kind in COLLECTIVES:
@@ -186,6 +225,15 @@ class _Sim:
         if self.pc[r] == len(events) and self.blocked[r] is None:
             self.end[r] = self.t
 
+    def kernel_done(self, r: int, started: float) -> Callable[[], None]:
+        """A block kernel's completion: its time in `kernel_s` is what it took, slowed or not."""
+
+        def done() -> None:
+            self.kernel_s[r] += self.t - started
+            self.unblock(r)
+
+        return done
+
     def block(self, r: int, why: str) -> None:
         self.blocked[r] = why
         self.blocked_since[r] = self.t
@@ -194,6 +242,7 @@ class _Sim:
         h = self.handles[(r, i)] = _Handle(r)
         if not self.with_comm:
             return
+        h.synced = any(sent or recv for sent, recv in e.per_peer.values())
         for q, (sent, recv) in sorted(e.per_peer.items()):
             if sent:
                 h.pending += 1
@@ -217,9 +266,16 @@ class _Sim:
                     h.pending -= 1
                     if not h.pending and h.waiting:
                         h.waiting = False
-                        self.unblock(h.rank)
+                        if self.sync_s > 0:  # the compute stream's wait on the exchange's event
+                            self.at(self.t + self.sync_s, lambda r=h.rank: self.unblock(r))
+                        else:
+                            self.unblock(h.rank)
 
-            self.at(max(ts, tr) + lat, lambda res=res, cap=cap, n=n, done=done: self.start_flow(res, cap, n, done))
+            def start(res=res, cap=cap, n=n, done=done, ranks=(src, dst)) -> None:
+                self.start_flow(res, cap, n, done, ranks=ranks)
+
+            # the communication stream first waits for the compute stream's event (sync_s)
+            self.at(max(ts, tr) + lat + self.sync_s, start)
 
     def post_collective(self, r: int, e: CommRecord) -> None:
         group = tuple(e.peers)
@@ -244,8 +300,8 @@ class _Sim:
         def one_done() -> None:
             state["left"] -= 1
             if not state["left"]:
-                for q in group:
-                    self.unblock(q)
+                for q in group:  # each member's compute stream waits on the collective's event
+                    self.at(self.t + self.sync_s, lambda q=q: self.unblock(q))
 
         def start() -> None:
             for a in group:
@@ -253,9 +309,9 @@ class _Sim:
                 for b in group:
                     if a != b:
                         res, cap, _ = self.topo.path(a, b)
-                        self.start_flow(res, cap, share, one_done)
+                        self.start_flow(res, cap, share, one_done, ranks=(a, b))
 
-        self.at(self.t + lat, start)
+        self.at(self.t + lat + self.sync_s, start)  # and the collective's stream on the compute stream
 
     # -- the event loop ---------------------------------------------------------------------------
     def run(self) -> Replay:
@@ -265,6 +321,8 @@ class _Sim:
             if not self.flows and not self.timers:
                 break
             if self.dirty:
+                if self.slowdown:
+                    self.slow_overlapped_kernels()
                 max_min_rates(self.flows, self.capacity)
                 self.dirty = False
             t_timer = self.timers[0][0] if self.timers else math.inf

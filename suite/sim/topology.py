@@ -6,13 +6,27 @@ A topology is one node type repeated `nodes` times (as many as a world size need
   - `switch` (NVSwitch, or a host's loopback): each GPU has an egress and an ingress port of
     `port_GBps` that all its flows share; one flow is capped at `flow_GBps` (NCCL send/recv to a
     single peer does not fill the port); optionally every flow of the node shares `fabric_GBps`;
-  - `mesh` (MI300X xGMI): one link of `link_GBps` per ordered pair, nothing shared between pairs;
-  - `pcie`: GPUs under PCIe switches (`gpus_per_switch`), each with its own x16 link (`gpu_GBps`
-    up and down); traffic between switches, or all traffic when `p2p: false` (host-staged), also
-    crosses the switch uplinks (`switch_GBps`) and the host (`host_GBps`, shared by the node);
+  - `mesh` (MI300X xGMI): one link of `link_GBps` per ordered pair, and optionally a per-GPU
+    aggregate `gpu_GBps` each way that all of a GPU's links share (an all-to-all does not reach
+    seven times one link);
+  - `pcie`: a PCIe tree, every link full duplex (each direction its own capacity): GPUs under
+    PCIe switches (`gpus_per_switch`), each with its own x16 link (`gpu_GBps` up and down); traffic
+    between switches, or all traffic when `p2p: false` (host-staged), also crosses the switch
+    uplinks (`switch_GBps` each way) and the host bridge between the two switches' CPU sockets
+    (`host_GBps` per direction and ordered socket pair; `switches_per_socket`, default all on one
+    socket); a node's NICs hang off its PCIe switches (NIC k under the switch of its first GPU), so
+    inter-node traffic crosses the GPU's own x16 link, and the uplinks when GPU and NIC sit under
+    different switches;
   and `latency_us` per message.
 - `inter` (nodes > 1): one NIC per GPU (rail-optimised; or per `gpus_per_nic` GPUs), `nic_GBps`
   each way, `latency_us`.
+- `overlap` (optional): what communication costs the computation beside it. `compute_slowdown`:
+  a kernel runs (1 + s) times slower while its rank has a flow of its own in flight (NCCL's
+  channels hold SMs and its copies take HBM bandwidth); `sync_us`: one cross-stream event
+  dependency, paid twice per exchange (the communication stream waits for the compute stream
+  before its flows start; the compute stream waits for the communication stream at `Wait`).
+  Both default to 0 (a host topology, where gloo runs on CPU threads without streams). A value
+  measured on the device (`python -m suite calibrate`) replaces the sourced one: write it here.
 - `compute`: the roofline (`peak_tflops` per dtype, `efficiency` tables by block size, `launch_us`),
   or a `table` of measured block times (`python -m suite calibrate`); `shared_cores` when the
   ranks share CPU cores instead of owning a GPU each.
@@ -25,7 +39,7 @@ document or code), [S] (a secondary source), [D] (derived by arithmetic from cit
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
@@ -87,6 +101,7 @@ class Topology:
     inter: Optional[dict]
     compute: dict
     source: Optional[Path] = None
+    overlap: dict = field(default_factory=dict)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: Optional[Path] = None) -> "Topology":
@@ -105,6 +120,7 @@ class Topology:
             inter=dict(d["inter"]) if d.get("inter") else None,
             compute=dict(d["compute"]),
             source=source,
+            overlap=dict(d.get("overlap") or {}),
         )
         t._validate(where)
         return t
@@ -121,6 +137,16 @@ class Topology:
         for k in need + ("latency_us",):
             _num(self.intra, k, f"{where}: intra")
         _num(self.intra, "fabric_GBps", f"{where}: intra", optional=True)
+        if kind == "mesh":
+            _num(self.intra, "gpu_GBps", f"{where}: intra", optional=True)
+        if kind == "pcie":
+            spk = self.intra.get("switches_per_socket")
+            if spk is not None and (isinstance(spk, bool) or not isinstance(spk, int) or spk < 1):
+                raise TopologyError(f"{where}: intra.switches_per_socket must be an integer >= 1, got {spk!r}")
+        for k in ("compute_slowdown", "sync_us"):
+            v = self.overlap.get(k, 0)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise TopologyError(f"{where}: overlap.{k} must be a number >= 0, got {v!r}")
         if self.max_nodes > 1:
             if self.inter is None:
                 raise TopologyError(
@@ -163,6 +189,8 @@ class Topology:
                 for h in range(world_size):
                     if h != g and self.node(h) == self.node(g):
                         caps[("link", g, h)] = i["link_GBps"] * GB
+                if i.get("gpu_GBps"):
+                    caps[("out", g)] = caps[("in", g)] = i["gpu_GBps"] * GB
             else:
                 caps[("up", g)] = caps[("down", g)] = i["gpu_GBps"] * GB
             if nodes > 1:
@@ -171,9 +199,13 @@ class Topology:
             if i.get("fabric_GBps"):
                 caps[("fabric", n)] = i["fabric_GBps"] * GB
             if kind == "pcie":
-                caps[("host", n)] = i["host_GBps"] * GB
-                for s in range(-(-self.gpus_per_node // int(i["gpus_per_switch"]))):
+                switches = -(-self.gpus_per_node // int(i["gpus_per_switch"]))
+                for s in range(switches):
                     caps[("sw_up", n, s)] = caps[("sw_down", n, s)] = i["switch_GBps"] * GB
+                sockets = range(self._socket(switches - 1) + 1)
+                for a in sockets:
+                    for b in sockets:
+                        caps[("host", n, a, b)] = i["host_GBps"] * GB
         cores = self.compute.get("shared_cores")
         if cores:
             caps[("cores",)] = float(cores)
@@ -188,22 +220,52 @@ class Topology:
             return (("cores",),), 1.0
         return (("gpu", rank),), 1.0
 
+    # -- the PCIe tree -----------------------------------------------------------------------------
+    def _switch(self, rank: int) -> int:
+        """The PCIe switch a GPU (by its rank) sits under, within its node."""
+        return (rank % self.gpus_per_node) // int(self.intra["gpus_per_switch"])
+
+    def _socket(self, switch: int) -> int:
+        return switch // int(self.intra.get("switches_per_socket") or 1 << 30)
+
+    def _between_switches(self, n: int, a: int, b: int, staged: bool = False) -> tuple:
+        """PCIe resources from switch a to switch b of node n, each link in its own direction: up a's
+        uplink, across the host bridge between their sockets, down b's uplink. Nothing when a == b and
+        the switch routes peer to peer (`staged`: host-staged copies go up through the host even then)."""
+        if a == b and not staged:
+            return ()
+        return (("sw_up", n, a), ("host", n, self._socket(a), self._socket(b)), ("sw_down", n, b))
+
+    def _nic_switch(self, nic: int) -> int:
+        """The switch a NIC hangs off: that of the first GPU it serves."""
+        return self._switch(nic * int(self.inter.get("gpus_per_nic", 1)))
+
     def path(self, src: int, dst: int) -> tuple[tuple, float, float]:
         """(resources a flow src -> dst crosses, its own rate cap in bytes/s, latency in s)."""
+        i, kind = self.intra, self.intra["kind"]
         if self.node(src) != self.node(dst):
             cap = self.inter.get("flow_GBps", self.inter["nic_GBps"]) * GB
-            return (("nic_out", self.nic(src)), ("nic_in", self.nic(dst))), cap, self.inter["latency_us"] * 1e-6
-        i, kind, n = self.intra, self.intra["kind"], self.node(src)
+            res: tuple = (("nic_out", self.nic(src)), ("nic_in", self.nic(dst)))
+            if kind == "pcie":  # GPU -> (its switch ->) NIC, over the network, NIC (-> switch) -> GPU
+                n_s, n_d = self.node(src), self.node(dst)
+                res = (
+                    (("up", src),)
+                    + self._between_switches(n_s, self._switch(src), self._nic_switch(self.nic(src)))
+                    + res
+                    + self._between_switches(n_d, self._nic_switch(self.nic(dst)), self._switch(dst))
+                    + (("down", dst),)
+                )
+            return res, cap, self.inter["latency_us"] * 1e-6
+        n = self.node(src)
         lat = i["latency_us"] * 1e-6
         extra = (("fabric", n),) if i.get("fabric_GBps") else ()
         if kind == "switch":
             return (("out", src), ("in", dst)) + extra, i["flow_GBps"] * GB, lat
         if kind == "mesh":
-            return (("link", src, dst),) + extra, i["link_GBps"] * GB, lat
-        per = int(i["gpus_per_switch"])
-        s_src, s_dst = (src % self.gpus_per_node) // per, (dst % self.gpus_per_node) // per
-        res: tuple = (("up", src),)
-        if s_src != s_dst or not i.get("p2p", True):
-            res += (("sw_up", n, s_src), ("host", n), ("sw_down", n, s_dst))
-        res += (("down", dst),)
+            port = (("out", src), ("in", dst)) if i.get("gpu_GBps") else ()
+            return (("link", src, dst),) + port + extra, i["link_GBps"] * GB, lat
+        staged = not i.get("p2p", True)
+        res = (
+            (("up", src),) + self._between_switches(n, self._switch(src), self._switch(dst), staged) + (("down", dst),)
+        )
         return res + extra, i.get("flow_GBps", i["gpu_GBps"]) * GB, lat
