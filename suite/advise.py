@@ -21,6 +21,7 @@ import json
 import math
 import re
 import sys
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -443,9 +444,12 @@ def ideal_ms(q: Question) -> float:
     compute = ComputeModel(q.topology)
     docs = q.documents()
     causal_offset = 0 if q.causal else None
-    doc_pairs = None
+    doc_pairs = pieces = None
     if docs is not None:
         doc_pairs = sum(n * (n + 1) // 2 if q.causal else n * n for seq in docs.lengths for n in seq)
+        # one kernel call per document, as the single-device reference runs a packed block
+        count = Counter((n, n, causal_offset) for seq in docs.lengths for n in seq)
+        pieces = tuple(sorted(count.items(), key=lambda x: x[0][0]))
     t = 0.0
     for op in ("fwd",) + (("bwd",) if q.pass_ == "fwd_bwd" else ()):
         t += compute.time(
@@ -460,6 +464,7 @@ def ideal_ms(q: Question) -> float:
                 causal_offset,
                 q.dtype,
                 doc_pairs,
+                pieces,
             )
         )
     # ranks that share a host's cores (a calibrated CPU host) cannot compute more than the cores do

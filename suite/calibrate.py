@@ -10,7 +10,7 @@
 
 The output is a topology YAML (and its table beside it): on CPU a complete model of this host
 (`shared_cores`: the ranks share the cores as worker processes do); on a GPU the `--base`
-topology with its roofline replaced by the measured table.
+topology with its tile model replaced by the measured table.
 """
 
 from __future__ import annotations

@@ -187,7 +187,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Time every block shape a sweep's schedules emit with the suite's kernels on "
         "this device and write a topology YAML for run.executor=sim: on CPU a full model "
         "of this host (gloo loopback latency and bandwidth measured too), on a GPU the "
-        "--base topology with its roofline replaced by the measured table.",
+        "--base topology with its tile model replaced by the measured table.",
     )
     cal.add_argument("config", help="sweep YAML whose block shapes to time (its methods, sizes and world sizes)")
     cal.add_argument("overrides", nargs="*", help="Hydra-style overrides, as for run")

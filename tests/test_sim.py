@@ -194,15 +194,17 @@ def test_bad_topologies_name_the_key():
         load_topology("nope")
 
 
-def test_roofline_uses_the_causal_curve_for_masked_blocks_and_skips_empty_ones():
+def test_the_tile_model_counts_visible_tiles_and_skips_empty_blocks():
     cm = ComputeModel(load_topology("h100_sxm"))
     full = Compute("fwd", 1, 4096, 4096, 32, 8, 128, None, "bfloat16")
     diag = Compute("fwd", 1, 4096, 4096, 32, 8, 128, 0, "bfloat16")
     assert (full.pairs, full.flops) == (4096 * 4096, 4.0 * 32 * 128 * 4096 * 4096)
     assert (diag.pairs, diag.flops) == (4096 * 4097 // 2, full.flops * 4097 / 8192)
     assert Compute("bwd", 1, 4096, 4096, 32, 8, 128, None, "bfloat16").flops == 2.5 * full.flops
-    assert full.flops / (cm.time(full) - 5e-6) == pytest.approx(0.372 * 989e12, rel=1e-6)
-    assert diag.flops / (cm.time(diag) - 5e-6) == pytest.approx(0.323 * 989e12, rel=1e-6)
+    # FA2's forward tile at head dim 128 is 128 x 64: 32 x 64 tiles, of which a causal block walks
+    # the 32 x 33 on or below its diagonal (2 per row masked); at least half the full block's time
+    assert 0.5 < cm.time(diag) / cm.time(full) < 0.6
+    assert full.flops / cm.time(full) < 0.4 * 989e12  # near FA2's published 368 TFLOP/s at 4K
     assert cm.time(Compute("fwd", 1, 8, 8, 1, 1, 8, -9, "bfloat16")) == 0.0
     assert not cm.supports("float64", 128)[0]
 

@@ -6,9 +6,31 @@ Two sources, per topology (`compute:` section of its YAML):
   a block found in it takes its measured time; any other block takes its FLOPs at the achieved
   rate interpolated (in log FLOPs) between measured blocks of the same op, mask class, head dim
   and dtype;
-- otherwise a roofline: FLOPs / (peak x efficiency) + launch, with efficiency interpolated (in log
-  tokens) from the topology's table by the block's size sqrt(sq x sk), a full-mask and a
-  causal-mask curve per op (flash-attention's published curves).
+- otherwise a tile model of the flash-attention kernel generation the topology names (`kernel:`
+  fa2, fa3 or cudnn), built so that no block can beat the hardware:
+
+  * a call is a grid of work units (programs), as flash-attention schedules it: one per (batch,
+    head, query tile row) in the forward, one per (batch, head, key tile column) in the backward;
+    a unit walks the tiles (tile shape per generation, op and head dim) that hold at least one
+    visible (query, key) pair: a causal block counts only the tiles on or below its diagonal;
+  * a unit costs `unit` (loading its own tile, writing its result) + `tile` per fully visible
+    tile + `tile x (1 + diag)` per partially visible (masked) tile, the diagonal's and ragged
+    edges' tiles;
+  * units run on the GPU's SMs in waves, longest first: wave k (the next S units) starts when
+    the work before it, spread over the S SMs, is done, and lasts its longest unit:
+    time = max_k (work before wave k / S + longest unit of wave k), which is ceil(N / S) waves for
+    N equal units. Longest first is FA3's causal scheduler; FA2 dispatches in grid order, which
+    leaves a causal call's longest rows for last, a tail that splitting the call would shorten, so
+    a model with that tail lets P blocks beat the one call (tests/test_sim_compute.py); its cost
+    (about 5 % of a causal FA2 call on the benchmark grid) goes into the fitted masked-tile cost;
+  * plus one launch per call; a block of packed documents that our code runs piece by piece (one
+    call per document piece, `Compute.pieces`) costs its pieces' calls.
+
+  `tile`, `unit` and `diag` are derived, once per GPU, generation, op and head dim, from the
+  generation's published single-GPU throughput on flash-attention's benchmark grid (the figures in
+  the topology file, with their sources): `tile` and `unit` by least squares on the full-mask
+  figures (the long-length plateau sets the tile, the short lengths the unit cost), `diag` on the
+  causal ones. A tile never runs above the GPU's peak.
 
 Blocks that see no key cost nothing (the methods skip the kernel for them). The methods' own
 tensor work between blocks (`Memory` events) costs `op_us` per operation plus its bytes at
@@ -19,12 +41,20 @@ from __future__ import annotations
 
 import bisect
 import math
+from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import Optional
 
+import numpy as np
 import yaml
 
 from suite.sim.topology import Topology, TopologyError
 from suite.sim.trace import Compute, Memory
+
+GENERATIONS = ("fa2", "fa3", "cudnn")
+BENCH_TOKENS = 16384  # flash-attention's benchmark grid: batch x sequence length = 16K tokens,
+BENCH_HIDDEN = 2048  # and heads x head dim = 2048 (benchmarks/benchmark_flash_attention.py)
 
 
 def mask_class(e: Compute) -> str:
@@ -44,27 +74,193 @@ def _interp(xs: list[float], ys: list[float], x: float) -> float:
     return ys[j - 1] + t * (ys[j] - ys[j - 1])
 
 
+# -- tiles and work units ---------------------------------------------------------------------------
+def unit_tiles(op: str, sq: int, sk: int, causal_offset: Optional[int], tile: tuple[int, int]):
+    """(full, masked) tile counts of each work unit of one (batch, head), in grid order: query tile
+    rows for the forward, key tile columns for the backward. Query i sees key j iff
+    j <= i + causal_offset (every key when None). A tile is full when every pair in it is visible
+    and it is not cut by the block's edge; a tile with some visible pair and some not is masked."""
+    tm, tn = tile
+    c = sk if causal_offset is None else causal_offset  # None: every key visible to every query
+    kfull = sk // tn  # key tiles not cut by the block's edge
+    if op == "fwd":
+        r = np.arange(-(-sq // tm), dtype=np.int64)
+        first_q, last_q = r * tm, np.minimum((r + 1) * tm, sq) - 1
+        last_k = np.minimum(last_q + c, sk - 1)  # the last key any query of the row sees
+        n = np.where(last_k >= 0, last_k // tn + 1, 0)
+        full = np.clip(np.minimum(kfull, (first_q + c + 1) // tn), 0, n)
+        return full, n - full
+    j = np.arange(-(-sk // tn), dtype=np.int64)
+    rows = -(-sq // tm)
+    first_k, last_k = j * tn, np.minimum((j + 1) * tn, sk) - 1
+    # the first row tile whose last query sees the column's first key, and whose first query sees its last
+    first_row = np.clip(np.where(first_k - c <= 0, 0, (first_k - c) // tm), 0, rows)
+    n = np.where(first_k - c <= sq - 1, rows - first_row, 0)
+    full_from = np.clip(-(-(last_k - c) // tm), first_row, rows)
+    full = np.where(j < kfull, rows - full_from, 0)
+    full = np.clip(full, 0, n)
+    return full, n - full
+
+
+def makespan(values: np.ndarray, counts: np.ndarray, repeat: int, sms: int) -> float:
+    """Time of the work units `repeat` x [values[0] x counts[0], values[1] x counts[1], ...] in that
+    dispatch order on `sms` SMs: wave k (units k*S .. k*S + S - 1) starts when the work of the
+    units before it, spread over the SMs, is done, and lasts its longest unit."""
+    per = int(counts.sum())
+    n = per * repeat
+    if n == 0:
+        return 0.0
+    cum_n = np.concatenate(([0], np.cumsum(counts)))  # units before each group within one repeat
+    cum_w = np.concatenate(([0.0], np.cumsum(values * counts)))
+    w_rep, vmax = float(cum_w[-1]), float(values.max())
+
+    def before(i: int) -> float:  # work of the first i units
+        rep, pos = divmod(i, per)
+        g = int(np.searchsorted(cum_n, pos, side="right")) - 1
+        return rep * w_rep + float(cum_w[g]) + (pos - int(cum_n[g])) * float(values[g])
+
+    def longest(a: int, b: int) -> float:  # longest unit among units a .. b - 1
+        if b - a >= per:
+            return vmax
+        ga = int(np.searchsorted(cum_n, a % per, side="right")) - 1
+        gb = int(np.searchsorted(cum_n, (b - 1) % per, side="right")) - 1
+        if (a // per) == ((b - 1) // per):
+            return float(values[ga : gb + 1].max())
+        return max(float(values[ga:].max()), float(values[: gb + 1].max()))
+
+    best = 0.0
+    for k in range(-(-n // sms) - 1, -1, -1):  # the last waves decide; stop once no earlier one can
+        start = before(k * sms) / sms
+        if start + vmax <= best:
+            break
+        best = max(best, start + longest(k * sms, min((k + 1) * sms, n)))
+    return best
+
+
+@dataclass(frozen=True)
+class TileCost:
+    """One generation's kernel for one op, head dim and mask kind: its tile and the derived costs."""
+
+    tile: tuple[int, int]  # (query rows, key columns)
+    tile_s: float  # one fully visible tile on one SM
+    unit_s: float  # a work unit's fixed cost
+    diag: float  # a masked tile costs tile_s x (1 + diag)
+
+    def call(self, op: str, units: int, sq: int, sk: int, causal_offset: Optional[int], sms: int) -> float:
+        """Time of one call of `units` (batch x heads) copies of the block's unit pattern, launch excluded."""
+        full, masked = unit_tiles(op, sq, sk, causal_offset, self.tile)
+        t = self.unit_s + self.tile_s * (full + masked * (1.0 + self.diag))
+        t = t[(full + masked) > 0]  # units that see no key exit at once
+        if t.size == 0:
+            return 0.0
+        vals, cnts = np.unique(t, return_counts=True)
+        return makespan(vals[::-1], cnts[::-1] * units, 1, sms)
+
+
+# -- deriving the costs from published throughput ----------------------------------------------------
+def _bench_time(cost: TileCost, op: str, d: int, tokens: int, causal: bool, sms: int) -> float:
+    batch, heads = BENCH_TOKENS // tokens, BENCH_HIDDEN // d
+    return cost.call(op, batch * heads, tokens, tokens, 0 if causal else None, sms)
+
+
+def _bench_measured(op: str, d: int, tokens: int, causal: bool, tflops: float) -> float:
+    """Seconds of one benchmark call from its published TFLOP/s (flash-attention's FLOP convention:
+    4 b s^2 h d, halved when causal, backward 2.5x)."""
+    batch, heads = BENCH_TOKENS // tokens, BENCH_HIDDEN // d
+    flops = 4.0 * batch * tokens * tokens * heads * d * (0.5 if causal else 1.0) * (2.5 if op == "bwd" else 1.0)
+    return flops / (tflops * 1e12)
+
+
+@lru_cache(maxsize=None)
+def derive(
+    op: str,
+    d: int,
+    tile: tuple[int, int],
+    causal_tile: tuple[int, int],
+    tokens: tuple[int, ...],
+    full: tuple[Optional[float], ...],
+    causal: tuple[Optional[float], ...],
+    diag_default: float,
+    sms: int,
+    peak_tflops: float,
+) -> tuple[TileCost, TileCost]:
+    """(full-mask cost, causal cost) of one generation, op and head dim from its published figures.
+    `tile_s` and `unit_s`: least squares on the relative error of the full-mask figures (the model
+    is linear in both); `diag`: golden-section search on the causal figures (or `diag_default`
+    when none are published). The tile's rate is capped at the GPU's peak."""
+    pts = [(s, v) for s, v in zip(tokens, full) if v]
+    if not pts:
+        raise TopologyError(f"no full-mask figures for {op} head dim {d}")
+    rows_a, rows_b = [], []
+    for s, v in pts:
+        meas = _bench_measured(op, d, s, False, v)
+        # with unit_s = 1, tile_s = 0 the call time counts the waves; with (0, 1) the waves x tiles
+        waves = _bench_time(TileCost(tile, 0.0, 1.0, 0.0), op, d, s, False, sms)
+        tiles = _bench_time(TileCost(tile, 1.0, 0.0, 0.0), op, d, s, False, sms)
+        rows_a.append([waves / meas, tiles / meas])
+        rows_b.append(1.0)
+    (unit_s, tile_s), *_ = np.linalg.lstsq(np.array(rows_a), np.array(rows_b), rcond=None)
+    if unit_s < 0:  # no per-unit cost visible in the figures
+        unit_s = 0.0
+        a = np.array(rows_a)[:, 1]
+        tile_s = float(a.sum() / (a * a).sum())
+    floor = 4.0 * tile[0] * tile[1] * d * (2.5 if op == "bwd" else 1.0) * sms / (peak_tflops * 1e12)
+    tile_s = max(float(tile_s), floor)  # never faster than the tensor cores' peak
+    base = TileCost(tile, tile_s, float(unit_s), 0.0)
+    # the causal tile (FA3 picks a squarer one) costs in proportion to its area
+    ctile_s = tile_s * causal_tile[0] * causal_tile[1] / (tile[0] * tile[1])
+    cpts = [(s, v) for s, v in zip(tokens, causal) if v]
+
+    def loss(diag: float) -> float:
+        cost = TileCost(causal_tile, ctile_s, float(unit_s), diag)
+        return sum(
+            (_bench_time(cost, op, d, s, True, sms) / _bench_measured(op, d, s, True, v) - 1.0) ** 2 for s, v in cpts
+        )
+
+    diag = diag_default
+    if cpts:
+        lo, hi = 0.0, 4.0
+        g = (math.sqrt(5) - 1) / 2
+        for _ in range(40):
+            m1, m2 = hi - g * (hi - lo), lo + g * (hi - lo)
+            if loss(m1) <= loss(m2):
+                hi = m2
+            else:
+                lo = m1
+        diag = (lo + hi) / 2
+    return base, TileCost(causal_tile, ctile_s, float(unit_s), diag)
+
+
 class ComputeModel:
     def __init__(self, topology: Topology):
         self.topology = topology
         c = topology.compute
         self.launch_s = float(c.get("launch_us", 0.0)) * 1e-6
         self.peak = {k: float(v) * 1e12 for k, v in (c.get("peak_tflops") or {}).items()}
-        self.eff = c.get("efficiency")
-        self.log_tokens = [math.log(t) for t in self.eff["tokens"]] if self.eff else []
         self.table: dict[Compute, float] = {}
         self.rates: dict[tuple, tuple[list[float], list[float]]] = {}
-        self.source = f"roofline {topology.gpu}"
         self.mem_Bps = float(c.get("mem_GBps", 0.0)) * 1e9
         self.op_s = float(c.get("op_us", 0.0)) * 1e-6
+        self.kernel = str(c.get("kernel", "fa2"))
+        self.sms = int(c.get("sms", 0))
+        self._times: dict[Compute, float] = {}
         if c.get("table"):
             path = Path(c["table"])
             if not path.is_absolute() and topology.source is not None:
                 path = topology.source.parent / path
             self._load_table(path)
             self.source = f"measured table {path.name}"
-        elif not self.peak or not self.eff:
-            raise TopologyError(f"topology {topology.name}: compute needs peak_tflops and efficiency, or a table")
+            return
+        gens = c.get("kernels") or {}
+        if not self.peak or not self.sms or self.kernel not in gens:
+            raise TopologyError(
+                f"topology {topology.name}: compute needs peak_tflops, sms, kernel and that kernel's figures "
+                f"under kernels (tile model), or a table"
+            )
+        if self.kernel not in GENERATIONS:
+            raise TopologyError(f"topology {topology.name}: compute.kernel must be one of {', '.join(GENERATIONS)}")
+        self.gen = gens[self.kernel]
+        self.source = f"tile model {self.kernel} {topology.gpu}"
 
     def _load_table(self, path: Path) -> None:
         if not path.is_file():
@@ -107,6 +303,76 @@ class ComputeModel:
             return False, f"topology {self.topology.name} gives no {dtype} rate for {self.topology.gpu}"
         return True, ""
 
+    # -- the tile model --------------------------------------------------------------------------------
+    def _entry(self, op: str, head_dim: int) -> tuple[int, dict]:
+        """The published figures of `op` at the listed head dim nearest `head_dim`."""
+        figs = {int(k): v for k, v in (self.gen.get(op) or {}).items()}
+        if not figs:
+            raise TopologyError(f"topology {self.topology.name}: kernels.{self.kernel} has no {op} figures")
+        near = min(figs, key=lambda k: (abs(math.log(k / head_dim)), -k))
+        return near, figs[near]
+
+    def _diag_donor(self, op: str, head_dim: int) -> float:
+        """A masked tile's extra cost where `op` at this head dim has no causal figures: derived from
+        the nearest head dim of the same op that has them, else of the forward, else the
+        generation's `diag` [assumed]."""
+        for o in (op, "fwd"):
+            figs = {int(k): v for k, v in (self.gen.get(o) or {}).items() if v.get("causal")}
+            if figs:
+                near = min(figs, key=lambda k: (abs(math.log(k / head_dim)), -k))
+                return self._derived(o, near, figs[near], 0.0)[1].diag
+        return float(self.gen.get("diag", 0.0))
+
+    def _derived(self, op: str, d: int, f: dict, diag_default: float) -> tuple[TileCost, TileCost]:
+        tokens = tuple(int(t) for t in (f.get("tokens") or self.gen["tokens"]))
+        tile = (int(f["tile"][0]), int(f["tile"][1]))
+        causal_tile = (int(f.get("causal_tile", tile)[0]), int(f.get("causal_tile", tile)[1]))
+        pad = (None,) * len(tokens)
+        return derive(
+            op,
+            d,
+            tile,
+            causal_tile,
+            tokens,
+            (tuple(f["full"]) + pad)[: len(tokens)],
+            (tuple(f.get("causal") or ()) + pad)[: len(tokens)],
+            diag_default,
+            self.sms,
+            max(self.peak.values()),
+        )
+
+    def costs(self, op: str, head_dim: int) -> tuple[TileCost, TileCost]:
+        """(full-mask, causal) tile costs of this topology's kernel for `op` at `head_dim`. A head dim
+        without figures takes the nearest listed one's, its tile time scaled by the head dims' ratio
+        (a tile's FLOPs are proportional to it) [assumed]."""
+        near, f = self._entry(op, head_dim)
+        diag_default = 0.0 if f.get("causal") else self._diag_donor(op, head_dim)
+        full, causal = self._derived(op, near, f, diag_default)
+        if near != head_dim:
+            k = head_dim / near
+            full = TileCost(full.tile, full.tile_s * k, full.unit_s, full.diag)
+            causal = TileCost(causal.tile, causal.tile_s * k, causal.unit_s, causal.diag)
+        return full, causal
+
+    def _call(self, op: str, batch: int, heads: int, head_dim: int, sq: int, sk: int, off: Optional[int]) -> float:
+        full, causal = self.costs(op, head_dim)
+        cost = full if off is None or off >= sk - 1 else causal
+        t = cost.call(op, batch * heads, sq, sk, off, self.sms)
+        return self.launch_s + t if t > 0 else 0.0
+
+    def _tile_time(self, e: Compute) -> float:
+        if e.pieces is not None:  # packed documents our code runs piece by piece: one call each
+            return sum(n * self._call(e.op, 1, e.heads, e.head_dim, sq, sk, off) for (sq, sk, off), n in e.pieces)
+        if e.doc_pairs is not None and e.causal_offset is None and e.pairs < e.sq * e.sk:
+            # a partly visible block whose pieces the event does not carry: its visible pairs bound its
+            # tiles from below (as if packed into whole tiles, spread evenly over the block's rows, one call)
+            _, causal = self.costs(e.op, e.head_dim)
+            tm, tn = causal.tile
+            rows = -(-e.sq // tm) if e.op == "fwd" else -(-e.sk // tn)
+            unit = causal.unit_s + e.pairs / (tm * tn) / rows * causal.tile_s
+            return self.launch_s + makespan(np.array([unit]), np.array([rows]), e.batch * e.heads, self.sms)
+        return self._call(e.op, e.batch, e.heads, e.head_dim, e.sq, e.sk, e.causal_offset)
+
     def time(self, e: Compute | Memory) -> float:
         if isinstance(e, Memory):
             return e.ops * self.op_s + (e.bytes / self.mem_Bps if self.mem_Bps else 0.0)
@@ -123,8 +389,7 @@ class ComputeModel:
                 )
             xs, ys = self.rates[cls]
             return e.flops / _interp(xs, ys, math.log(e.flops))
-        eff = self.eff
-        curve = eff[e.op] if mask_class(e) == "full" else eff.get(f"{e.op}_causal", eff[e.op])
-        return self.launch_s + e.flops / (
-            self.peak[e.dtype] * _interp(self.log_tokens, curve, 0.5 * math.log(e.sq * e.sk))
-        )
+        t = self._times.get(e)
+        if t is None:
+            t = self._times[e] = self._tile_time(e)
+        return t

@@ -27,8 +27,9 @@ A topology is one node type repeated `nodes` times (as many as a world size need
   before its flows start; the compute stream waits for the communication stream at `Wait`).
   Both default to 0 (a host topology, where gloo runs on CPU threads without streams). A value
   measured on the device (`python -m suite calibrate`) replaces the sourced one: write it here.
-- `compute`: the roofline (`peak_tflops` per dtype, `efficiency` tables by block size, `launch_us`),
-  or a `table` of measured block times (`python -m suite calibrate`); `shared_cores` when the
+- `compute`: the tile model (`peak_tflops` per dtype, `sms`, `kernel` and each generation's tiles
+  and published throughput under `kernels`, `launch_us`; suite/sim/compute.py), or a `table` of
+  measured block times (`python -m suite calibrate`); `shared_cores` when the
   ranks share CPU cores instead of owning a GPU each.
 
 GB/s are 1e9 bytes per second, one direction. Every number in the shipped files carries its

@@ -15,6 +15,7 @@ block: forward 4 * B * H * D * pairs, backward 2.5x that.
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional, Union
 
@@ -27,6 +28,7 @@ from methods.base import Case, dtype_name
 from methods.comm import CommLedger, CountingComm, run_threads
 from methods.comm.base import Work
 from methods.comm.counting import CommRecord
+from methods.documents import PARTIAL
 from methods.kernels import visible_pairs
 
 
@@ -44,6 +46,10 @@ class Compute:
     causal_offset: Optional[int]
     dtype: str
     doc_pairs: Optional[int] = None  # packed documents: the block's visible pairs, summed over the batch
+    # a partly visible block of packed documents, which a flash kernel runs as one call per document
+    # piece (methods/kernels.py forward_by_pieces): each piece shape (sq, sk, causal offset) of one
+    # batch element, with how many times it occurs over the batch; what its tiles are counted from
+    pieces: Optional[tuple[tuple[tuple[int, int, Optional[int]], int], ...]] = None
 
     @property
     def pairs(self) -> float:
@@ -284,7 +290,17 @@ class TracingKernel(kernels.TimedKernel):
         b, sq, h, d = q.shape
         if mask is not None:  # packed documents: the mask's own pairs (a partly visible block has no offset)
             plain = None if mask.kind in ("full", "partial") else (mask.causal_offset if mask.kind == "offset" else -sq)
-            e = Compute(op, b, sq, k.shape[1], h, k.shape[2], d, plain, dtype_name(q.dtype), doc_pairs=mask.pairs)
+            pieces = None
+            if mask.kind == PARTIAL:
+                count = Counter(
+                    (r.stop - r.start, c.stop - c.start, off) for i in range(b) for r, c, off in mask.pieces(i)
+                )
+                pieces = tuple(
+                    sorted(count.items(), key=lambda x: (x[0][0], x[0][1], -1 if x[0][2] is None else x[0][2]))
+                )
+            e = Compute(
+                op, b, sq, k.shape[1], h, k.shape[2], d, plain, dtype_name(q.dtype), doc_pairs=mask.pairs, pieces=pieces
+            )
         else:
             e = Compute(op, b, sq, k.shape[1], h, k.shape[2], d, causal_offset, dtype_name(q.dtype))
         self._ledger.add(e)
