@@ -34,7 +34,7 @@ def check_supported(spec: TrialSpec, executor: Executor, workload: Workload) -> 
     if spec.method not in methods.available():
         return False, methods.unavailable().get(spec.method, f"method {spec.method!r} is not registered here")
     try:
-        method = spec.build_method()
+        method = executor.build_method(spec)
     except (TypeError, ValueError) as exc:
         return False, str(exc)
     case = spec.run_case(method)  # padded to the method's granule, with any packed documents

@@ -1,15 +1,21 @@
 """What every peer adapter shares: the library's own autograd instead of our forward/backward
-split, and no byte counting or time breakdown (the library talks to torch.distributed itself)."""
+split, and no byte counting or time breakdown (the library talks to torch.distributed itself).
+
+The simulator traces a peer as it is written (suite/sim/peers.py): it calls `simulate()` on an
+instance, then runs the adapter's `attention` on meta tensors with virtual ranks behind a fake
+torch.distributed, the library's flash-attn kernels replaced by trace stand-ins."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
+from types import ModuleType
 from typing import ClassVar, Optional
 
 import torch
 
 from methods import kernels
-from methods.base import Method, check_local_inputs
+from methods.base import Case, Method, check_local_inputs
 from methods.comm.base import Comm
 
 
@@ -32,6 +38,27 @@ class PeerMethod(Method):
     needs_processes: ClassVar[bool] = True
     library: ClassVar[str] = ""
     supports_documents: ClassVar[bool] = False  # a library with a varlen path says True and takes `docs`
+    traceable: ClassVar[bool] = False
+    """The simulator can trace the library's own code (through `simulate`); else `trace_reason` says why not."""
+    trace_reason: ClassVar[str] = ""
+    simulated: bool = False  # set by `simulate`
+    module: Optional[ModuleType] = None
+    """The library's top module to call when it is not the installed import (the simulator's copy,
+    loaded against its flash-attn stand-in)."""
+
+    def simulate(self, module: Optional[ModuleType] = None) -> "PeerMethod":
+        """Make this instance the simulator's: it will run on meta tensors with virtual ranks behind
+        a fake torch.distributed (suite/sim/fake_dist.py), calling `module` (default: the installed
+        library) with trace stand-ins for its kernels. `supports` and `forward_only_reason` then
+        answer for the GPU the library would run on (flash-attn there), not for this machine."""
+        if not self.traceable:
+            raise ValueError(f"{self.name}: {self.trace_reason or 'the simulator cannot trace this library'}")
+        self.simulated, self.module = True, module
+        return self
+
+    def supports(self, case: Case) -> tuple[bool, str]:
+        # a simulated method runs here, on meta tensors: the generic checks are this machine's
+        return super().supports(dataclasses.replace(case, device="cpu") if self.simulated else case)
 
     def attention(
         self,

@@ -12,10 +12,17 @@ the world size, so packed workloads of any length are skipped for them with that
 
 Layouts (the library's tests): ring contiguous chunks in rank order; zigzag chunks r and 2W-1-r;
 stripe tokens r, r+W, ... The LSE comes back with `return_attn_probs=True` and is checked too.
+
+The classes are registered wherever the package is installed, importable or not: the simulator
+traces the library's own code against a flash-attn stand-in (suite/sim/peers.py), so
+`run.executor=sim` predicts rfa_* on a machine without flash-attn, where they cannot run
+(`available_here` and `supports` say why).
 """
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import itertools
 from typing import ClassVar
 
@@ -50,10 +57,19 @@ class _RFA(PeerMethod):
     function: ClassVar[str]
     causal_only: ClassVar[bool] = False
     shim: ClassVar[bool] = False  # set by the test-only CPU test double (tests/plugins/rfa_cpu_shim.py)
+    import_error: ClassVar[str | None] = None  # why the library does not import here (set at registration)
+    traceable = True
+
+    @classmethod
+    def available_here(cls) -> tuple[bool, str]:
+        return (False, cls.import_error) if cls.import_error else (True, "")
 
     def supports(self, case: Case) -> tuple[bool, str]:
-        if case.device != "cuda" and not self.shim:
-            return False, "ring-flash-attn runs flash-attn CUDA kernels only"
+        if not self.simulated:
+            if self.import_error:
+                return False, self.import_error
+            if case.device != "cuda" and not self.shim:
+                return False, "ring-flash-attn runs flash-attn CUDA kernels only"
         if case.dtype not in ("bfloat16", "float16"):
             return False, (
                 "ring-flash-attn needs bf16/fp16: with fp32 its dq/dk buffers alias the reused block "
@@ -64,12 +80,15 @@ class _RFA(PeerMethod):
         return super().supports(case)
 
     def kernel_used(self, device, dtype, head_dim) -> str:
+        if self.simulated:
+            return "flash-attn trace stand-in"
         return "suite cpu kernel (test double)" if self.shim else "ring-flash-attn flash_attn"
 
-    def _call(self, q, k, v, causal: bool, scale: float):
-        import ring_flash_attn
+    def _library(self):
+        return self.module or importlib.import_module("ring_flash_attn")
 
-        fn = getattr(ring_flash_attn, self.function)
+    def _call(self, q, k, v, causal: bool, scale: float):
+        fn = getattr(self._library(), self.function)
         out, lse, _ = fn(q, k, v, softmax_scale=scale, causal=causal, return_attn_probs=True)
         return out, lse
 
@@ -84,17 +103,19 @@ class _Llama3(_RFA):
 
     def _call(self, q, k, v, causal: bool, scale: float, docs=None):
         import torch.distributed as dist
-        from ring_flash_attn import llama3_flash_attn_prepare_cu_seqlens, llama3_flash_attn_varlen_func
 
+        lib = self._library()
         world, rank = dist.get_world_size(), dist.get_rank()
         total = q.shape[1] * world
         # the packed documents' boundaries; tail padding is one more document (never compared)
         lengths = list(docs.lengths[0]) + ([docs.padding] if docs.padding else []) if docs is not None else [total]
-        cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=q.device)
-        cu_q, cu_k, max_q, max_k, local_k_slice = llama3_flash_attn_prepare_cu_seqlens(
+        # traced on meta tensors, the boundaries stay on the host: the library reads them (.item())
+        device = "cpu" if q.device.type == "meta" else q.device
+        cu = torch.tensor([0] + list(itertools.accumulate(lengths)), dtype=torch.int32, device=device)
+        cu_q, cu_k, max_q, max_k, local_k_slice = lib.llama3_flash_attn_prepare_cu_seqlens(
             cu, causal=causal, rank=rank, world_size=world
         )
-        out, lse, _ = llama3_flash_attn_varlen_func(
+        out, lse, _ = lib.llama3_flash_attn_varlen_func(
             q[0],
             k[0],
             v[0],
@@ -134,17 +155,26 @@ class RFALlama3(_Llama3):
 CLASSES = (RFARing, RFAZigzag, RFAStripe, RFALlama3)
 
 
+def _package_found() -> bool:
+    try:
+        return importlib.util.find_spec("ring_flash_attn") is not None
+    except (ImportError, ValueError, AttributeError):  # e.g. sys.modules["ring_flash_attn"] = None
+        return False
+
+
 def register_methods(shim: bool = False) -> None:
-    """Register the rfa_* methods if ring-flash-attn imports, else record why not. `shim`: the
-    test-only CPU test double of flash-attn is installed (rows get impl `...+cpu-kernel`)."""
-    reason = _import_error()
+    """Register the rfa_* methods if ring-flash-attn is installed (if it does not import, they can
+    be simulated but not run: `import_error` says why), else record why not. `shim`: the test-only
+    CPU test double of flash-attn is installed (rows get impl `...+cpu-kernel`)."""
+    installed = VERSION is not None and _package_found()
+    reason = _import_error() if installed else None
     for cls in CLASSES:
-        if reason is None:
-            cls.shim = shim
+        if installed:
+            cls.shim, cls.import_error = shim, reason
             cls.impl = f"ring-flash-attn {VERSION}" + ("+cpu-kernel" if shim else "")
             register(cls)
         else:
-            register_unavailable(cls.name, reason)
+            register_unavailable(cls.name, "ring-flash-attn is not installed (pip install -e .[peers])")
 
 
 register_methods()

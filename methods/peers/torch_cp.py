@@ -66,6 +66,11 @@ class _TorchCP(PeerMethod):
     )
     library: ClassVar[str] = "torch"
     impl: str = f"torch {torch.__version__.split('+')[0]} context_parallel"
+    trace_reason: ClassVar[str] = (
+        "torch context_parallel rewrites SDPA through DTensor dispatch and functional collectives on a "
+        "DeviceMesh, with sharding rules for the CUDA SDPA kernels only; the simulator's fake process "
+        "group provides plain torch.distributed calls, so its schedule is not traced"
+    )
     rotate: ClassVar[str]
 
     @classmethod

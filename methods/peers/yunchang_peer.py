@@ -20,11 +20,16 @@ Its torch backends have no backward (yunchang raises), so `fwd_bwd` is skipped w
 LSE) for the duration of each call, so that yunchang's process groups, all-to-alls and ring run
 on CPU against a correct kernel. Such rows carry impl `yunchang <version>+cpu-kernel`: they test
 the adapter's plumbing and yunchang's communication logic, not yunchang's kernels.
+
+Simulated (`simulate()`, suite/sim/peers.py), yunchang runs its flash-attn path (`fa`, with its
+backward) as on a GPU: the simulator puts a trace stand-in behind yunchang's flash-attn calls, and
+each virtual rank creates its own groups (not cached: they belong to one trace).
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import ClassVar, Optional
 
 import torch
@@ -37,6 +42,9 @@ from methods.registry import register, register_unavailable
 RING_IMPLS = ("basic", "zigzag", "strip")
 VERSION = version_of("yunchang")
 _GROUPS: dict[tuple[int, int], tuple] = {}  # (U, R) -> (ulysses group, ring group) of this process
+# yunchang keeps its groups in a process-wide singleton that LongContextAttention reads when it is
+# built: virtual ranks (threads of one process) set it and build their layer in turn
+_SINGLETON_LOCK = threading.Lock()
 
 
 def _import_error() -> Optional[str]:
@@ -57,6 +65,27 @@ def _set_groups(ud: int, rd: int) -> None:
         set_seq_parallel_pg(ud, rd, dist.get_rank(), dist.get_world_size())
         _GROUPS[(ud, rd)] = (PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG)
     PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = _GROUPS[(ud, rd)]
+
+
+def _layer(ud: int, rd: int, ring_impl: str, attn_type: str, cached: bool):
+    """yunchang's LongContextAttention over this rank's (U, R) groups: the process's cached ones,
+    or (`cached=False`, a simulated virtual rank) groups created for this call, with yunchang's
+    singleton put back afterwards."""
+    import torch.distributed as dist
+    from yunchang import LongContextAttention
+    from yunchang.globals import PROCESS_GROUP, set_seq_parallel_pg
+    from yunchang.kernels import AttnType
+
+    with _SINGLETON_LOCK:
+        if cached:
+            _set_groups(ud, rd)
+            return LongContextAttention(ring_impl_type=ring_impl, attn_type=AttnType(attn_type))
+        saved = PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG
+        try:
+            set_seq_parallel_pg(ud, rd, dist.get_rank(), dist.get_world_size())
+            return LongContextAttention(ring_impl_type=ring_impl, attn_type=AttnType(attn_type))
+        finally:
+            PROCESS_GROUP.ULYSSES_PG, PROCESS_GROUP.RING_PG = saved
 
 
 def _shim_forward(
@@ -99,6 +128,7 @@ class _YunchangBase(PeerMethod):
     )
     library: ClassVar[str] = "yunchang"
     impl: str = f"yunchang {VERSION}"
+    traceable = True
 
     def __init__(
         self, kernel: str = "auto", ulysses_degree: int = 0, ring_impl: str = "basic", kernel_shim: bool = False
@@ -133,6 +163,8 @@ class _YunchangBase(PeerMethod):
 
         if self.kernel_shim:
             return "torch_math"
+        if self.simulated:  # the GPU path, whose kernels the simulator stands in for
+            return "fa"
         return "fa" if device.type == "cuda" and HAS_FLASH_ATTN else "torch_math"
 
     def supports(self, case: Case) -> tuple[bool, str]:
@@ -157,8 +189,8 @@ class _YunchangBase(PeerMethod):
                 f"yunchang's torch_math kernel has no GQA: after the Ulysses all-to-all each rank holds "
                 f"{q_local} query heads and {kv_local} KV heads (torch SDPA broadcasts only 1)"
             )
-        if self.kernel_shim and case.device != "cpu":
-            return False, "kernel_shim substitutes the suite's CPU kernel: CPU only"
+        if self.kernel_shim and (case.device != "cpu" or self.simulated):
+            return False, "kernel_shim substitutes the suite's CPU kernel: CPU only, and not simulated"
         return super().supports(case)
 
     def forward_only_reason(self, case: Case) -> Optional[str]:
@@ -170,6 +202,8 @@ class _YunchangBase(PeerMethod):
         return None
 
     def kernel_used(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+        if self.simulated:
+            return "yunchang fa: flash-attn trace stand-in"
         if self.kernel_shim:
             return "suite " + kernels.resolve_kernel("auto", device, dtype, head_dim) + " (shim)"
         return "yunchang " + self.attn_type(device)
@@ -183,9 +217,6 @@ class _YunchangBase(PeerMethod):
         }
 
     def _call(self, q, k, v, causal: bool, scale: float):
-        from yunchang import LongContextAttention
-        from yunchang.kernels import AttnType
-
         world = dist_world_size()
         case = Case(
             batch=q.shape[0],
@@ -199,8 +230,7 @@ class _YunchangBase(PeerMethod):
             device=q.device.type,
         )
         ud, rd = self.degrees(case)
-        _set_groups(ud, rd)
-        attn = LongContextAttention(ring_impl_type=self.ring_impl, attn_type=AttnType(self.attn_type(q.device)))
+        attn = _layer(ud, rd, self.ring_impl, self.attn_type(q.device), cached=not self.simulated)
         with _kernel_shim() if self.kernel_shim else contextlib.nullcontext():
             out = attn(q, k, v, softmax_scale=scale, causal=causal)
         return out, None

@@ -30,6 +30,10 @@ class Executor:
         """Where this executor's trials run (hardware, topology, nodes per world size)."""
         raise NotImplementedError
 
+    def build_method(self, spec: TrialSpec) -> "Method":
+        """The method a trial runs, as this executor runs it (the simulator's traced peers differ)."""
+        return spec.build_method()
+
     def supports(self, spec: TrialSpec, method: "Method", workload: "Workload") -> tuple[bool, str]:
         """Whether this executor can run `spec` (after the method and the workload agreed), and why not."""
         return True, ""

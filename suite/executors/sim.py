@@ -6,6 +6,11 @@ compute (comm-only) - and reported per rank exactly as a measured trial is (the 
 workload builds the row from the same `RankReport`s), so simulated rows carry the same columns:
 time, bytes per rank, kernel time, time blocked on communication, CCR and overlap efficiency.
 Nothing is checked numerically (a simulated row is `checked=false`) and every row says executor=sim.
+
+Peer libraries are traced as they are written (suite/sim/peers.py): the executor builds their
+adapters as the simulator's (`build_method`), so they answer `supports` for the GPU they would run
+on; their kernels are trace stand-ins, which the rows' `kernel_used` says. A peer that cannot be
+traced (torch's context_parallel) is a recorded skip with the reason.
 """
 
 from __future__ import annotations
@@ -13,10 +18,11 @@ from __future__ import annotations
 from suite.executors.base import Executor
 from suite.plan import Place, TrialSpec
 from suite.records import Breakdown, Outcome, RankReport
+from suite.sim import peers
 from suite.sim.compute import ComputeModel
 from suite.sim.engine import SimError, replay
 from suite.sim.topology import TopologyError, load_topology
-from suite.sim.trace import TraceCache
+from suite.sim.trace import TraceCache, traced_method
 
 
 class SimExecutor(Executor):
@@ -34,12 +40,17 @@ class SimExecutor(Executor):
         """One set of trials per topology, each with its GPU and node count."""
         return [Place(topo.gpu, topo.name, topo.nodes_for) for topo, _ in self.topologies.values()]
 
-    def supports(self, spec: TrialSpec, method, workload) -> tuple[bool, str]:
+    def build_method(self, spec: TrialSpec):
+        """The method as the tracer runs it: a peer adapter made the simulator's, or ValueError (a
+        recorded skip) with why its library cannot be traced."""
+        method = spec.build_method()
         if method.needs_processes:
-            return False, (
-                f"{spec.method} calls torch.distributed itself, so its schedule cannot be traced; "
-                f"simulate the suite's own implementation of the algorithm instead"
-            )
+            peers.prepare(method)
+        return method
+
+    def supports(self, spec: TrialSpec, method, workload) -> tuple[bool, str]:
+        if method.needs_processes and not getattr(method, "simulated", False):  # not built by build_method
+            return False, f"{spec.method} calls torch.distributed itself and was not prepared for tracing"
         topo, compute = self.topologies[spec.topology]
         ok, why = topo.fits(spec.world_size)
         if not ok:
@@ -55,7 +66,10 @@ class SimExecutor(Executor):
 
 def predict(spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache) -> list[RankReport]:
     """Per-rank reports of one simulated trial, as a measured trial's ranks would report it."""
-    tr = traces.get(spec.method, spec.run_case(spec.build_method()), spec.pass_, spec.method_options)
+    method = traced_method(spec.method, {"kernel": spec.kernel, **spec.method_options})
+    tr = traces.get(spec.method, spec.run_case(method), spec.pass_, spec.method_options)
+    # a peer's rows say whose code was traced and that its kernels were stand-ins
+    traced = f"; traced {method.impl}, kernels: flash-attn trace stand-in" if method.needs_processes else ""
     full = replay(tr, topology, compute.time)
     comp = replay(tr, topology, compute.time, comm=False)
     comm = replay(tr, topology, compute.time, compute=False)
@@ -69,7 +83,7 @@ def predict(spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache
             RankReport(
                 rank=r,
                 checked=False,
-                kernel_used=f"sim: {compute.source}",
+                kernel_used=f"sim: {compute.source}{traced}",
                 bytes_sent=ledger.bytes_sent,
                 bytes_recv=ledger.bytes_recv,
                 comm_ops=dict(sorted(ledger.counts().items())),

@@ -303,6 +303,12 @@ class TracingKernel(kernels.TimedKernel):
             )
         else:
             e = Compute(op, b, sq, k.shape[1], h, k.shape[2], d, causal_offset, dtype_name(q.dtype))
+        with self.block(e):
+            yield
+
+    @contextlib.contextmanager
+    def block(self, e: Compute):
+        """Record block `e`; the tensor work inside is the kernel's, not the method's."""
         self._ledger.add(e)
         with self._ledger.pause():
             yield
@@ -353,6 +359,18 @@ class Trace:
         return sum(c.flops for r in ranks for c in self.compute(r) if op is None or c.op == op)
 
 
+def traced_method(method_name: str, options: Optional[dict[str, Any]] = None) -> methods.Method:
+    """`method_name` as the tracer runs it: an own method as it is, a peer library's adapter made
+    the simulator's (its library's own code, traced behind a fake torch.distributed with a
+    flash-attn stand-in: suite/sim/peers.py). ValueError if a peer cannot be traced, with why."""
+    method = methods.get_method(method_name, **dict(options or {}))
+    if method.needs_processes:
+        from suite.sim import peers
+
+        peers.prepare(method)
+    return method
+
+
 def trace(
     method_name: str, case: Case, pass_: str = "fwd", options: Optional[dict[str, Any]] = None, timeout_s: float = 120.0
 ) -> Trace:
@@ -360,9 +378,7 @@ def trace(
     each rank's schedule. `pass_`: "fwd" or "fwd_bwd". Raises ValueError if the method does not
     support the case (the reason)."""
     options = dict(options or {})
-    probe = methods.get_method(method_name, **options)
-    if probe.needs_processes:
-        raise ValueError(f"{method_name} calls torch.distributed itself; its schedule cannot be traced")
+    probe = traced_method(method_name, options)
     ok, why = probe.supports(replace(case, device="cpu"))
     if not ok:
         raise ValueError(why)
@@ -371,6 +387,11 @@ def trace(
     meta = dict(device="meta", dtype=dtype)
     q = torch.empty(case.batch, case.seq_len, case.heads, case.head_dim, **meta)
     kv = torch.empty(case.batch, case.seq_len, case.kv_heads, case.head_dim, **meta)
+    if probe.needs_processes:  # a peer library: its own code behind a fake torch.distributed
+        from suite.sim import peers
+
+        per_rank = peers.run_ranks(lambda: traced_method(method_name, options), case, pass_, q, kv, layout, timeout_s)
+        return Trace(method_name, options, case, pass_, [e for e, _ in per_rank], [n for _, n in per_rank])
 
     def rank_fn(comm) -> tuple[list[Event], int]:
         ledger = TraceLedger()
@@ -404,7 +425,7 @@ def template_seq_len(method_name: str, case: Case, options: Optional[dict[str, A
     of 4P (every layout's chunking, with chunks of at least two tokens: a size-1 dimension changes
     which copies torch makes) that divides `case.seq_len`, with 2 * s0 <= seq_len, and the method
     supports it (e.g. TASP needs multiples of 2P(P-1)). See `extrapolate`."""
-    probe = methods.get_method(method_name, **dict(options or {}))
+    probe = traced_method(method_name, options)
     unit = 4 * case.world_size
     for mult in range(1, 129):
         s0 = unit * mult
@@ -524,7 +545,7 @@ class TraceCache:
         batches = (1,) if case.batch == 1 else TEMPLATE_BATCHES
         # one fwd_bwd trace serves both passes (the forward pass is its first part), unless the
         # method has no backward for this case
-        traced_pass = "fwd" if methods.get_method(method_name, **options).forward_only_reason(case) else "fwd_bwd"
+        traced_pass = "fwd" if traced_method(method_name, options).forward_only_reason(case) else "fwd_bwd"
         if pass_ == "fwd_bwd" and traced_pass == "fwd":
             raise ValueError(f"{method_name} has no backward for this case")
         key = (

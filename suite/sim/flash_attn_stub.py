@@ -1,0 +1,191 @@
+"""A trace-only stand-in for flash-attn's kernel interface: the block kernels a peer library calls
+(`flash_attn.flash_attn_interface._flash_attn_forward`, `_flash_attn_backward` and their varlen
+versions, flash-attn 2.7's names and keywords) record one `Compute` per call on the calling virtual
+rank and return placeholders on the inputs' (meta) device. Nothing is computed.
+
+The simulator gives it to ring-flash-attn in place of flash-attn (suite/sim/peers.py loads the
+library's own code against it) and to yunchang's flash-attn path, so `run.executor=sim` predicts
+those libraries as they are written, with or without flash-attn installed. The numerical CPU test
+double of the same interface is tests/plugins/rfa_cpu_shim.py.
+
+flash-attn's conventions: q, k, v [B, S, H, D] (varlen: [total, H, D] with cu_seqlens), a causal
+mask aligned bottom-right (query i sees key j <= i + Sk - Sq), LSE [B, H, Sq] fp32 (varlen
+[H, total_q]); backward writes dq, dk, dv into the buffers it is given.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+from typing import Optional
+
+import torch
+
+from methods.base import dtype_name
+from methods.kernels import visible_pairs
+from suite.sim.trace import Compute, TracingKernel
+
+VERSION = "2.7.4+suite-trace-stand-in"  # the interface it stands for: flash-attn 2.7's private one
+_local = threading.local()  # .kernel: the TracingKernel of a virtual-rank thread
+
+
+@contextlib.contextmanager
+def recording(kernel: TracingKernel):
+    """Record this thread's kernel calls on `kernel` while the block runs."""
+    _local.kernel = kernel
+    try:
+        yield
+    finally:
+        _local.kernel = None
+
+
+def _record(e: Compute):
+    kernel = getattr(_local, "kernel", None)
+    if kernel is None:
+        raise RuntimeError("flash-attn trace stand-in called outside a trace: it computes nothing")
+    return kernel.block(e)
+
+
+def _offset(sq: int, sk: int, causal: bool) -> Optional[int]:
+    return (sk - sq) if causal else None
+
+
+def _dense(op: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> Compute:
+    b, sq, h, d = q.shape
+    return Compute(op, b, sq, k.shape[1], h, k.shape[2], d, _offset(sq, k.shape[1], causal), dtype_name(q.dtype))
+
+
+def _varlen(op: str, q, k, cu_seqlens_q, cu_seqlens_k, causal: bool) -> Compute:
+    """One packed call: a plain block when it holds one sequence, else its documents' pairs."""
+    cq, ck = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
+    if len(cq) != len(ck):
+        raise ValueError(f"cu_seqlens_q has {len(cq) - 1} sequences and cu_seqlens_k {len(ck) - 1}")
+    segments = [(b - a, d - c) for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])]
+    total_q, h, dim = q.shape
+    total_k, kv_heads = k.shape[0], k.shape[1]
+    if len(segments) == 1:
+        sq, sk = segments[0]
+        return Compute(op, 1, sq, sk, h, kv_heads, dim, _offset(sq, sk, causal), dtype_name(q.dtype))
+    pairs = sum(visible_pairs(sq, sk, _offset(sq, sk, causal)) for sq, sk in segments)
+    return Compute(op, 1, total_q, total_k, h, kv_heads, dim, None, dtype_name(q.dtype), doc_pairs=pairs)
+
+
+def _flash_attn_forward(
+    q,
+    k,
+    v,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+):
+    _plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    with _record(_dense("fwd", q, k, causal)):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
+    return out, lse, None, None
+
+
+def _flash_attn_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    rng_state=None,
+):
+    _plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    with _record(_dense("bwd", q, k, causal)):
+        pass  # dq, dk, dv are written in place: placeholders already
+    return None
+
+
+def _flash_attn_varlen_forward(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    return_softmax=False,
+    block_table=None,
+):
+    _plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    with _record(_varlen("fwd", q, k, cu_seqlens_q, cu_seqlens_k, causal)):
+        out = torch.empty_like(q)
+        lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
+    return out, lse, None, None
+
+
+def _flash_attn_varlen_backward(
+    dout,
+    q,
+    k,
+    v,
+    out,
+    softmax_lse,
+    dq,
+    dk,
+    dv,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    dropout_p,
+    softmax_scale,
+    causal,
+    window_size_left=-1,
+    window_size_right=-1,
+    softcap=0.0,
+    alibi_slopes=None,
+    deterministic=False,
+    rng_state=None,
+):
+    _plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+    with _record(_varlen("bwd", q, k, cu_seqlens_q, cu_seqlens_k, causal)):
+        pass
+    return None
+
+
+def _plain(dropout_p, left, right, softcap, alibi_slopes) -> None:
+    """The stand-in records plain softmax attention blocks; anything else would be mispredicted."""
+    if dropout_p or (left, right) != (-1, -1) or softcap or alibi_slopes is not None:
+        raise NotImplementedError("the flash-attn trace stand-in models no dropout, window, softcap or ALiBi")
+
+
+def modules() -> dict[str, types.ModuleType]:
+    """`flash_attn` and `flash_attn.flash_attn_interface` as modules holding the stand-in, for a
+    library that imports them by name."""
+    interface = types.ModuleType("flash_attn.flash_attn_interface")
+    for fn in (_flash_attn_forward, _flash_attn_backward, _flash_attn_varlen_forward, _flash_attn_varlen_backward):
+        setattr(interface, fn.__name__, fn)
+    package = types.ModuleType("flash_attn")
+    package.__path__ = []  # a package, so that the submodule import resolves
+    package.__version__ = VERSION
+    package.flash_attn_interface = interface  # type: ignore[attr-defined]
+    return {"flash_attn": package, "flash_attn.flash_attn_interface": interface}
