@@ -6,13 +6,18 @@ compute (comm-only) - and reported per rank exactly as a measured trial is (the 
 workload builds the row from the same `RankReport`s), so simulated rows carry the same columns:
 time, bytes per rank, kernel time, time blocked on communication, CCR and overlap efficiency.
 Nothing is checked numerically (a simulated row is `checked=false`) and every row says executor=sim.
+Each row also carries the simulator's validated error for its family (`sim_error_pct`: kernel- or
+comm-bound x topology kind, from configs/validate/bands.yaml, written by `suite validate`).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 from suite.executors.base import Executor
 from suite.plan import Place, TrialSpec
 from suite.records import Breakdown, Outcome, RankReport
+from suite.sim.bands import Bands, bound_of, load_bands, topology_kind
 from suite.sim.compute import ComputeModel
 from suite.sim.engine import SimError, replay
 from suite.sim.topology import TopologyError, load_topology
@@ -29,6 +34,7 @@ class SimExecutor(Executor):
             topo = load_topology(t)
             self.topologies[topo.name] = (topo, ComputeModel(topo))
         self.traces = TraceCache()
+        self.bands = load_bands()
 
     def places(self) -> list[Place]:
         """One set of trials per topology, each with its GPU and node count."""
@@ -48,18 +54,24 @@ class SimExecutor(Executor):
 
     def run(self, spec: TrialSpec) -> Outcome:
         try:
-            return Outcome("reported", predict(spec, *self.topologies[spec.topology], self.traces))
+            return Outcome("reported", predict(spec, *self.topologies[spec.topology], self.traces, self.bands))
         except (SimError, TopologyError, ValueError) as exc:
             return Outcome("failed", [], f"simulation failed: {type(exc).__name__}: {exc}")
 
 
-def predict(spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache) -> list[RankReport]:
-    """Per-rank reports of one simulated trial, as a measured trial's ranks would report it."""
+def predict(
+    spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache, bands: Optional[Bands] = None
+) -> list[RankReport]:
+    """Per-rank reports of one simulated trial, as a measured trial's ranks would report it, each
+    with the error band of the trial's family (None without a record)."""
     tr = traces.get(spec.method, spec.run_case(spec.build_method()), spec.pass_, spec.method_options)
     full = replay(tr, topology, compute.time)
     comp = replay(tr, topology, compute.time, comm=False)
     comm = replay(tr, topology, compute.time, compute=False)
     forward = tr.forward_part()
+    # the family as the row will show it: time and compute-only time are maxima over ranks
+    bound = bound_of(full.time_s * 1e3, max(comp.end_s[r] for r in range(spec.world_size)) * 1e3)
+    band = bands.band_pct(bound, topology_kind(topology, spec.world_size)) if bands is not None else None
     reports = []
     for r in range(spec.world_size):
         ledger = tr.ledger(r)  # what the counting comm of a measured trial reports
@@ -76,6 +88,7 @@ def predict(spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache
                 samples_ms=[full.time_s * 1e3],
                 peak_mem=None,
                 pairs=pairs,
+                sim_error_pct=band,
                 breakdown=Breakdown(
                     iter_ms=full.end_s[r] * 1e3,
                     kernel_ms=full.kernel_s[r] * 1e3,
