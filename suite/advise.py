@@ -515,12 +515,54 @@ class Advice:
                     "layout": c.layout,
                     "ranks/node": c.ranks_per_node,
                     "predicted ms": round(t, 1) if t >= 100 else float(f"{t:.4g}"),
+                    "± %": _band(c),
                     "% of ideal": round(100 * self.ideal_ms / t, 1),
                     "memory GB/GPU": float(f"{c.memory_bytes / GB:.3g}"),
                     "main cost": main_cost(c.row, self.ideal_ms),
                 }
             )
         return rows
+
+
+def _band(c: Candidate) -> Optional[float]:
+    """A candidate's error band (percent of its predicted time; None without a validated record)."""
+    b = c.row.get(M.SIM_ERROR_PCT)
+    return None if b is None else round(float(b), 1)
+
+
+def within_bands(t1: float, b1: Optional[float], t2: float, b2: Optional[float]) -> bool:
+    """Whether two predicted times lie within each other's band: each inside the other's t x (1 +- b)."""
+    if b1 is None or b2 is None:
+        return False
+    gap = abs(t1 - t2)
+    return gap <= t1 * b1 / 100 and gap <= t2 * b2 / 100
+
+
+def tied_with_best(advice: Advice) -> list[Candidate]:
+    """The ranked configurations tied with the first (itself included): their predicted times lie
+    within each other's error band, so the simulator cannot order them; [] when none is tied."""
+    if not advice.ranked:
+        return []
+    best = advice.ranked[0]
+    tb, bb = best.row[M.TIME_MS_MEDIAN], _band(best)
+    tied = [c for c in advice.ranked[1:] if within_bands(tb, bb, c.row[M.TIME_MS_MEDIAN], _band(c))]
+    return [best] + tied if tied else []
+
+
+def tie_line(advice: Advice, emit: str = "FILE.yaml") -> str:
+    """One line saying which configurations are tied and how to separate them ("" when none is)."""
+    tied = tied_with_best(advice)
+    if not tied:
+        return ""
+    ranks = [i for i, c in enumerate(advice.ranked, 1) if c in tied]
+    bands = sorted({_band(c) for c in tied})
+    band = f"±{bands[0]:g} %" if len(bands) == 1 else f"±{bands[0]:g}-{bands[-1]:g} %"
+    return (
+        f"Tied: ranks {', '.join(map(str, ranks))} ({', '.join(c.label for c in tied)}) lie within each other's "
+        f"error band ({band}, the simulator's validated error, `python -m suite validate`), so the simulator "
+        f"cannot order them; measure them on your hardware: rerun with --top {max(ranks)} --emit-config {emit}, "
+        f"then `python -m suite run {emit}`."
+    )
 
 
 def advise(
@@ -581,7 +623,8 @@ def header(advice: Advice) -> str:
         f"{q.dtype}, {'causal' if q.causal else 'full'}, {q.pass_}. Simulated (executor=sim), not measured. "
         f"Memory: one attention call's peak plus what the other layers keep for backward "
         f"({'their inputs only: activation recomputation' if q.recompute else 'no recomputation'}); "
-        f"ideal: the whole problem as one kernel call on one GPU of the same compute model / P."
+        f"ideal: the whole problem as one kernel call on one GPU of the same compute model / P; "
+        f"± %: the simulator's validated error for the configuration's family (`python -m suite validate`)."
     )
 
 
@@ -590,6 +633,9 @@ def write_outputs(advice: Advice, out_dir: Path, top: Optional[int] = None) -> l
     rows = advice.table(top)
     md = out_dir / "advice.md"
     text = ["# suite advise\n", header(advice), "", render(advice, top, "github"), ""]
+    tie = tie_line(advice)
+    if tie:
+        text += [tie, ""]
     text += pruned_lines(advice)
     md.write_text("\n".join(text) + "\n")
     cs = out_dir / "advice.csv"
@@ -740,6 +786,9 @@ def run_command(args) -> int:
         return 2
     print(header(advice))
     print(render(advice, args.top))
+    tie = tie_line(advice, args.emit_config or "FILE.yaml")
+    if tie:
+        print(tie)
     for line in pruned_lines(advice):
         print(line)
     files = write_outputs(advice, Path(args.out or f"reports/{sweep_name(q)}_{q.seq_len}"), args.top)

@@ -19,6 +19,7 @@ EPILOG = """examples:
   python -m suite run configs/simulate_tasp.yaml                   # predicted on topology models (executor sim)
   python -m suite calibrate configs/sim_check_cpu.yaml             # kernel/link times for the simulator
   python -m suite advise --model llama3_8b --topology h100_sxm --nodes 2 --seq-len 262144
+  python -m suite validate --check                                # the simulator against published tables
   python -m suite list
   python -m suite ui
   python -m suite report                                          # latest run of every sweep
@@ -133,6 +134,30 @@ def _parser() -> argparse.ArgumentParser:
     adv.add_argument("--results-root", default="results")
     adv.add_argument("--no-mlflow", action="store_true", help="do not log the simulated sweep to MLflow")
 
+    val = sub.add_parser(
+        "validate",
+        help="the simulator against published tables: error per row and per family, and its record",
+        description="Simulate every published table of configs/validate/ (a sweep with executor=sim "
+        "each), print published vs predicted with the error per row and per family (kernel- or "
+        "comm-bound x topology kind), write reports/recorded/sim_validation.md and the record "
+        "configs/validate/bands.yaml whose per-family bands every simulated row carries.",
+    )
+    val.add_argument(
+        "configs",
+        nargs="*",
+        help="validation files (default: every file of configs/validate/ with a validation section)",
+    )
+    val.add_argument("--out", default=None, help="report file (default reports/recorded/sim_validation.md)")
+    val.add_argument("--bands", default=None, help="the record to write or check against (default: the bundled one)")
+    val.add_argument(
+        "--check",
+        action="store_true",
+        help="compare with the record instead of rewriting it: exit 1 when the mean |error| exceeds the "
+        "recorded one by more than its margin, or a row's |error| exceeds its row limit",
+    )
+    val.add_argument("--results-root", default="results", help="where the simulated sweeps' rows go")
+    val.add_argument("--mlflow", action="store_true", help="log the simulated sweeps to MLflow (off by default)")
+
     sub.add_parser("list", help="list every method and kernel, whether it can run here, and why not")
 
     ui = sub.add_parser(
@@ -245,6 +270,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from suite.advise import run_command
 
         return run_command(args)
+    if args.command == "validate":
+        from suite.validate import run_command as validate_command
+
+        return validate_command(args)
     if args.command == "ui":
         return _ui(args)
     if args.command == "report":

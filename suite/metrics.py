@@ -86,6 +86,11 @@ PAIRS_MAX = "pairs_max_rank"  # visible (query, key) pairs x heads a rank's forw
 PAIRS_MEAN = "pairs_mean_rank"  # ... and the mean over ranks
 IMBALANCE = "imbalance"  # pairs_max_rank / pairs_mean_rank: the compute imbalance
 KERNEL_SPREAD = "kernel_ms_spread"  # max / mean over ranks of the measured time in block kernels
+# simulated rows (executor sim): the simulator's validated error for the row's family (kernel- or
+# comm-bound x topology kind), the mean |error| `suite validate` recorded over published tables, in
+# percent of the predicted value (configs/validate/bands.yaml); None for measured rows and families
+# no validated row covers
+SIM_ERROR_PCT = "sim_error_pct"
 
 BREAKDOWN = (KERNEL_MS, COMM_WAIT_MS, OVERHEAD_RATIO, COMPUTE_ONLY_MS, COMM_ONLY_MS, CCR, OVERLAP_EFF)
 BALANCE = (PADDED_TOKENS, PADDING_FRACTION, DOCS_PER_SEQ, PAIRS_MAX, PAIRS_MEAN, IMBALANCE, KERNEL_SPREAD)
@@ -107,6 +112,7 @@ NUMERIC_METRICS = (
     + tuple(ERR.values())
     + tuple(TOL.values())
     + MODEL_CHECK
+    + (SIM_ERROR_PCT,)
 )
 
 COLUMNS = (
@@ -119,6 +125,7 @@ COLUMNS = (
     + BREAKDOWN
     + BALANCE
     + MODEL_CHECK
+    + (SIM_ERROR_PCT,)
     + (
         LOSS_CURVE,
         DOC_LENGTHS,

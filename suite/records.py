@@ -53,6 +53,7 @@ class RankReport:
     pairs: Optional[int] = None  # visible (query, key) pairs x query heads of this rank's forward kernels
     losses: list[float] = field(default_factory=list)  # model-level check: loss of every step
     val_loss: Optional[float] = None
+    sim_error_pct: Optional[float] = None  # executor sim: the validated error band of the row's family
 
     @classmethod
     def failure(cls, rank: int, exc: BaseException, *, oom: bool = False) -> "RankReport":

@@ -44,7 +44,15 @@ def config_from_node(node: DictConfig | dict, source: str = "") -> tuple[SuiteCo
     return _finish(_merge_schema(raw, source), source)
 
 
+# Top-level sections a sweep file may carry for a command other than the sweep itself, dropped
+# before the schema sees them: `validation` holds a published table's values and their source
+# (configs/validate/, read by `python -m suite validate`).
+FOREIGN_SECTIONS = ("validation",)
+
+
 def _merge_schema(raw: DictConfig, source: str) -> DictConfig:
+    if any(k in raw for k in FOREIGN_SECTIONS):
+        raw = OmegaConf.masked_copy(raw, [k for k in raw if k not in FOREIGN_SECTIONS])
     schema = OmegaConf.structured(SuiteConfig)
     _lists_from_scalars(raw, SuiteConfig)
     try:

@@ -11,14 +11,19 @@ Peer libraries are traced as they are written (suite/sim/peers.py): the executor
 adapters as the simulator's (`build_method`), so they answer `supports` for the GPU they would run
 on; their kernels are trace stand-ins, which the rows' `kernel_used` says. A peer that cannot be
 traced (torch's context_parallel) is a recorded skip with the reason.
+Each row also carries the simulator's validated error for its family (`sim_error_pct`: kernel- or
+comm-bound x topology kind, from configs/validate/bands.yaml, written by `suite validate`).
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 from suite.executors.base import Executor
 from suite.plan import Place, TrialSpec
 from suite.records import Breakdown, Outcome, RankReport
 from suite.sim import peers
+from suite.sim.bands import Bands, bound_of, load_bands, topology_kind
 from suite.sim.compute import ComputeModel
 from suite.sim.engine import SimError, replay
 from suite.sim.topology import TopologyError, load_topology
@@ -35,6 +40,7 @@ class SimExecutor(Executor):
             topo = load_topology(t)
             self.topologies[topo.name] = (topo, ComputeModel(topo))
         self.traces = TraceCache()
+        self.bands = load_bands()
 
     def places(self) -> list[Place]:
         """One set of trials per topology, each with its GPU and node count."""
@@ -59,13 +65,16 @@ class SimExecutor(Executor):
 
     def run(self, spec: TrialSpec) -> Outcome:
         try:
-            return Outcome("reported", predict(spec, *self.topologies[spec.topology], self.traces))
+            return Outcome("reported", predict(spec, *self.topologies[spec.topology], self.traces, self.bands))
         except (SimError, TopologyError, ValueError) as exc:
             return Outcome("failed", [], f"simulation failed: {type(exc).__name__}: {exc}")
 
 
-def predict(spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache) -> list[RankReport]:
-    """Per-rank reports of one simulated trial, as a measured trial's ranks would report it."""
+def predict(
+    spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache, bands: Optional[Bands] = None
+) -> list[RankReport]:
+    """Per-rank reports of one simulated trial, as a measured trial's ranks would report it, each
+    with the error band of the trial's family (None without a record)."""
     method = traced_method(spec.method, {"kernel": spec.kernel, **spec.method_options})
     tr = traces.get(spec.method, spec.run_case(method), spec.pass_, spec.method_options)
     # a peer's rows say whose code was traced and that its kernels were stand-ins
@@ -74,6 +83,9 @@ def predict(spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache
     comp = replay(tr, topology, compute.time, comm=False)
     comm = replay(tr, topology, compute.time, compute=False)
     forward = tr.forward_part()
+    # the family as the row will show it: time and compute-only time are maxima over ranks
+    bound = bound_of(full.time_s * 1e3, max(comp.end_s[r] for r in range(spec.world_size)) * 1e3)
+    band = bands.band_pct(bound, topology_kind(topology, spec.world_size)) if bands is not None else None
     reports = []
     for r in range(spec.world_size):
         ledger = tr.ledger(r)  # what the counting comm of a measured trial reports
@@ -90,6 +102,7 @@ def predict(spec: TrialSpec, topology, compute: ComputeModel, traces: TraceCache
                 samples_ms=[full.time_s * 1e3],
                 peak_mem=None,
                 pairs=pairs,
+                sim_error_pct=band,
                 breakdown=Breakdown(
                     iter_ms=full.end_s[r] * 1e3,
                     kernel_ms=full.kernel_s[r] * 1e3,

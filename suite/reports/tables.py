@@ -217,6 +217,23 @@ def _natural(text: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
 
 
+SIM_BAND_NOTE = ("± (simulated rows): predicted, with the simulator's validated error for the row's family "
+                 "(mean |error| against published tables, `python -m suite validate`)")
+
+
+def sim_band_caption(rows: pd.DataFrame) -> str:
+    """"simulated series are predicted (±12 %: ...)" for rows with an error band, else ""."""
+    if rows.empty or M.SIM_ERROR_PCT not in rows:
+        return ""
+    bands = pd.to_numeric(rows[M.SIM_ERROR_PCT], errors="coerce").dropna()
+    if bands.empty:
+        return ""
+    lo, hi = bands.min(), bands.max()
+    span = f"±{lo:.0f} %" if round(lo) == round(hi) else f"±{lo:.0f}-{hi:.0f} %"
+    return (f"simulated series are predicted ({span}: the simulator's validated error for their family, "
+            "`python -m suite validate`)")
+
+
 def throughput_rows(df: pd.DataFrame) -> pd.DataFrame:
     """One row per measured point: time (median, min, max), rate per rank, tokens/s and percent of
     ideal. Ideal (ring-flash-attn's README convention: "theoretic flash_attn / P"): the
@@ -234,6 +251,7 @@ def throughput_rows(df: pd.DataFrame) -> pd.DataFrame:
         "seq_len": m["seq_len"], "time_ms": m[M.TIME_MS_MEDIAN], "time_ms_min": m[M.TIME_MS_MIN],
         "time_ms_max": m[M.TIME_MS_MAX], "tflops_per_gpu": m[M.TFLOPS_PER_GPU], "tokens_per_s": m[M.TOKENS_PER_S],
         "pct_of_ideal": 100 * (ref_ms / m["world_size"]) / m[M.TIME_MS_MEDIAN],
+        "sim_error_pct": pd.to_numeric(m[M.SIM_ERROR_PCT], errors="coerce"),
     })
     return out.sort_values(["shape", "mask", "pass", "P", "seq_len", "series"]).reset_index(drop=True)
 
@@ -247,6 +265,11 @@ def throughput(df: pd.DataFrame) -> Table:
             "tokens_per_s": Col("Tokens/s"), "pct_of_ideal": Col("% of ideal", "pct")}
     what = (f"Median, min and max time of one iteration over the timed repeats; TFLOP/s per {word} at the median "
             "(flash-attention FLOP convention); ideal = single-device reference time / P")
+    if not data.empty and data["sim_error_pct"].notna().any():
+        cols["sim_error_pct"] = Col("± (%)", "pct")
+        what += "; " + SIM_BAND_NOTE
+    else:
+        data = data.drop(columns=["sim_error_pct"], errors="ignore")
     return Table("throughput", "Throughput", data, cols, what=what, section="throughput", html=False,
                  source=_source(df))
 
@@ -259,8 +282,8 @@ def throughput_pivot(df: pd.DataFrame) -> Table:
     title = "Throughput by sequence length"
     if t.empty:
         return Table("throughput_by_seq_len", title, t, {})
-    t["cell"] = [_sig(tf) + ("" if pd.isna(p) else f" ({p:.0f}%)") for tf, p in zip(t["tflops_per_gpu"],
-                                                                                  t["pct_of_ideal"])]
+    t["cell"] = [_sig(tf) + ("" if pd.isna(p) else f" ({p:.0f}%)") + ("" if pd.isna(e) else f" ±{e:.0f}%")
+                 for tf, p, e in zip(t["tflops_per_gpu"], t["pct_of_ideal"], t["sim_error_pct"])]
     out = t.pivot_table(index=["shape", "P", "mask", "pass", "series"], columns="seq_len", values="cell",
                         aggfunc="first")
     out.columns = [f"S={c}" for c in out.columns]
@@ -269,6 +292,8 @@ def throughput_pivot(df: pd.DataFrame) -> Table:
     cols.update({c: Col(c, "textnum") for c in out.columns if c.startswith("S=")})
     what = (f"TFLOP/s per {word} at the median time (percent of ideal: single-device reference time / P); "
             "columns are sequence lengths in tokens")
+    if t["sim_error_pct"].notna().any():
+        what += "; " + SIM_BAND_NOTE
     return Table("throughput_by_seq_len", title, out.fillna(""), cols, what=what, section="throughput",
                  source=_source(df))
 
@@ -310,6 +335,9 @@ def speedup(df: pd.DataFrame, baseline: str) -> Table:
     cols.update({s: Col(s, "ratio") for s in series})
     what = (f"{baseline} median time / method median time, same hardware, executor and problem ({baseline} = 1); "
             "rows that failed the float64 check have none")
+    band = sim_band_caption(sp)
+    if band:
+        what += "; " + band
     return Table(name, title, out, cols, what=what, section="speedup", source=_source(df))
 
 

@@ -138,6 +138,7 @@ class AttentionWorkload(Workload):
                 M.TFLOPS_PER_GPU: M.tflops_per_gpu(flops, med / 1e3, spec.world_size),
                 M.TOKENS_PER_S: M.tokens_per_s(spec.batch, spec.seq_len, med / 1e3),
                 M.PEAK_MEM: max(peaks) if None not in peaks else None,
+                M.SIM_ERROR_PCT: reports[0].sim_error_pct,
                 M.STATUS: M.INCORRECT if bad else M.OK,
                 M.REASON: "; ".join(bad),
             }

@@ -21,7 +21,15 @@ import pandas as pd
 from suite import metrics as M
 from suite.metrics import method_label
 from suite.reports import style as S
-from suite.reports.tables import _options, attention_rows, measured, perplexity_rows, sim_pairs, speedup_rows
+from suite.reports.tables import (
+    _options,
+    attention_rows,
+    measured,
+    perplexity_rows,
+    sim_band_caption,
+    sim_pairs,
+    speedup_rows,
+)
 
 INTERVAL = (0, 100)  # percentiles of the timed samples that a bar spans
 _EPS = {"float32": 2.0**-23, "float64": 2.0**-52, "bfloat16": 2.0**-7, "float16": 2.0**-10}
@@ -82,7 +90,26 @@ def _rate_points(m: pd.DataFrame, value: str) -> pd.DataFrame:
         y.append(r[value])
         lo.append(k / t_hi)
         hi.append(k / t_lo)
-    return m.assign(y=y, lo=lo, hi=hi)
+    return _with_band(m.assign(y=y, lo=lo, hi=hi))
+
+
+def _with_band(d: pd.DataFrame) -> pd.DataFrame:
+    """Simulated points with an error band (`sim_error_pct`) get it as their bar: y x (1 -/+ band)."""
+    if M.SIM_ERROR_PCT not in d:
+        return d
+    band = pd.to_numeric(d[M.SIM_ERROR_PCT], errors="coerce") / 100
+    has = band.notna()
+    if not has.any():
+        return d
+    d = d.copy()
+    d.loc[has, "lo"] = d.loc[has, "y"] * (1 - band[has]).clip(lower=0)
+    d.loc[has, "hi"] = d.loc[has, "y"] * (1 + band[has])
+    return d
+
+
+def _band_note(part: pd.DataFrame) -> str:
+    note = sim_band_caption(part)
+    return f" Simulated points: {note.removeprefix('simulated series are ')}; their bars span that band." if note else ""
 
 
 def _facet(d: pd.DataFrame, x: str) -> tuple[pd.DataFrame, list, list, str]:
@@ -168,7 +195,8 @@ def _plan_throughput(df, _baseline) -> list[FigureJob]:
             dict(rows=rows, cols=cols, xlabel=_x_label(part, x), ylabel=f"TFLOP/s per {word}",
                  title=f"Attention throughput per {word}, {shape}" + _fixed_s(part, x), auto_log=True),
             section="throughput", shape=shape,
-            caption="FLOP count of the flash-attention convention / time / P. " + _interval_note(part)))
+            caption="FLOP count of the flash-attention convention / time / P. " + _interval_note(part)
+            + _band_note(part)))
     return jobs
 
 
@@ -192,7 +220,7 @@ def _plan_scaling(df, _baseline) -> list[FigureJob]:
                  title=f"Scaling with {S.rank_word(part, True)}, {shape}, S = {size_label(s)}", auto_log=True),
             section="scaling", shape=shape,
             caption=f"Tokens per second against the number of {S.rank_word(part, True)} at the longest sequence. "
-                    + _interval_note(part)))
+                    + _interval_note(part) + _band_note(part)))
     return jobs
 
 
@@ -206,7 +234,9 @@ def _plan_speedup(df, baseline) -> list[FigureJob]:
     jobs = []
     for slug, shape, part in _per_shape(sp):
         x = _x_axis(part if part["seq_len"].nunique() > 1 else measured(df)[measured(df)["shape"] == shape])
-        d, rows, cols, _ = _facet(part.rename(columns={"speedup": "y", "speedup_lo": "lo", "speedup_hi": "hi"}), x)
+        d, rows, cols, _ = _facet(
+            _with_band(part.rename(columns={"speedup": "y", "speedup_lo": "lo", "speedup_hi": "hi"})), x
+        )
         jobs.append(FigureJob(
             f"speedup{slug}", "bars", _tidy(d, x),
             dict(rows=rows, cols=cols, xlabel=_x_label(part, x), ylabel=f"speedup over {baseline} (x)",
@@ -214,7 +244,7 @@ def _plan_speedup(df, baseline) -> list[FigureJob]:
             section="speedup", shape=shape,
             caption=f"{baseline} median time / method median time, same hardware, executor and problem; bars span "
                     f"{baseline} min / method max to {baseline} max / method min over the timed repeats. Rows that "
-                    "failed the float64 check have no bar."))
+                    "failed the float64 check have no bar." + _band_note(part)))
     return jobs
 
 
