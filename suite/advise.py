@@ -38,8 +38,8 @@ from suite.config import PASSES, DocumentsConfig, SuiteConfig
 from suite.lengths import Distribution, LengthsError
 from suite.sim.compute import ComputeModel
 from suite.sim.memory import MemoryEstimate, estimate
+from suite.sim.record import Compute
 from suite.sim.topology import Topology, TopologyError, available_topologies, load_topology
-from suite.sim.trace import Compute
 
 GB = 1e9
 # a cost is "the main cost" once it takes this share of the predicted time; below it for every

@@ -26,7 +26,7 @@ import yaml
 
 from methods import kernels
 from methods.timing import Stopwatch
-from suite.sim.trace import Compute
+from suite.sim.record import Compute
 
 KB, MB = 1 << 10, 1 << 20
 

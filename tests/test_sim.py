@@ -12,8 +12,9 @@ from methods.base import Case
 from methods.comm.counting import CommRecord
 from suite.sim.compute import ComputeModel
 from suite.sim.engine import Flow, SimError, max_min_rates, replay
+from suite.sim.record import Compute, Memory, Trace, Wait
 from suite.sim.topology import Topology, TopologyError, available_topologies, load_topology
-from suite.sim.trace import Compute, Memory, Trace, TraceCache, Wait, trace
+from suite.sim.trace import TraceCache, trace
 from tests.helpers import own_methods
 
 GB = 1e9

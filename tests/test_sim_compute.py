@@ -10,10 +10,12 @@ import pytest
 import methods
 from methods.base import Case
 from methods.documents import Documents
+from methods.kernels import visible_pairs
 from suite.sim.compute import ComputeModel, _bench_measured, _bench_time, makespan, unit_tiles
 from suite.sim.engine import replay
+from suite.sim.record import Compute
 from suite.sim.topology import available_topologies, load_topology
-from suite.sim.trace import Compute, TraceCache, trace, visible_pairs
+from suite.sim.trace import TraceCache, trace
 
 
 def models():

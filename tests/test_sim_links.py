@@ -12,8 +12,8 @@ import yaml
 from methods.base import Case
 from methods.comm.counting import CommRecord
 from suite.sim.engine import replay
+from suite.sim.record import Compute, Trace, Wait
 from suite.sim.topology import Topology, TopologyError, load_topology
-from suite.sim.trace import Compute, Trace, Wait
 
 GB = 1e9
 MiB, GiB = 1 << 20, 1 << 30

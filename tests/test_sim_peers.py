@@ -14,7 +14,8 @@ from methods.base import Case
 from methods.comm import CountingComm, run_threads
 from methods.comm.counting import CommRecord
 from suite.sim import fake_dist
-from suite.sim.trace import Compute, Memory, TraceCache, Wait, trace
+from suite.sim.record import Compute, Memory, Wait
+from suite.sim.trace import TraceCache, trace
 from tests.helpers import run_dist
 
 pytestmark = [

@@ -5,7 +5,8 @@ import pytest
 
 from methods.base import Case
 from methods.tasp import num_cycles, piece_calls
-from suite.sim.trace import Memory, trace
+from suite.sim.record import Memory
+from suite.sim.trace import trace
 
 
 @pytest.mark.parametrize("world_size", [3, 4, 8])

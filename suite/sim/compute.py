@@ -49,8 +49,8 @@ from typing import Optional
 import numpy as np
 import yaml
 
+from suite.sim.record import Compute, Memory
 from suite.sim.topology import Topology, TopologyError
-from suite.sim.trace import Compute, Memory
 
 GENERATIONS = ("fa2", "fa3", "cudnn")
 BENCH_TOKENS = 16384  # flash-attention's benchmark grid: batch x sequence length = 16K tokens,

@@ -24,7 +24,7 @@ import torch
 
 from methods.base import dtype_name
 from methods.kernels import visible_pairs
-from suite.sim.trace import Compute, TracingKernel
+from suite.sim.record import Compute, TracingKernel
 
 VERSION = "2.7.4+suite-trace-stand-in"  # the interface it stands for: flash-attn 2.7's private one
 _local = threading.local()  # .kernel: the TracingKernel of a virtual-rank thread
