@@ -219,12 +219,14 @@ def _range_of(ids: torch.Tensor, d: int) -> Optional[tuple[int, int]]:
 
 def _affine_runs(pos: torch.Tensor, rows: tuple[int, int]) -> Iterator[tuple[int, int]]:
     """Maximal runs [a, b) of rows whose positions are evenly spaced."""
-    a, end = rows
+    start, end = rows
+    steps = (pos[start + 1 : end] - pos[start : end - 1]).tolist()  # one tensor op, then plain ints
+    a = start
     while a < end:
         b = a + 1
         if b < end:
-            step = int(pos[b] - pos[a])
-            while b + 1 < end and int(pos[b + 1] - pos[b]) == step:
+            step = steps[a - start]
+            while b + 1 < end and steps[b - start] == step:
                 b += 1
             b += 1
         yield a, b

@@ -25,8 +25,8 @@ from suite.records import Breakdown, Outcome, RankReport
 from suite.sim import peers
 from suite.sim.bands import Bands, bound_of, load_bands, topology_kind
 from suite.sim.compute import ComputeModel
-from suite.sim.engine import SimError, replay
-from suite.sim.topology import TopologyError, load_topology
+from suite.sim.engine import replay
+from suite.sim.topology import load_topology
 from suite.sim.trace import TraceCache, traced_method
 
 
@@ -66,7 +66,7 @@ class SimExecutor(Executor):
     def run(self, spec: TrialSpec) -> Outcome:
         try:
             return Outcome("reported", predict(spec, *self.topologies[spec.topology], self.traces, self.bands))
-        except (SimError, TopologyError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a trace that hangs or breaks is this trial's failure, not the sweep's
             return Outcome("failed", [], f"simulation failed: {type(exc).__name__}: {exc}")
 
 
