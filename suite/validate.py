@@ -26,6 +26,7 @@ shown but not counted in any summary.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import itertools
 import json
 import math
@@ -311,7 +312,10 @@ def summarize(results: list[RowResult]) -> tuple[Optional[Summary], dict[str, Su
     return Summary.of([r.error for r in counted]), {b: bounds[b] for b in BOUNDS if b in bounds}, by(lambda r: r.family)
 
 
+@functools.lru_cache(maxsize=None)
 def code_version() -> str:
+    """The commit validated, asked once per process: the files this command writes must not make
+    the tree look changed to its own second question."""
     from suite.env import git_info
 
     git = git_info()
