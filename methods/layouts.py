@@ -14,7 +14,8 @@ positions (what RoPE and the loss labels need). Layouts:
 - documents: document-aware zigzag for packed sequences (Megatron/TE's THD sharding): every
   document is cut into 2P chunks (sizes differ by at most one) and rank r holds chunks r and
   2P-1-r of every document, so each document's causal work is balanced by itself; the tail is
-  padded so that every rank holds as many tokens.
+  padded so that every rank holds as many tokens. Its contiguous variant (`zigzag=False`) cuts
+  every document into P chunks and gives rank r chunk r (ring-flash-attn's varlen ring).
 """
 
 from __future__ import annotations
@@ -133,23 +134,27 @@ def usp(seq_len: int, world_size: int, ulysses_degree: int) -> Layout:
     return Layout("usp", seq_len, world_size, build)
 
 
-def documents(doc_lengths: Sequence[int], world_size: int) -> Layout:
-    """Document-aware zigzag of one packed sequence (see the module docstring). Its `seq_len` is
-    the padded length: P times the most tokens any rank's chunks hold."""
+def documents(doc_lengths: Sequence[int], world_size: int, zigzag: bool = True) -> Layout:
+    """Document-aware zigzag of one packed sequence (see the module docstring); `zigzag=False`:
+    every document in P chunks instead, chunk r on rank r. Its `seq_len` is the padded length: P
+    times the most tokens any rank's chunks hold."""
     p = world_size
+    chunks = 2 * p if zigzag else p
+    held = [sorted({r, 2 * p - 1 - r}) if zigzag else [r] for r in range(p)]  # each rank's chunks of a document
     mine: list[list[int]] = [[] for _ in range(p)]
     start = 0
     for n in doc_lengths:
-        bounds = [start + (n * i) // (2 * p) for i in range(2 * p + 1)]
+        bounds = [start + (n * i) // chunks for i in range(chunks + 1)]
         for r in range(p):
-            for c in sorted({r, 2 * p - 1 - r}):
+            for c in held[r]:
                 mine[r].extend(range(bounds[c], bounds[c + 1]))
         start += n
     local = max(len(m) for m in mine)
     pad = iter(range(start, start + p * local))  # the tail padding, dealt to the ranks that hold fewer
     for m in mine:
         m.extend(next(pad) for _ in range(local - len(m)))
-    return Layout("documents", p * local, p, tuple(torch.tensor(m, dtype=torch.long) for m in mine))
+    kind = "documents" if zigzag else "documents_contiguous"
+    return Layout(kind, p * local, p, tuple(torch.tensor(m, dtype=torch.long) for m in mine))
 
 
 def granule(kind: str, world_size: int, **params) -> int:

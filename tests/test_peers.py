@@ -280,14 +280,65 @@ def test_ring_flash_attn_adapters_run_its_ring_logic_on_cpu_through_a_test_doubl
 @needs_rfa
 @pytest.mark.slow
 def test_ring_flash_attn_llama3_varlen_takes_packed_documents(write_config, restore_modules):
-    """Packed documents: rfa_llama3 passes their boundaries to the library's varlen path and
-    matches float64; the other functions' varlen versions need every document divisible by the
-    world size, so they are skipped with that reason."""
+    """Packed documents of any lengths: rfa_llama3 passes their boundaries to the library's varlen
+    path and matches float64; stripe has no varlen function and is skipped with that reason."""
     rows = _rfa_sweep(write_config, "bfloat16", "tests.plugins.rfa_cpu_shim", workload="short")
     assert rows["rfa_llama3"][M.STATUS] == M.OK, rows["rfa_llama3"][M.REASON]
     assert rows["rfa_llama3"]["docs_per_sequence"] > 2
-    for name in ("rfa_ring", "rfa_zigzag", "rfa_stripe"):
-        assert rows[name][M.STATUS] == M.SKIPPED and "divisible by the world size" in rows[name][M.REASON]
+    assert rows["rfa_stripe"][M.STATUS] == M.SKIPPED and "no varlen version" in rows["rfa_stripe"][M.REASON]
+    for name in ("rfa_ring", "rfa_zigzag"):  # run or skipped by their documents' lengths (the next test)
+        r = rows[name]
+        assert r[M.STATUS] == M.OK or (r[M.STATUS] == M.SKIPPED and "divisible by" in r[M.REASON]), r[M.REASON]
+
+
+RFA_DOCUMENTS_SWEEP = """
+name: rfa_documents
+sweep:
+  methods: [rfa_ring, rfa_zigzag]
+  world_size: [2, 4]
+  batch: [1, 2]
+  seq_len: [64]
+  heads: [4]
+  kv_heads: [2]
+  head_dim: [16]
+  dtype: [bfloat16]
+  causal: [true]
+  passes: [fwd_bwd]
+  workload: [even, by_p, odd]
+documents:
+  even: {distribution: fixed, lengths: [16, 32, 16]}   # divisible by 8: 2P at P = 2 and 4
+  by_p: {distribution: fixed, lengths: [12, 40, 12]}   # divisible by 4: P at P = 2 and 4, 2P at P = 2 only
+  odd: {distribution: fixed, lengths: [13, 38, 13]}
+run: {warmup: 1, repeats: 2, timeout_s: 60, plugins: [tests.plugins.rfa_cpu_shim]}
+tracking: {mlflow: false}
+"""
+
+
+@needs_rfa
+@pytest.mark.slow
+def test_ring_flash_attn_ring_and_zigzag_varlen_take_divisible_documents(write_config, restore_modules):
+    """Packed documents through ring-flash-attn's varlen ring and zigzag (each rank holding its
+    pieces of every document) pass the float64 check (out, LSE, dq, dk, dv; GQA; a batch packed
+    alike) where every length divides into the pieces: the world size for the ring, 2 x world size
+    for zigzag. Other lengths are recorded skips naming the library's limitation."""
+    from suite.config import load_config
+    from suite.runner import run_sweep
+
+    cfg, text = load_config(write_config(RFA_DOCUMENTS_SWEEP))
+    records = run_sweep(cfg, text, progress=False, out=open(os.devnull, "w")).records
+    assert len(records) == 24
+    for r in records:
+        workload = json.loads(r["workload"])["documents"]["name"]
+        p, zigzag = r["world_size"], r["method"] == "rfa_zigzag"
+        runs = workload == "even" or (workload == "by_p" and not (zigzag and p == 4))
+        label = (r["method"], p, r["batch"], workload)
+        if runs:
+            assert r[M.STATUS] == M.OK, (label, r[M.REASON])
+            assert r["impl"].endswith("+cpu-kernel") and r["docs_per_sequence"] == 3, label
+            assert all(r[M.ERR[t]] is not None for t in ("out", "lse", "dq", "dk", "dv")), label
+        else:
+            want = "2 x the world size" if zigzag else "divisible by the world size"
+            assert r[M.STATUS] == M.SKIPPED and want in r[M.REASON] and "rfa_llama3" in r[M.REASON], label
 
 
 @needs_rfa

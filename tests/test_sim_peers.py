@@ -5,6 +5,7 @@ test double of flash-attn), rank for rank and in order."""
 
 import importlib.util
 import sys
+import threading
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ import methods
 from methods.base import Case
 from methods.comm import CountingComm, run_threads
 from methods.comm.counting import CommRecord
+from methods.documents import Documents
 from suite.sim import fake_dist
 from suite.sim.record import Compute, Memory, Wait
 from suite.sim.trace import TraceCache, trace
@@ -36,6 +38,10 @@ PEERS = {
     ],
 }
 
+# packed documents: the varlen paths (every length divisible by 2P at P = 2 and 4, as ring and zigzag need)
+DOCUMENTS = (8, 40, 16)
+PACKED = ("rfa_ring", "rfa_zigzag", "rfa_llama3")
+
 
 def _case(world_size: int, causal: bool = True, **kw) -> Case:
     shape = dict(batch=1, seq_len=64, heads=4, kv_heads=2, head_dim=16, dtype="bfloat16")
@@ -46,8 +52,13 @@ def _message(e: CommRecord) -> tuple:
     return (e.kind, tuple(sorted(e.per_peer.items()))) if e.kind == "p2p" else (e.kind, e.bytes_sent, e.bytes_recv)
 
 
+def _packed_case(world_size: int) -> Case:
+    return _case(world_size, documents=Documents((DOCUMENTS,), sum(DOCUMENTS)))
+
+
 def _block(e: Compute) -> tuple:
-    return (e.op, e.batch, e.sq, e.sk, e.heads, e.kv_heads, e.causal_offset)
+    block = (e.op, e.batch, e.sq, e.sk, e.heads, e.kv_heads, e.causal_offset)
+    return block if e.doc_pairs is None else block + (e.doc_pairs,)
 
 
 # -- the real run: the same library code over gloo, its torch.distributed calls and kernels counted --------
@@ -109,6 +120,40 @@ def _count_real_calls(calls: list, blocks: list):
         return block_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset, **kw)
 
     kernels.block_forward, kernels.block_backward = counted_forward, counted_backward
+    # a varlen call is one kernel block of several documents: one record with its visible pairs,
+    # not the test double's per-document blocks (one document: the plain block)
+    inside_varlen = threading.local()
+
+    def counted_varlen(fn, op):
+        def counted(**kw):
+            q, k, causal = kw["q"], kw["k"], kw["causal"]
+            cq, ck = kw["cu_seqlens_q"].tolist(), kw["cu_seqlens_k"].tolist()
+            segments = [(b - a, d - c) for a, b, c, d in zip(cq, cq[1:], ck, ck[1:])]
+            offsets = [sk - sq if causal else None for sq, sk in segments]
+            if len(segments) == 1:
+                blocks.append((op, 1, *segments[0], q.shape[1], k.shape[1], offsets[0]))
+            else:
+                pairs = sum(kernels.visible_pairs(sq, sk, c) for (sq, sk), c in zip(segments, offsets))
+                blocks.append((op, 1, q.shape[0], k.shape[0], q.shape[1], k.shape[1], None, pairs))
+            inside_varlen.active = True
+            try:
+                return fn(**kw)
+            finally:
+                inside_varlen.active = False
+
+        return counted
+
+    def per_block(counted, real_fn):
+        return lambda *a, **kw: (real_fn if getattr(inside_varlen, "active", False) else counted)(*a, **kw)
+
+    kernels.block_forward = per_block(counted_forward, block_forward)
+    kernels.block_backward = per_block(counted_backward, block_backward)
+    # ring-flash-attn bound the test double's varlen kernels by name when it was imported
+    for name, module in list(sys.modules.items()):
+        if name.startswith("ring_flash_attn."):
+            for fn_name, op in (("_flash_attn_varlen_forward", "fwd"), ("_flash_attn_varlen_backward", "bwd")):
+                if hasattr(module, fn_name):
+                    setattr(module, fn_name, counted_varlen(getattr(module, fn_name), op))
 
 
 def _real_runs(comm, cases):
@@ -138,7 +183,8 @@ def _real_runs(comm, cases):
         )
         ql, kl, vl = (layout.shard(x, comm.rank).requires_grad_() for x in (q, k, v))
         calls.clear(), blocks.clear()
-        o = method.attention(ql, kl, vl, causal=case.causal, comm=comm)
+        extra = {"docs": case.documents} if case.documents is not None else {}
+        o = method.attention(ql, kl, vl, causal=case.causal, comm=comm, **extra)
         forward = list(calls)
         torch.autograd.grad(o, (ql, kl, vl), layout.shard(dout, comm.rank))
         out.append((list(calls), list(blocks), forward))
@@ -149,9 +195,12 @@ def _real_runs(comm, cases):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_traced_peers_send_what_their_real_gloo_run_sends(world_size):
     """Rank for rank and in order: every message (bytes per peer) and collective (bytes by the
-    counting convention) and every kernel block (shape, heads, causal alignment) of the library's
-    code run for real over gloo equals its trace on meta tensors, forward and backward."""
+    counting convention) and every kernel block (shape, heads, causal alignment; a varlen call of
+    packed documents: its visible pairs) of the library's code run for real over gloo equals its
+    trace on meta tensors, forward and backward, packed documents included (ring, zigzag and llama3
+    through the library's varlen functions)."""
     cases = [(name, opts, _case(world_size)) for name, opts in PEERS[world_size]]
+    cases += [(name, {}, _packed_case(world_size)) for name in PACKED]
     real = run_dist(world_size, _real_runs, cases)
     for i, (name, opts, case) in enumerate(cases):
         tr = trace(name, case, "fwd_bwd", opts)
@@ -209,6 +258,18 @@ def test_every_visible_pair_is_computed_exactly_once(world_size):
             pairs = 64 * 65 // 2 if causal else 64 * 64
             assert tr.flops(op="fwd") == 4 * 4 * 16 * pairs, (name, opts, causal)
             assert tr.flops(op="bwd") == 2.5 * 4 * 4 * 16 * pairs, (name, opts, causal)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_packed_documents_are_computed_pair_for_pair(world_size):
+    """ring and zigzag through the library's varlen functions (each rank holding its pieces of every
+    document): their blocks hold exactly the documents' causal pairs, forward and backward."""
+    case = _packed_case(world_size)
+    pairs = sum(n * (n + 1) // 2 for n in DOCUMENTS)
+    for name in PACKED:
+        tr = trace(name, case, "fwd_bwd")
+        assert tr.flops(op="fwd") == 4 * 4 * 16 * pairs, name
+        assert tr.flops(op="bwd") == 2.5 * 4 * 4 * 16 * pairs, name
 
 
 def _traceable(name, opts, case) -> bool:

@@ -284,6 +284,23 @@ def test_document_sharding_cuts_every_document_into_2p_chunks():
     )
 
 
+def test_contiguous_document_sharding_gives_rank_r_piece_r_of_every_document():
+    """ring-flash-attn's varlen ring layout: every document in P pieces, piece r on rank r."""
+    lay = layouts.documents([8, 20, 4], 4, zigzag=False)
+    assert lay.seq_len == 32 and len({lay.local_len(r) for r in range(4)}) == 1
+    for r in range(4):
+        want = [2 * r, 2 * r + 1] + [8 + 5 * r + i for i in range(5)] + [28 + r]
+        assert lay.positions(r).tolist() == want
+    odd = layouts.documents([5, 17, 3], 3, zigzag=False)  # uneven pieces: a permutation, padded at the tail
+    everything = torch.cat([odd.positions(r) for r in range(3)])
+    assert torch.equal(everything.sort().values, torch.arange(odd.seq_len))
+    # one document of a length P divides: exactly the contiguous layout
+    assert all(
+        torch.equal(layouts.documents([24], 3, zigzag=False).positions(r), layouts.contiguous(24, 3).positions(r))
+        for r in range(3)
+    )
+
+
 def test_document_sharding_balances_a_long_tailed_mix_better_than_zigzag():
     """The visible pairs each rank's queries own, for one long-tailed draw at P = 8: sharding by
     documents evens them out, zigzagging the whole packed sequence does not."""

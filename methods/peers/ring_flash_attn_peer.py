@@ -6,9 +6,18 @@ The library needs flash-attn's CUDA kernels: importing it imports `flash_attn` (
 as unavailable with the import error. Inputs must be bf16/fp16: with fp32 its dq/dk buffers alias
 (`.to(float32)` returns the same tensor) and the gradients are wrong; those points are skipped
 with the reason. zigzag and stripe assert causal=True. `rfa_llama3` runs one packed sequence per
-call (batch 1) on the contiguous layout: cu_seqlens [0, S], or the packed documents' boundaries
-(the library's varlen path; the other functions' varlen versions need every document divisible by
-the world size, so packed workloads of any length are skipped for them with that reason).
+call (batch 1) on the contiguous layout: cu_seqlens [0, S], or the packed documents' boundaries.
+
+Packed documents through ring and zigzag: the library's varlen versions of them
+(`ring_flash_attn_varlen_func`, `zigzag_ring_flash_attn_varlen_func`) take each rank's pieces of
+every document packed end to end, with the local cu_seqlens (every document's length / W). They
+split every document evenly, so every length must be divisible by the world size W (ring: rank r
+holds piece r of W) or by 2W (zigzag: pieces r and 2W-1-r of 2W); other lengths are skipped with
+that reason (rfa_llama3 takes any). Their layouts are the suite's document sharding
+(`layouts.documents`), with P pieces per document for the ring. A batch of sequences packed alike
+is one longer packed sequence to them. Stripe has no varlen function: no packed documents. The
+varlen ring's backward returns dq in bf16 whatever the input dtype (upstream), so with fp16 inputs
+dq is bf16-rounded (autograd casts it back to fp16).
 
 Layouts (the library's tests): ring contiguous chunks in rank order; zigzag chunks r and 2W-1-r;
 stripe tokens r, r+W, ... The LSE comes back with `return_attn_probs=True` and is checked too.
@@ -28,7 +37,9 @@ from typing import ClassVar
 
 import torch
 
+from methods import layouts
 from methods.base import Case
+from methods.documents import Documents
 from methods.peers.base import PeerMethod, version_of
 from methods.registry import register, register_unavailable
 
@@ -49,9 +60,8 @@ def _import_error() -> str | None:
 class _RFA(PeerMethod):
     library: ClassVar[str] = "ring-flash-attn"
     documents_reason: ClassVar[str] = (
-        "ring-flash-attn's ring/zigzag varlen functions need every document's length divisible by the world size "
-        "(2 x world size for zigzag), each rank holding a slice of every document, and stripe has no varlen "
-        "function: packed documents of any length run through rfa_llama3"
+        "ring-flash-attn has no varlen version of this function: packed documents run through rfa_llama3 "
+        "(any lengths), rfa_ring or rfa_zigzag (lengths divisible by the world size, 2 x world size for zigzag)"
     )
     impl: str = f"ring-flash-attn {VERSION}"
     function: ClassVar[str]
@@ -132,14 +142,88 @@ class _Llama3(_RFA):
         return out.unsqueeze(0), (lse.unsqueeze(0) if lse.dim() == 2 else lse)
 
 
-class RFARing(_RFA):
+class _RingVarlen(_RFA):
+    """A ring whose library function has a varlen version that splits every document over the
+    ranks: one document per sequence runs the batch function, packed documents the varlen one."""
+
+    supports_documents = True
+    varlen_function: ClassVar[str]
+    zigzag: ClassVar[bool]  # every document in 2W pieces, r and 2W-1-r on rank r; else W pieces, r on rank r
+
+    def documents_refusal(self, docs: Documents, world_size: int) -> str:
+        """Why the varlen function cannot take these documents at this world size ("" if it can)."""
+        if len(set(docs.lengths)) > 1:
+            return (
+                f"{self.name}: ring-flash-attn's {self.varlen_function} takes one layout for the whole batch: "
+                f"every sequence must be packed alike (use batch 1)"
+            )
+        divisor = (2 if self.zigzag else 1) * world_size
+        lengths = list(docs.lengths[0]) + ([docs.padding] if docs.padding else [])
+        bad = [n for n in lengths if n % divisor]
+        if not bad:
+            return ""
+        pieces = f"pieces r and {2 * world_size - 1}-r of {divisor}" if self.zigzag else f"piece r of {divisor}"
+        return (
+            f"ring-flash-attn's {self.varlen_function} needs every document's length divisible by "
+            f"{'2 x ' if self.zigzag else ''}the world size ({divisor}), rank r holding {pieces} of every "
+            f"document: {len(bad)} of {len(lengths)} are not (e.g. {bad[0]}; tail padding counts as one); "
+            f"packed documents of any length run through rfa_llama3"
+        )
+
+    def supports(self, case: Case) -> tuple[bool, str]:
+        if case.documents is not None:
+            why = self.documents_refusal(case.documents, case.world_size)
+            if why:
+                return False, why
+        return super().supports(case)
+
+    def layout(self, case: Case) -> layouts.Layout:
+        if case.documents is None:
+            return super().layout(case)
+        return layouts.documents(case.documents.lengths[0], case.world_size, zigzag=self.zigzag)
+
+    def _call(self, q, k, v, causal: bool, scale: float, docs=None):
+        if docs is None:
+            return super()._call(q, k, v, causal, scale)
+        import torch.distributed as dist
+
+        world = dist.get_world_size()
+        batch, local, heads, dim = q.shape
+        # every document's piece on this rank (padding is one more document, never compared), for
+        # each sequence of the batch: one packed sequence of batch * local tokens
+        pieces = [n // world for n in list(docs.lengths[0]) + ([docs.padding] if docs.padding else [])] * batch
+        # traced on meta tensors, the boundaries stay on the host: the library reads them (.item())
+        device = "cpu" if q.device.type == "meta" else q.device
+        cu = torch.tensor([0] + list(itertools.accumulate(pieces)), dtype=torch.int32, device=device)
+        fn = getattr(self._library(), self.varlen_function)
+        out, lse, _ = fn(
+            q.reshape(batch * local, heads, dim),  # [B * S_local, H, D]
+            k.reshape(batch * local, k.shape[2], dim),
+            v.reshape(batch * local, v.shape[2], dim),
+            cu,
+            max(pieces),
+            softmax_scale=scale,
+            causal=causal,
+            return_attn_probs=True,
+        )
+        if lse.dim() == 3:  # flash-attn < 2.6: [documents, H, max_seqlen], each document's rows first
+            lse = torch.cat([lse[i, :, :n] for i, n in enumerate(pieces)], dim=1)
+        # lse [H, B * S_local] -> [B, H, S_local]
+        return out.view(batch, local, heads, dim), lse.reshape(heads, batch, local).transpose(0, 1)
+
+
+class RFARing(_RingVarlen):
     name, function, layout_kind = "rfa_ring", "ring_flash_attn_func", "contiguous"
-    description = "ring-flash-attn ring_flash_attn_func (contiguous layout)"
+    varlen_function, zigzag = "ring_flash_attn_varlen_func", False
+    description = "ring-flash-attn ring_flash_attn_func (contiguous layout; packed documents: its varlen version)"
 
 
-class RFAZigzag(_RFA):
+class RFAZigzag(_RingVarlen):
     name, function, layout_kind, causal_only = "rfa_zigzag", "zigzag_ring_flash_attn_func", "zigzag", True
-    description = "ring-flash-attn zigzag_ring_flash_attn_func (zigzag layout, causal)"
+    varlen_function, zigzag = "zigzag_ring_flash_attn_varlen_func", True
+    description = (
+        "ring-flash-attn zigzag_ring_flash_attn_func (zigzag layout, causal; packed documents: its varlen version)"
+    )
 
 
 class RFAStripe(_RFA):
