@@ -35,7 +35,7 @@ from methods.documents import Documents
 from suite import metrics as M
 from suite.bundled import DOCUMENTS, MODELS
 from suite.config import PASSES, DocumentsConfig, SuiteConfig
-from suite.lengths import Distribution, LengthsError
+from suite.lengths import Distribution, LengthsError, histogram_path
 from suite.sim.compute import ComputeModel
 from suite.sim.memory import MemoryEstimate, estimate
 from suite.sim.record import Compute
@@ -121,7 +121,7 @@ def load_workload(text: Optional[str]) -> Optional[Distribution]:
                 if k in settings:
                     settings[k] = int(settings[k])
             return Distribution.from_config(kind, settings)
-        path = Path(text) if text.endswith((".yaml", ".yml")) else DOCUMENTS / f"{text}.yaml"
+        path = histogram_path(text)  # a file, or a histogram of configs/documents/ by name
         if not path.is_file():
             choices = sorted(p.stem for p in DOCUMENTS.glob("*.yaml"))
             raise AdviceError(

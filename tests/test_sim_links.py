@@ -9,35 +9,14 @@ traces. None asserts a measured time: the figures are public measurements of the
 import pytest
 import yaml
 
-from methods.base import Case
 from methods.comm.counting import CommRecord
 from suite.sim.engine import replay
-from suite.sim.record import Compute, Trace, Wait
+from suite.sim.record import Compute, Wait
 from suite.sim.topology import Topology, TopologyError, load_topology
+from tests.test_sim import no_compute, p2p, synthetic
 
 GB = 1e9
 MiB, GiB = 1 << 20, 1 << 30
-
-
-def p2p(per_peer: dict) -> CommRecord:
-    return CommRecord(
-        "p2p",
-        sum(s for s, _ in per_peer.values()),
-        sum(r for _, r in per_peer.values()),
-        tuple(sorted(per_peer)),
-        per_peer,
-    )
-
-
-def synthetic(ranks) -> Trace:
-    case = Case(
-        batch=1, seq_len=8, heads=1, kv_heads=1, head_dim=8, dtype="float32", causal=False, world_size=len(ranks)
-    )
-    return Trace("synthetic", {}, case, "fwd", ranks)
-
-
-def no_compute(e) -> float:
-    return 0.0
 
 
 def comm_time(topo: Topology, ranks) -> float:
