@@ -89,6 +89,19 @@ def _mask_plan(sq: int, sk: int, causal_offset: Optional[int]):
     return -causal_offset, True, -1
 
 
+def _band_plan(sq: int, sk: int, causal_offset: Optional[int], lower: int) -> tuple[int, int]:
+    """flash-attn's (left, right) window for the band lower <= j - i <= causal_offset: its window is
+    bottom-right aligned, query i seeing keys i + Sk - Sq - left .. i + Sk - Sq + right."""
+    shift = sk - sq
+    left = shift - lower
+    right = -1 if causal_offset is None else causal_offset - shift
+    if left < 0 or (causal_offset is not None and right < 0):
+        raise NotImplementedError(
+            f"flash_attn kernel: band {lower}..{causal_offset} with Sq={sq}, Sk={sk} is no window it takes"
+        )
+    return left, right
+
+
 def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     """x, copied only if its last dimension is strided: flash-attn's kernels take any batch, row
     and head stride (its own wrappers copy under the same rule), so a strided view of keys (TASP's
@@ -96,13 +109,17 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def forward(q, k, v, *, scale: float, causal_offset: Optional[int]):
+def forward(q, k, v, *, scale: float, causal_offset: Optional[int], lower: Optional[int] = None):
     fwd, _, fnames, _, _ = _load()
     b, sq, h, _ = q.shape
-    d, causal, right = _mask_plan(sq, k.shape[1], causal_offset)
+    if lower is None:
+        d, causal, right = _mask_plan(sq, k.shape[1], causal_offset)
+        left = -1
+    else:
+        d, causal, (left, right) = 0, False, _band_plan(sq, k.shape[1], causal_offset, lower)
     qs, ks, vs = q[:, d:], k[:, : k.shape[1] - d], v[:, : v.shape[1] - d]
     kwargs = dict(dropout_p=0.0, softmax_scale=scale, softcap=0.0, alibi_slopes=None, return_softmax=False)
-    kwargs.update(_window_kwargs(fnames, causal, -1, right))
+    kwargs.update(_window_kwargs(fnames, causal, left, right))
     accepted = {k_: v_ for k_, v_ in kwargs.items() if k_ in fnames}
     ret = fwd(_unit_stride(qs), _unit_stride(ks), _unit_stride(vs), **accepted)
     out_s, lse_s = (ret[0], ret[1]) if len(ret) == 4 else (ret[0], ret[5])
@@ -117,16 +134,20 @@ def forward(q, k, v, *, scale: float, causal_offset: Optional[int]):
     return out, lse
 
 
-def backward(dout, q, k, v, out, lse, *, scale: float, causal_offset: Optional[int]):
+def backward(dout, q, k, v, out, lse, *, scale: float, causal_offset: Optional[int], lower: Optional[int] = None):
     _, bwd, _, bnames, _ = _load()
     sq, sk = q.shape[1], k.shape[1]
-    d, causal, right = _mask_plan(sq, sk, causal_offset)
+    if lower is None:
+        d, causal, right = _mask_plan(sq, sk, causal_offset)
+        left = -1
+    else:
+        d, causal, (left, right) = 0, False, _band_plan(sq, sk, causal_offset, lower)
     qs, ks, vs = _unit_stride(q[:, d:]), _unit_stride(k[:, : sk - d]), _unit_stride(v[:, : sk - d])
     dq_s, dk_s, dv_s = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
     kwargs = dict(
         dropout_p=0.0, softmax_scale=scale, softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None
     )
-    kwargs.update(_window_kwargs(bnames, causal, -1, right))
+    kwargs.update(_window_kwargs(bnames, causal, left, right))
     bwd(
         _unit_stride(dout[:, d:]),
         qs,

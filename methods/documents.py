@@ -28,8 +28,10 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
+from methods.masks import INF, Mask
+
 PAD = -1  # the document id of padding tokens
-EMPTY, FULL, OFFSET, PARTIAL = "empty", "full", "offset", "partial"
+EMPTY, FULL, OFFSET, BAND, PARTIAL = "empty", "full", "offset", "band", "partial"
 
 
 @dataclass(frozen=True)
@@ -38,8 +40,13 @@ class Documents:
 
     lengths: tuple[tuple[int, ...], ...]  # per batch element: document lengths in order (sum = seq_len)
     padded_len: int  # the layout's length: seq_len plus tail padding
+    mask: Optional[Mask] = None
+    """The mask inside each document (methods/masks.py), or None: the plain mask, causal or full
+    by the `causal` flag the blocks are asked with. A plain family given here is stored as None."""
 
     def __post_init__(self):
+        if self.mask is not None and self.mask.plain:
+            object.__setattr__(self, "mask", None)
         if not self.lengths:
             raise ValueError("documents: at least one batch element")
         totals = {sum(ls) for ls in self.lengths}
@@ -49,11 +56,16 @@ class Documents:
             raise ValueError("documents: lengths must be >= 1")
         if self.padded_len < self.seq_len:
             raise ValueError(f"documents: padded length {self.padded_len} < sequence length {self.seq_len}")
+        if self.mask is not None:
+            for n in sorted({n for ls in self.lengths for n in ls}):
+                self.mask.slices(n)  # raises when the mask does not fit a document (a prefix too long)
 
     @classmethod
-    def single(cls, batch: int, seq_len: int, padded_len: Optional[int] = None) -> "Documents":
+    def single(
+        cls, batch: int, seq_len: int, padded_len: Optional[int] = None, mask: Optional[Mask] = None
+    ) -> "Documents":
         """One document per sequence (uniform workload), padded to `padded_len`."""
-        return cls(tuple((seq_len,) for _ in range(batch)), padded_len or seq_len)
+        return cls(tuple((seq_len,) for _ in range(batch)), padded_len or seq_len, mask)
 
     @property
     def batch(self) -> int:
@@ -69,8 +81,9 @@ class Documents:
 
     @property
     def trivial(self) -> bool:
-        """One document per sequence and no padding: the mask is the plain (causal or full) one."""
-        return self.padding == 0 and all(len(ls) == 1 for ls in self.lengths)
+        """One document per sequence, no padding and a plain mask: the mask is the plain (causal or
+        full) one."""
+        return self.mask is None and self.padding == 0 and all(len(ls) == 1 for ls in self.lengths)
 
     def digest(self) -> str:
         """A short stable hash of the lengths (part of a trial's identity)."""
@@ -95,6 +108,25 @@ class Documents:
             st[b, : self.seq_len] = torch.repeat_interleave(offsets, torch.tensor(ls))
         return st
 
+    @cached_property
+    def slice_table(self) -> list[torch.Tensor]:
+        """Per batch element, [m, 6] int64 rows (qa, qb, ka, kb, lo, hi): the mask's slices at global
+        positions (methods/masks.py), document after document. Only with a mask."""
+        assert self.mask is not None
+        tables = []
+        for ls in self.lengths:
+            rows, start = [], 0
+            per_len: dict[int, list] = {}
+            for n in ls:
+                if n not in per_len:
+                    per_len[n] = self.mask.slices(n)
+                rows += [
+                    (qa + start, qb + start, ka + start, kb + start, lo, hi) for qa, qb, ka, kb, lo, hi in per_len[n]
+                ]
+                start += n
+            tables.append(torch.tensor(rows, dtype=torch.int64).reshape(-1, 6))
+        return tables
+
     def real(self, positions: torch.Tensor) -> torch.Tensor:
         """Bool mask of the given global positions that are real tokens (not padding)."""
         return positions < self.seq_len
@@ -118,6 +150,7 @@ class BlockMask:
     causal: bool
     kind: str = field(init=False)
     causal_offset: Optional[int] = field(init=False, default=None)  # kind OFFSET: query i sees key j iff j <= i + c
+    lower: Optional[int] = field(init=False, default=None)  # kind BAND: also j >= i + lower
     per_batch_pairs: list[int] = field(init=False)
 
     def __post_init__(self):
@@ -129,6 +162,12 @@ class BlockMask:
             self.kind = FULL
         else:
             self.kind = PARTIAL
+            if self.docs.mask is not None:
+                band = self._single_slice_band()
+                if band is not None:
+                    self.causal_offset, self.lower = band
+                    self.kind = OFFSET if self.lower is None else BAND
+                return
             offset = self._single_document_offset()
             if offset is not None:
                 self.kind, self.causal_offset = OFFSET, offset
@@ -142,6 +181,8 @@ class BlockMask:
     def _pairs(self, b: int) -> int:
         """Visible pairs of batch element b: for each query, the keys of its document (at or
         before it, when causal), found by binary search on sorted (document, position) keys."""
+        if self.docs.mask is not None:
+            return _slice_pairs(self._slices(b), self.q_pos, self.k_pos)
         ids = self.docs.doc_ids[b]
         n = self.docs.padded_len + 1
         last_doc = self.docs.padded_len  # padding sorts after every document (it is at the tail)
@@ -167,9 +208,47 @@ class BlockMask:
                 return None
         return _affine_offset(self.q_pos, self.k_pos)
 
+    # -- masks other than the plain ones: slices (methods/masks.py) ------------------------------
+    def _slices(self, b: int) -> torch.Tensor:
+        """Batch element b's slices that meet this block's bounding box."""
+        t = self.docs.slice_table[b]
+        if len(self.q_pos) == 0 or len(self.k_pos) == 0:
+            return t[:0]
+        q0, q1, k0, k1 = int(self.q_pos[0]), int(self.q_pos[-1]), int(self.k_pos[0]), int(self.k_pos[-1])
+        hit = (t[:, 0] <= q1) & (t[:, 1] > q0) & (t[:, 2] <= k1) & (t[:, 3] > k0)
+        return t[hit]
+
+    def _single_slice_band(self) -> Optional[tuple[Optional[int], Optional[int]]]:
+        """(causal offset, lower) in row indices when, in every batch element, the whole block lies
+        inside one slice and both sides are evenly spaced with one stride, with the same band in
+        every batch element: query row i then sees key row j iff lower <= j - i <= offset (None:
+        that side never binds). None when the block needs a dense mask."""
+        q0, q1, k0, k1 = int(self.q_pos[0]), int(self.q_pos[-1]), int(self.k_pos[0]), int(self.k_pos[-1])
+        bands = set()
+        for b in range(self.docs.batch):
+            t = self._slices(b)
+            inside = (t[:, 0] <= q0) & (t[:, 1] > q1) & (t[:, 2] <= k0) & (t[:, 3] > k1)
+            if int(inside.sum()) != 1:
+                return None
+            row = t[inside][0]
+            bands.add((int(row[4]), int(row[5])))
+        if len(bands) != 1:
+            return None
+        lo, hi = bands.pop()
+        return _index_band(self.q_pos, self.k_pos, lo, hi)
+
     # -- what the kernels run -------------------------------------------------------------------
     def dense(self, device=None) -> torch.Tensor:
         """[B, Sq, Sk] bool: the visible pairs (for the kernels that take a mask)."""
+        if self.docs.mask is not None:
+            vis = torch.zeros(self.docs.batch, len(self.q_pos), len(self.k_pos), dtype=torch.bool)
+            for b in range(self.docs.batch):
+                for qa, qb, ka, kb, lo, hi in self._slices(b).tolist():
+                    r0, r1 = _rows_in(self.q_pos, qa, qb)
+                    c0, c1 = _rows_in(self.k_pos, ka, kb)
+                    d = self.q_pos[r0:r1].unsqueeze(1) - self.k_pos[c0:c1].unsqueeze(0)
+                    vis[b, r0:r1, c0:c1] |= (d >= lo) & (d <= hi)
+            return vis.to(device) if device is not None else vis
         ids = self.docs.doc_ids
         qd, kd = ids[:, self.q_pos], ids[:, self.k_pos]  # [B, Sq], [B, Sk]
         vis = (qd.unsqueeze(2) == kd.unsqueeze(1)) & (qd != PAD).unsqueeze(2)
@@ -177,10 +256,41 @@ class BlockMask:
             vis &= self.k_pos.unsqueeze(0) <= self.q_pos.unsqueeze(1)
         return vis.to(device) if device is not None else vis
 
-    def pieces(self, b: int) -> Iterator[tuple[slice, slice, Optional[int]]]:
-        """Batch element b's visible part as (query rows, key rows, causal offset or None) pieces:
-        one per document and per run of evenly spaced positions on each side, so that a kernel
-        that takes only a causal offset (flash-attn) computes the block exactly, piece by piece."""
+    def pieces(self, b: int) -> Iterator[tuple[slice, slice, Optional[int], Optional[int]]]:
+        """Batch element b's visible part as (query rows, key rows, causal offset, lower) pieces:
+        query row i of a piece sees key row j iff lower <= j - i <= offset (None: that side never
+        binds); one per document (per slice of the mask) and per run of evenly spaced positions on
+        each side, so that a kernel that takes only a causal offset and a window (flash-attn)
+        computes the block exactly, piece by piece."""
+        if self.docs.mask is not None:
+            yield from self._slice_pieces(b)
+            return
+        for rows, cols, offset in self._document_pieces(b):
+            yield rows, cols, offset, None
+
+    def _slice_pieces(self, b: int) -> Iterator[tuple[slice, slice, Optional[int], Optional[int]]]:
+        for qa, qb, ka, kb, lo, hi in self._slices(b).tolist():
+            qrows, krows = _rows_in(self.q_pos, qa, qb), _rows_in(self.k_pos, ka, kb)
+            if qrows[0] == qrows[1] or krows[0] == krows[1]:
+                continue
+            for ra, rb in _affine_runs(self.q_pos, qrows):
+                for ca, cb in _affine_runs(self.k_pos, krows):
+                    q_run, k_run = self.q_pos[ra:rb], self.k_pos[ca:cb]
+                    band = _index_band(q_run, k_run, lo, hi)
+                    if band is not None:
+                        offset, lower = band
+                        if _band_pairs(rb - ra, cb - ca, offset, lower):
+                            yield slice(ra, rb), slice(ca, cb), offset, lower
+                        continue
+                    # sides of different strides: one piece per query row, whose visible keys are
+                    # one contiguous run of key rows
+                    first = torch.searchsorted(k_run, q_run - hi)
+                    last = torch.searchsorted(k_run, q_run - lo, right=True)
+                    for i, (f, e) in enumerate(zip(first.tolist(), last.tolist())):
+                        if e > f:
+                            yield slice(ra + i, ra + i + 1), slice(ca + f, ca + e), None, None
+
+    def _document_pieces(self, b: int) -> Iterator[tuple[slice, slice, Optional[int]]]:
         ids = self.docs.doc_ids[b]
         qd, kd = ids[self.q_pos], ids[self.k_pos]
         for d in torch.unique(qd).tolist():
@@ -207,6 +317,65 @@ class BlockMask:
                     for i, n in enumerate(seen.tolist()):
                         if n:
                             yield slice(qa + i, qa + i + 1), slice(ka, kb), n - 1
+
+
+def _rows_in(pos: torch.Tensor, a: int, b: int) -> tuple[int, int]:
+    """[r0, r1) of the rows whose (increasing) positions lie in [a, b)."""
+    return int(torch.searchsorted(pos, a)), int(torch.searchsorted(pos, b))
+
+
+def _slice_pairs(t: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> int:
+    """Visible pairs of queries at q_pos against keys at k_pos under slices t ([m, 6]): for every
+    (slice, query of its rows), the keys of its rows inside the band, by binary search."""
+    if t.shape[0] == 0:
+        return 0
+    qa, qb, ka, kb, lo, hi = (c.contiguous() for c in t.unbind(1))
+    first = torch.searchsorted(q_pos, qa)
+    count = torch.searchsorted(q_pos, qb) - first
+    total = int(count.sum())
+    if total == 0:
+        return 0
+    sid = torch.repeat_interleave(torch.arange(t.shape[0]), count)
+    start = torch.cumsum(count, 0) - count
+    qi = torch.arange(total) - start[sid] + first[sid]
+    qp = q_pos[qi]
+    k_from = torch.maximum(ka[sid], qp - hi[sid])
+    k_to = torch.minimum(kb[sid], qp - lo[sid] + 1)  # exclusive
+    n = torch.searchsorted(k_pos, k_to) - torch.searchsorted(k_pos, k_from)
+    return int(n.clamp_min(0).sum())
+
+
+def _index_band(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, lo: int, hi: int
+) -> Optional[tuple[Optional[int], Optional[int]]]:
+    """(offset, lower) with (lo <= q_pos[i] - k_pos[j] <= hi) == (lower <= j - i <= offset) for all
+    rows, when both sides are evenly spaced with one stride (None otherwise); a side that never
+    binds on these sizes is None."""
+    strides = {int(p[1] - p[0]) for p in (q_pos, k_pos) if len(p) > 1}
+    for p in (q_pos, k_pos):
+        if len(p) > 2 and not bool(((p[1:] - p[:-1]) == (p[1] - p[0])).all()):
+            return None
+    if len(strides) > 1:
+        return None
+    s = strides.pop() if strides else 1
+    sq, sk = len(q_pos), len(k_pos)
+    base = int(q_pos[0]) - int(k_pos[0])
+    # q0 + s*i - (k0 + s*j) <= hi  <=>  j - i >= (base - hi) / s ;  >= lo  <=>  j - i <= (base - lo) / s
+    offset = None if lo <= -INF // 2 else (base - lo) // s
+    lower = None if hi >= INF // 2 else -((hi - base) // s)
+    if offset is not None and offset >= sk - 1:
+        offset = None
+    if lower is not None and lower <= -(sq - 1):
+        lower = None
+    return offset, lower
+
+
+def _band_pairs(sq: int, sk: int, offset: Optional[int], lower: Optional[int]) -> int:
+    """Pairs (i, j), 0 <= i < sq, 0 <= j < sk, with lower <= j - i <= offset."""
+    i = torch.arange(sq)
+    top = torch.full_like(i, sk - 1) if offset is None else torch.clamp(i + offset, max=sk - 1)
+    bottom = torch.zeros_like(i) if lower is None else torch.clamp(i + lower, min=0)
+    return int((top - bottom + 1).clamp_min(0).sum())
 
 
 def _range_of(ids: torch.Tensor, d: int) -> Optional[tuple[int, int]]:

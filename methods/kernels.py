@@ -31,7 +31,7 @@ from typing import Iterator, Optional, Union
 
 import torch
 
-from methods.documents import EMPTY, FULL, PARTIAL, BlockMask
+from methods.documents import BAND, EMPTY, FULL, PARTIAL, BlockMask
 from methods.merge import acc_dtype, empty_accumulators, merge_
 from methods.timing import Stopwatch
 
@@ -388,6 +388,7 @@ def block_forward(
     causal_offset: Optional[int],
     kernel: KernelChoice = "auto",
     mask: Optional[BlockMask] = None,
+    lower: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of one block of queries against one block of keys.
 
@@ -400,6 +401,8 @@ def block_forward(
             `causal_offset`: a block it leaves empty is skipped, a fully visible one runs unmasked, one
             document with a plain causal offset takes that path, and a partly visible one runs with a
             dense mask (math, cpu_flash) or piece by piece (flash_attn).
+        lower: a band's lower edge: query i also needs key j >= i + lower (a sliding window; None:
+            no lower edge). A block mask of kind BAND sets it (with `causal_offset`).
     Returns:
         out [B, Sq, H, D] in q.dtype, lse [B, H, Sq] float32 (float64 for float64 inputs; -inf
         where a row sees no key); lse contiguous, out contiguous or laid out as a dense q.
@@ -407,7 +410,9 @@ def block_forward(
     _check_shapes(q, k, v)
     if isinstance(kernel, TimedKernel):
         with kernel.measure(q.device, op="fwd", q=q, k=k, causal_offset=causal_offset, mask=mask):
-            return block_forward(q, k, v, scale=scale, causal_offset=causal_offset, kernel=kernel.name, mask=mask)
+            return block_forward(
+                q, k, v, scale=scale, causal_offset=causal_offset, kernel=kernel.name, mask=mask, lower=lower
+            )
     sq, sk = q.shape[1], k.shape[1]
     if kernel == NOOP:
         return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], sq, dtype=acc_dtype(q.dtype), device=q.device)
@@ -415,6 +420,9 @@ def block_forward(
         if mask.kind == PARTIAL:
             return _partial_forward(q, k, v, scale=scale, mask=mask, kernel=kernel)
         causal_offset = _plain_offset(mask, sq)
+        lower = mask.lower if mask.kind == BAND else None
+    if lower is not None and not is_empty(sq, sk, causal_offset):
+        return _band_forward(q, k, v, scale=scale, causal_offset=causal_offset, lower=lower, kernel=kernel)
     if is_empty(sq, sk, causal_offset):
         return (
             torch.zeros_like(q),
@@ -480,6 +488,7 @@ def block_backward(
     kernel: KernelChoice = "auto",
     delta: Optional[torch.Tensor] = None,
     mask: Optional[BlockMask] = None,
+    lower: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients of one block (see `block_forward`).
 
@@ -509,12 +518,18 @@ def block_backward(
                 kernel=kernel.name,
                 delta=delta,
                 mask=mask,
+                lower=lower,
             )
     sq, sk = q.shape[1], k.shape[1]
     if mask is not None and kernel != NOOP:
         if mask.kind == PARTIAL:
             return _partial_backward(dout, q, k, v, out, lse, scale=scale, mask=mask, kernel=kernel, delta=delta)
         causal_offset = _plain_offset(mask, sq)
+        lower = mask.lower if mask.kind == BAND else None
+    if lower is not None and kernel != NOOP and not is_empty(sq, sk, causal_offset):
+        return _band_backward(
+            dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset, lower=lower, kernel=kernel, delta=delta
+        )
     if is_empty(sq, sk, causal_offset) or kernel == NOOP:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
@@ -547,7 +562,52 @@ def _partial_forward(q, k, v, *, scale: float, mask: BlockMask, kernel: str):
     backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
     if backend == "flash_attn":  # it takes no dense mask: one call per document piece
         return forward_by_pieces(q, k, v, scale=scale, mask=mask, kernel=backend)
-    visible = mask.dense(q.device)  # [B, Sq, Sk]
+    return _dense_forward(q, k, v, scale=scale, visible=mask.dense(q.device), backend=backend)
+
+
+def band_visible(sq: int, sk: int, causal_offset: Optional[int], lower: Optional[int], device=None) -> torch.Tensor:
+    """[Sq, Sk] bool: lower <= j - i <= causal_offset (None: that side open)."""
+    d = torch.arange(sk, device=device).unsqueeze(0) - torch.arange(sq, device=device).unsqueeze(1)
+    vis = torch.ones(sq, sk, dtype=torch.bool, device=device)
+    if causal_offset is not None:
+        vis &= d <= causal_offset
+    if lower is not None:
+        vis &= d >= lower
+    return vis
+
+
+def _band_forward(q, k, v, *, scale: float, causal_offset: Optional[int], lower: int, kernel: str):
+    """A band block (a sliding window's): flash-attn's window where it maps, else a dense mask."""
+    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
+    sq, sk = q.shape[1], k.shape[1]
+    if backend == "flash_attn":
+        from methods import _flash_attn
+
+        try:
+            return _flash_attn.forward(q, k, v, scale=scale, causal_offset=causal_offset, lower=lower)
+        except NotImplementedError:  # a band flash-attn's window cannot say: the math kernel
+            backend = "math"
+    visible = band_visible(sq, sk, causal_offset, lower, q.device).expand(q.shape[0], sq, sk)
+    return _dense_forward(q, k, v, scale=scale, visible=visible, backend=backend)
+
+
+def _band_backward(dout, q, k, v, out, lse, *, scale: float, causal_offset, lower: int, kernel: str, delta):
+    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
+    sq, sk = q.shape[1], k.shape[1]
+    if backend == "flash_attn":
+        from methods import _flash_attn
+
+        try:
+            o = out if out is not None else out_with_delta(dout, delta)
+            return _flash_attn.backward(dout, q, k, v, o, lse, scale=scale, causal_offset=causal_offset, lower=lower)
+        except NotImplementedError:  # as in _band_forward
+            backend = "math"
+    visible = band_visible(sq, sk, causal_offset, lower, q.device).expand(q.shape[0], sq, sk)
+    return _dense_backward(dout, q, k, v, out, lse, scale=scale, visible=visible, backend=backend, delta=delta)
+
+
+def _dense_forward(q, k, v, *, scale: float, visible: torch.Tensor, backend: str):
+    """A block under a [B, Sq, Sk] bool mask (math or cpu_flash)."""
     if backend == "cpu_flash":
         out, lse = _CPU_FWD(
             q.transpose(1, 2),
@@ -572,7 +632,12 @@ def _partial_backward(dout, q, k, v, out, lse, *, scale: float, mask: BlockMask,
     backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
     if backend == "flash_attn":
         return backward_by_pieces(dout, q, k, v, out, lse, scale=scale, mask=mask, kernel=backend, delta=delta)
-    visible = mask.dense(q.device)
+    return _dense_backward(
+        dout, q, k, v, out, lse, scale=scale, visible=mask.dense(q.device), backend=backend, delta=delta
+    )
+
+
+def _dense_backward(dout, q, k, v, out, lse, *, scale: float, visible: torch.Tensor, backend: str, delta):
     if backend == "math":
         return math_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=None, delta=delta, visible=visible)
     if out is None:
@@ -609,9 +674,9 @@ def forward_by_pieces(q, k, v, *, scale: float, mask: BlockMask, kernel: str):
     out, lse = empty_accumulators(q)
     for b in range(q.shape[0]):
         one = slice(b, b + 1)
-        for rows, cols, offset in mask.pieces(b):
+        for rows, cols, offset, lower in mask.pieces(b):
             piece_out, piece_lse = block_forward(
-                q[one, rows], k[one, cols], v[one, cols], scale=scale, causal_offset=offset, kernel=kernel
+                q[one, rows], k[one, cols], v[one, cols], scale=scale, causal_offset=offset, kernel=kernel, lower=lower
             )
             merge_(out[one, rows], lse[one, :, rows], piece_out, piece_lse)
     return out.to(q.dtype), lse
@@ -623,7 +688,7 @@ def backward_by_pieces(dout, q, k, v, out, lse, *, scale: float, mask: BlockMask
     dq, dk, dv = (torch.zeros(x.shape, dtype=acc, device=x.device) for x in (q, k, v))
     for b in range(q.shape[0]):
         one = slice(b, b + 1)
-        for rows, cols, offset in mask.pieces(b):
+        for rows, cols, offset, lower in mask.pieces(b):
             gq, gk, gv = block_backward(
                 dout[one, rows],
                 q[one, rows],
@@ -635,6 +700,7 @@ def backward_by_pieces(dout, q, k, v, out, lse, *, scale: float, mask: BlockMask
                 causal_offset=offset,
                 kernel=kernel,
                 delta=None if delta is None else delta[one, :, rows],
+                lower=lower,
             )
             dq[one, rows] += gq
             dk[one, cols] += gk

@@ -114,12 +114,12 @@ def test_a_packed_block_costs_its_documents_tiles():
     packed = [e for r in range(2) for e in tr.compute(r) if e.pieces is not None]
     assert packed
     for e in packed:
-        assert sum(n * visible_pairs(sq, sk, off) for (sq, sk, off), n in e.pieces) == e.doc_pairs
-        calls = sum(n * cm.time(block("fwd", 1, e.heads, e.head_dim, sq, sk, off)) for (sq, sk, off), n in e.pieces)
+        assert sum(n * visible_pairs(sq, sk, off) for (sq, sk, off, _), n in e.pieces) == e.doc_pairs
+        calls = sum(n * cm.time(block("fwd", 1, e.heads, e.head_dim, sq, sk, off)) for (sq, sk, off, _), n in e.pieces)
         assert cm.time(e) == pytest.approx(calls)
     # eight documents of 1K in one 8K causal sequence: about an eighth of the whole causal call, more than
     # the visible pairs alone at the full block's rate
-    pieces = (((1024, 1024, 0), 8),)
+    pieces = (((1024, 1024, 0, None), 8),)
     e = Compute("fwd", 1, 8192, 8192, 32, 8, 128, None, "bfloat16", doc_pairs=8 * 1024 * 1025 // 2, pieces=pieces)
     whole = cm.time(block("fwd", 1, 32, 128, 8192, 8192, 0))
     assert 1 / 8 < cm.time(e) / whole < 1 / 4

@@ -77,7 +77,8 @@ def test_block_masks_count_classify_and_cut_into_pieces_exactly():
                 assert torch.equal(brute, (j <= i + m.causal_offset).expand_as(brute))
             for b in range(docs.batch):
                 tiled = torch.zeros(len(qp), len(kp), dtype=torch.bool)
-                for rows, cols, offset in m.pieces(b):
+                for rows, cols, offset, lower in m.pieces(b):
+                    assert lower is None  # bands come from the masks of methods/masks.py only
                     i = torch.arange(rows.stop - rows.start)[:, None]
                     j = torch.arange(cols.stop - cols.start)[None, :]
                     piece = (j <= i + offset) if offset is not None else torch.ones(len(i), j.shape[1], dtype=bool)

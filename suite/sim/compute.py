@@ -354,15 +354,48 @@ class ComputeModel:
             causal = TileCost(causal.tile, causal.tile_s * k, causal.unit_s, causal.diag)
         return full, causal
 
-    def _call(self, op: str, batch: int, heads: int, head_dim: int, sq: int, sk: int, off: Optional[int]) -> float:
+    def _call(
+        self,
+        op: str,
+        batch: int,
+        heads: int,
+        head_dim: int,
+        sq: int,
+        sk: int,
+        off: Optional[int],
+        lower: Optional[int] = None,
+    ) -> float:
         full, causal = self.costs(op, head_dim)
+        if lower is not None:  # a band: the tiles it meets
+            return self._band_call(op, batch * heads, head_dim, sq, sk, off, lower)
         cost = full if off is None or off >= sk - 1 else causal
         t = cost.call(op, batch * heads, sq, sk, off, self.sms)
         return self.launch_s + t if t > 0 else 0.0
 
+    def _band_call(self, op: str, bh: int, head_dim: int, sq: int, sk: int, off: Optional[int], lower: int) -> float:
+        """A band block (lower <= j - i <= off, a sliding window): its tiles are those the band meets,
+        each row of tiles a run of full tiles between two diagonal ones, as a windowed kernel
+        iterates them (flash-attn's window skips the tiles outside it)."""
+        _, causal = self.costs(op, head_dim)
+        tm, tn = causal.tile
+        top = sk - 1 if off is None else min(off, sk - 1)
+        rows_ = -(-sq // tm) if op == "fwd" else -(-sk // tn)
+        tiles = 0
+        for r in range(-(-sq // tm)):
+            i0, i1 = r * tm, min(sq, (r + 1) * tm) - 1
+            j0, j1 = max(0, i0 + lower), min(sk - 1, i1 + top)
+            if j1 >= j0:
+                tiles += j1 // tn - j0 // tn + 1
+        if tiles == 0:
+            return 0.0
+        unit = causal.unit_s + tiles / rows_ * causal.tile_s
+        return self.launch_s + makespan(np.array([unit]), np.array([rows_]), bh, self.sms)
+
     def _tile_time(self, e: Compute) -> float:
         if e.pieces is not None:  # packed documents our code runs piece by piece: one call each
-            return sum(n * self._call(e.op, 1, e.heads, e.head_dim, sq, sk, off) for (sq, sk, off), n in e.pieces)
+            return sum(
+                n * self._call(e.op, 1, e.heads, e.head_dim, sq, sk, off, lower) for (sq, sk, off, lower), n in e.pieces
+            )
         if e.doc_pairs is not None and e.causal_offset is None and e.pairs < e.sq * e.sk:
             # a partly visible block whose pieces the event does not carry: its visible pairs bound its
             # tiles from below (as if packed into whole tiles, spread evenly over the block's rows, one call)

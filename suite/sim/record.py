@@ -28,7 +28,7 @@ from methods.base import Case, dtype_name
 from methods.comm import CommLedger, CountingComm
 from methods.comm.base import Work
 from methods.comm.counting import CommRecord
-from methods.documents import PARTIAL
+from methods.documents import BAND, PARTIAL
 from methods.kernels import visible_pairs
 
 
@@ -49,7 +49,7 @@ class Compute:
     # a partly visible block of packed documents, which a flash kernel runs as one call per document
     # piece (methods/kernels.py forward_by_pieces): each piece shape (sq, sk, causal offset) of one
     # batch element, with how many times it occurs over the batch; what its tiles are counted from
-    pieces: Optional[tuple[tuple[tuple[int, int, Optional[int]], int], ...]] = None
+    pieces: Optional[tuple[tuple[tuple[int, int, Optional[int], Optional[int]], int], ...]] = None
 
     @property
     def pairs(self) -> float:
@@ -289,15 +289,19 @@ class TracingKernel(kernels.TimedKernel):
     ):
         b, sq, h, d = q.shape
         if mask is not None:  # packed documents: the mask's own pairs (a partly visible block has no offset)
-            plain = None if mask.kind in ("full", "partial") else (mask.causal_offset if mask.kind == "offset" else -sq)
+            plain = (
+                None
+                if mask.kind in ("full", "partial", "band")
+                else (mask.causal_offset if mask.kind == "offset" else -sq)
+            )
             pieces = None
-            if mask.kind == PARTIAL:
+            if mask.kind in (PARTIAL, BAND):  # a band (a window) is one call per batch element's piece
                 count = Counter(
-                    (r.stop - r.start, c.stop - c.start, off) for i in range(b) for r, c, off in mask.pieces(i)
+                    (r.stop - r.start, c.stop - c.start, off, low)
+                    for i in range(b)
+                    for r, c, off, low in mask.pieces(i)
                 )
-                pieces = tuple(
-                    sorted(count.items(), key=lambda x: (x[0][0], x[0][1], -1 if x[0][2] is None else x[0][2]))
-                )
+                pieces = tuple(sorted(count.items(), key=lambda x: tuple(-(1 << 62) if v is None else v for v in x[0])))
             e = Compute(
                 op, b, sq, k.shape[1], h, k.shape[2], d, plain, dtype_name(q.dtype), doc_pairs=mask.pairs, pieces=pieces
             )
