@@ -31,7 +31,9 @@ IDENTITY = (
     "kernel",
     "options",
     "workload",
+    "mask",
 )
+PLAIN_MASKS = ("", "causal", "full")  # a trial whose mask is one of these keeps the key it had before masks
 
 # -- statuses ------------------------------------------------------------------------------------
 OK, INCORRECT, SKIPPED, FAILED, TIMEOUT = "ok", "incorrect", "skipped", "failed", "timeout"
@@ -86,6 +88,8 @@ PAIRS_MAX = "pairs_max_rank"  # visible (query, key) pairs x heads a rank's forw
 PAIRS_MEAN = "pairs_mean_rank"  # ... and the mean over ranks
 IMBALANCE = "imbalance"  # pairs_max_rank / pairs_mean_rank: the compute imbalance
 KERNEL_SPREAD = "kernel_ms_spread"  # max / mean over ranks of the measured time in block kernels
+AREA_GINI = "area_gini"  # Gini coefficient of the ranks' visible pairs (0: equal; LongCA-bench's measure)
+REDUNDANT_BYTES = "redundant_bytes_per_rank"  # K/V bytes a rank received that none of its queries attends, max
 # simulated rows (executor sim): the simulator's validated error for the row's family (kernel- or
 # comm-bound x topology kind), the mean |error| `suite validate` recorded over published tables, in
 # percent of the predicted value (configs/validate/bands.yaml); None for measured rows and families
@@ -93,7 +97,17 @@ KERNEL_SPREAD = "kernel_ms_spread"  # max / mean over ranks of the measured time
 SIM_ERROR_PCT = "sim_error_pct"
 
 BREAKDOWN = (KERNEL_MS, COMM_WAIT_MS, OVERHEAD_RATIO, COMPUTE_ONLY_MS, COMM_ONLY_MS, CCR, OVERLAP_EFF)
-BALANCE = (PADDED_TOKENS, PADDING_FRACTION, DOCS_PER_SEQ, PAIRS_MAX, PAIRS_MEAN, IMBALANCE, KERNEL_SPREAD)
+BALANCE = (
+    PADDED_TOKENS,
+    PADDING_FRACTION,
+    DOCS_PER_SEQ,
+    PAIRS_MAX,
+    PAIRS_MEAN,
+    IMBALANCE,
+    KERNEL_SPREAD,
+    AREA_GINI,
+    REDUNDANT_BYTES,
+)
 MODEL_CHECK = (VAL_LOSS, PPL, PPL_BASELINE, PPL_REL_DIFF, LOSS_MAX_REL_DIFF)
 NUMERIC_METRICS = (
     (
@@ -114,6 +128,17 @@ NUMERIC_METRICS = (
     + MODEL_CHECK
     + (SIM_ERROR_PCT,)
 )
+
+
+def gini(values) -> float:
+    """Gini coefficient of nonnegative values: mean absolute difference over twice the mean (0 when
+    all are equal, (n - 1) / n when one holds everything)."""
+    xs = [float(v) for v in values]
+    n, total = len(xs), sum(xs)
+    if n == 0 or total == 0:
+        return 0.0
+    return sum(abs(a - b) for a in xs for b in xs) / (2 * n * total)
+
 
 COLUMNS = (
     (KEY,)

@@ -17,9 +17,11 @@ from typing import Any, Callable, Optional, Protocol
 import methods
 from methods.base import Case
 from methods.documents import Documents
-from suite.config import SuiteConfig, option_points
+from methods.masks import Mask
+from methods.masks import parse as parse_mask
+from suite.config import SuiteConfig, mask_points, option_points
 from suite.lengths import lengths_of
-from suite.metrics import IDENTITY, method_label
+from suite.metrics import IDENTITY, PLAIN_MASKS, method_label
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,7 @@ class TrialSpec:
     kernel: str  # configured kernel ("auto" or a backend); the one used is measured
     options: str = "{}"  # method options as canonical JSON
     workload: str = ""  # "" for attention trials; the model/data/training of a perplexity trial (JSON)
+    mask: str = ""  # the mask's canonical name (methods/masks.py); "" for trials planned before masks
     device: str = field(default="cpu", compare=False)
     kind: str = field(default="attention", compare=False)  # the workload that runs it (config `kind`)
 
@@ -84,6 +87,8 @@ class TrialSpec:
         identity = self.identity()
         if not identity["workload"]:  # attention trials keep the keys they had before workloads existed
             del identity["workload"]
+        if identity["mask"] in PLAIN_MASKS:  # and those of the plain masks, the ones they had before masks
+            del identity["mask"]
         blob = json.dumps(identity, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -111,26 +116,41 @@ class TrialSpec:
         """The packed documents' lengths per sequence (None: one document per sequence)."""
         return lengths_of(self.workload, self.seq_len, self.batch)
 
+    @property
+    def mask_spec(self) -> Optional[Mask]:
+        """The mask family when it is not a plain one (None: causal or full by `causal`)."""
+        if self.mask in PLAIN_MASKS:
+            return None
+        return parse_mask(self.mask)
+
+    def documents(self, padded_len: Optional[int] = None) -> Optional[Documents]:
+        """The true sequence's documents and mask (None: one document per sequence, a plain mask),
+        padded to `padded_len`."""
+        lengths, mask = self.document_lengths(), self.mask_spec
+        if lengths is None and mask is None and (padded_len or self.seq_len) == self.seq_len:
+            return None
+        return Documents(lengths or tuple((self.seq_len,) for _ in range(self.batch)), padded_len or self.seq_len, mask)
+
     def run_case(self, method: methods.Method) -> Case:
-        """The case `method` runs: the sequence padded to its granule, with the packed documents
-        (and the padding) as `documents` when there are any."""
+        """The case `method` runs: the sequence padded to its granule, with the packed documents,
+        the mask (and the padding) as `documents` when there are any."""
         case = self.case()
-        lengths = self.document_lengths()
-        if lengths is not None:  # a layout may follow the documents (sharding by documents)
-            case = dataclasses.replace(case, documents=Documents(lengths, self.seq_len))
+        docs = self.documents()
+        if docs is not None:  # a layout may follow the documents (sharding by documents)
+            case = dataclasses.replace(case, documents=docs)
         padded = method.padded_len(case)
-        if lengths is None and padded == self.seq_len:
+        if docs is None and padded == self.seq_len:
             return case
-        docs = Documents(lengths or tuple((self.seq_len,) for _ in range(self.batch)), padded)
-        return dataclasses.replace(case, seq_len=padded, documents=docs)
+        return dataclasses.replace(case, seq_len=padded, documents=self.documents(padded))
 
     def problem_key(self) -> tuple:
         """Trials with equal problem keys share global inputs and the float64 reference."""
         key = (self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim, self.dtype, self.causal)
-        return key + ((self.workload,) if self.document_lengths() is not None else ())
+        key += (self.workload,) if self.document_lengths() is not None else ()
+        return key + ((self.mask,) if self.mask_spec is not None else ())
 
     def label(self) -> str:
-        mask = "causal" if self.causal else "full"
+        mask = self.mask_spec.short if self.mask_spec is not None else ("causal" if self.causal else "full")
         name = method_label(self.method, self.method_options)
         return (
             f"{name} P={self.world_size} B={self.batch} S={self.seq_len} H={self.heads}/"
@@ -185,11 +205,11 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
         s.kv_heads,
         s.head_dim,
         s.dtype,
-        s.causal,
+        mask_points(s, cfg.masks),
         s.methods,
         passes,
     )
-    for place, ws, mix, b, sl, h, kvh, hd, dt, causal, m, ps in axes:
+    for place, ws, mix, b, sl, h, kvh, hd, dt, (causal, mask), m, ps in axes:
         if (mix, b, sl) not in identities:
             identities[mix, b, sl] = workload.identity(cfg, workload=mix, batch=b, seq_len=sl)
         identity = identities[mix, b, sl]
@@ -221,6 +241,7 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
                 ulysses_degree=ud,
                 ring_degree=rd,
                 workload=mix,
+                mask=mask,
                 **{"pass": ps},
             )
             if any(_matches(rule, point) for rule in s.exclude):
@@ -247,6 +268,7 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
                     kernel=cfg.run.kernel,
                     options=json.dumps(options, sort_keys=True),
                     workload=identity,
+                    mask=mask,
                     device=device,
                     kind=workload.kind,
                 )

@@ -209,7 +209,14 @@ def balance_columns(spec: TrialSpec, reports: list[RankReport], padded_len: int)
     pairs = [r.pairs for r in reports]
     if pairs and None not in pairs:
         mean = sum(pairs) / len(pairs)
-        cols.update({M.PAIRS_MAX: max(pairs), M.PAIRS_MEAN: mean, M.IMBALANCE: max(pairs) / mean if mean else None})
+        cols.update(
+            {
+                M.PAIRS_MAX: max(pairs),
+                M.PAIRS_MEAN: mean,
+                M.IMBALANCE: max(pairs) / mean if mean else None,
+                M.AREA_GINI: M.gini(pairs),
+            }
+        )
     kernel = [r.breakdown.kernel_ms for r in reports if r.breakdown is not None]
     if len(kernel) == len(reports) and kernel and sum(kernel) > 0:
         cols[M.KERNEL_SPREAD] = max(kernel) / (sum(kernel) / len(kernel))

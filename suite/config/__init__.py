@@ -20,6 +20,7 @@ from suite.config.schema import (
     SimConfig,
     SuiteConfig,
     SweepConfig,
+    mask_points,
     option_points,
     to_dict,
 )
@@ -28,6 +29,7 @@ from suite.config.validate import validate
 __all__ = [
     "AXES",
     "KINDS",
+    "mask_points",
     "PASSES",
     "ConfigError",
     "DocumentsConfig",

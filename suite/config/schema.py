@@ -32,6 +32,7 @@ AXES = (
     "ulysses_degree",
     "ring_degree",
     "workload",
+    "mask",
 )
 
 
@@ -60,6 +61,13 @@ class SweepConfig:
     head_dim: list[int] = field(default_factory=lambda: [64])
     dtype: list[str] = field(default_factory=lambda: ["float32"])
     causal: list[bool] = field(default_factory=lambda: [True, False])
+    """The two plain masks (causal, full). `mask`, when given, replaces this axis."""
+    mask: list[str] = field(default_factory=list)
+    """Mask families (methods/masks.py), an axis that replaces `causal` when given: `full`, `causal`,
+    `sliding_window:<w>` (or `sliding_window:window=<w>,symmetric=true`), `chunked:<c>`,
+    `prefix_lm:<p>`, `block_causal:<b>`, `shared_question:question=<q>,answers=<k>`,
+    `global_window:globals=<g>,window=<w>`, or names of `masks:` entries. A size is tokens (>= 1) or a
+    fraction of each document (0 < f < 1). Every family applies inside each packed document."""
     passes: list[str] = field(default_factory=lambda: ["fwd", "fwd_bwd"])
     """fwd (forward only, no autograd graph) and/or fwd_bwd (forward + backward)."""
     workload: list[str] = field(default_factory=lambda: ["uniform"])
@@ -179,8 +187,25 @@ class SuiteConfig:
     sim: SimConfig = field(default_factory=SimConfig)
     documents: dict[str, DocumentsConfig] = field(default_factory=dict)
     """Named document-length distributions, used by sweep.workload."""
+    masks: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Named masks, used by sweep.mask: {family: sliding_window, window: 4096} (methods/masks.py)."""
     results: ResultsConfig = field(default_factory=ResultsConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+
+
+def mask_points(sweep: SweepConfig, named: Optional[dict[str, dict[str, Any]]] = None) -> list[tuple[bool, str]]:
+    """The mask axis as (causal flag, canonical mask name): `sweep.mask` when given, else the two
+    plain families of `sweep.causal`. The causal flag of a family is whether it lies inside the
+    causal mask (methods then run their causal plan, which the family's block masks refine)."""
+    from methods.masks import parse, plain
+
+    if not sweep.mask:
+        return [(bool(c), plain(bool(c)).name) for c in sweep.causal]
+    out = []
+    for text in sweep.mask:
+        m = parse(text, named)
+        out.append((m.family == "causal" if m.plain else m.causal, m.name))
+    return out
 
 
 def option_points(options: dict[str, Any]) -> list[dict[str, Any]]:

@@ -141,6 +141,7 @@ def validate(cfg: SuiteConfig) -> None:
         _require(r.device != "cpu", "run.backend", "nccl needs run.device cuda (or auto on a GPU machine)")
     _require(bool(cfg.results.root), "results.root", "must be a folder path")
     _validate_documents(cfg)
+    _validate_masks(cfg)
     _choice(cfg.kind, "kind", KINDS)
     if cfg.kind == "perplexity":
         from suite.perplexity.config import problems
@@ -150,6 +151,38 @@ def validate(cfg: SuiteConfig) -> None:
             raise ConfigError(f"{problem[0]}: {problem[1]}")
     if r.executor == "sim":
         _validate_sim(cfg)
+
+
+def _validate_masks(cfg: SuiteConfig) -> None:
+    """sweep.mask names and the masks: section: each parses (known family, known parameters, sizes
+    >= 1 token or fractions in (0, 1)), and fits a uniform sequence of every length (a prefix longer
+    than the sequence is refused here; packed documents are checked when their lengths are drawn)."""
+    from methods.masks import parse
+
+    for name, entry in cfg.masks.items():
+        _require(
+            bool(re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", name)) and ":" not in name,
+            f"masks.{name}",
+            "names are letters, digits, '-', '_' or '.'",
+        )
+        _require(isinstance(entry, dict) or hasattr(entry, "items"), f"masks.{name}", "must be a mapping")
+        try:
+            parse(name, cfg.masks)
+        except ValueError as exc:
+            raise ConfigError(f"masks.{name}: {exc}") from None
+    for i, text in enumerate(cfg.sweep.mask):
+        try:
+            m = parse(text, cfg.masks)
+        except ValueError as exc:
+            raise ConfigError(f"sweep.mask[{i}]: {exc}") from None
+        if "uniform" in cfg.sweep.workload:
+            for n in cfg.sweep.seq_len:
+                try:
+                    m.slices(n)
+                except ValueError as exc:
+                    raise ConfigError(f"sweep.mask[{i}]: {exc} (sweep.seq_len {n})") from None
+    names = [m for m in cfg.sweep.mask]
+    _require(len(set(names)) == len(names), "sweep.mask", f"lists a mask twice: {names}")
 
 
 def _validate_documents(cfg: SuiteConfig) -> None:

@@ -15,7 +15,6 @@ import torch
 from methods import kernels
 from methods.comm import CommLedger, CountingComm, NullComm, TimingComm
 from methods.comm.base import Comm
-from methods.documents import Documents
 from methods.timing import Stopwatch
 from suite import metrics as M
 from suite.check import build_problem, max_abs_err
@@ -48,8 +47,7 @@ class AttentionWorkload(Workload):
         docs = case.documents
         layout = method.layout(case)
         checked = settings.check and spec.seq_len <= settings.check_max_seq_len
-        lengths = spec.document_lengths()
-        true_docs = Documents(lengths, spec.seq_len) if lengths is not None else None
+        true_docs = spec.documents()  # the true length's documents and mask (None: plain, unpacked)
         prob = ctx.cache.get(
             (spec.problem_key(), checked, settings.seed, str(device)),
             lambda: build_problem(
@@ -121,12 +119,12 @@ class AttentionWorkload(Workload):
         row.update(checks)
         row.update(timing_columns([r.samples_ms for r in reports]))
         med = row[M.TIME_MS_MEDIAN]
-        lengths = spec.document_lengths()
-        if lengths is None:  # padding (if any) excluded: the convention on the true length
+        docs = spec.documents()
+        if docs is None:  # padding (if any) excluded: the convention on the true length
             flops = M.attention_flops(spec.batch, spec.seq_len, spec.heads, spec.head_dim, spec.causal, spec.pass_)
-        else:  # packed documents: their exact document-causal pairs
+        else:  # packed documents or a mask family: their exact visible pairs
             everything = torch.arange(spec.seq_len)
-            pairs = Documents(lengths, spec.seq_len).visible_pairs(everything, everything, spec.causal)
+            pairs = docs.visible_pairs(everything, everything, spec.causal)
             flops = M.pairs_flops(pairs, spec.heads, spec.head_dim, spec.pass_)
         row.update(balance_columns(spec, reports, spec.run_case(spec.build_method()).seq_len))
         row.update(breakdown_columns(reports, med))
