@@ -101,10 +101,14 @@ class Mask:
 
     @property
     def short(self) -> str:
-        """A label for tables and figures: `sliding_window(64)`, `shared_question(128, 4)`."""
-        values = [v for k, v in self.params if not (k == "symmetric" and v is False)]
-        shown = [("sym" if v is True else _fmt(v)) for v in values]
-        return f"{self.family}({', '.join(shown)})" if shown else self.family
+        """A label for tables and figures: `sliding_window(64)`, `shared_question(answers=4,
+        question=128)` (the suite's reports write the same from a row's name)."""
+        shown = [(k, v) for k, v in self.params if not (k == "symmetric" and v is False)]
+        if len(shown) == 1:
+            k, v = shown[0]
+            return f"{self.family}({'sym' if k == 'symmetric' else _fmt(v)})"
+        values = ["sym" if k == "symmetric" else f"{k}={_fmt(v)}" for k, v in shown]
+        return f"{self.family}({', '.join(values)})" if values else self.family
 
     def param(self, key: str) -> Any:
         return dict(self.params)[key]

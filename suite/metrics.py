@@ -200,6 +200,26 @@ def method_label(method: str, options: dict[str, Any]) -> str:
     return method + ("(" + ",".join(f"{k}={v}" for k, v in sorted(options.items())) + ")" if options else "")
 
 
+def mask_label(mask, causal) -> str:
+    """A row's mask for tables and figures: "causal" or "full" for the plain masks (and rows from
+    before the mask column, by their `causal` flag), else the family and its values, e.g.
+    "sliding_window(64)" or "shared_question(answers=4, question=128)" (the row's `mask` column holds the full,
+    parseable name: methods/masks.py)."""
+    if not mask or not isinstance(mask, str) or mask in PLAIN_MASKS:
+        return "causal" if _truthy(causal) else "full"
+    family, _, rest = mask.partition(":")
+    parts = [p.partition("=") for p in rest.split(",")] if rest else []
+    parts = [(k, v) for k, _, v in parts if not (k == "symmetric" and v == "false")]
+    if len(parts) == 1:  # one value says what it is: sliding_window(64)
+        return f"{family}({'sym' if parts[0][0] == 'symmetric' else parts[0][1]})"
+    values = ["sym" if k == "symmetric" else f"{k}={v}" for k, v in parts]
+    return f"{family}({', '.join(values)})" if values else family
+
+
+def _truthy(v) -> bool:
+    return str(v).lower() == "true" if isinstance(v, str) else bool(v)
+
+
 def workload_label(workload) -> str:
     """ "uniform" for one document per sequence, else "docs:<distribution name>" (from a row's
     `workload` column; perplexity rows carry their model settings there too)."""

@@ -95,6 +95,7 @@ def _attention_table(records: list[dict]) -> str:
             r["head_dim"],
             r["dtype"],
             not r["causal"],
+            str(r.get("mask") or ""),
             r["pass"],
         ),
     )
@@ -114,7 +115,7 @@ def _attention_table(records: list[dict]) -> str:
                 f"{r['heads']}/{r['kv_heads']}",
                 r["head_dim"],
                 r["dtype"],
-                "causal" if r["causal"] else "full",
+                M.mask_label(r.get("mask"), r["causal"]),
                 r["pass"],
                 status,
                 _fmt(r.get(M.TIME_MS_MEDIAN), ".3f"),

@@ -127,7 +127,7 @@ def run_name(record: dict) -> str:
     """A child run's name: what the trial is, made unique by the start of its key."""
     opts = _json(record.get("options"))
     name = M.method_label(record["method"], opts if isinstance(opts, dict) else {})
-    mask = "causal" if record.get("causal") else "full"
+    mask = M.mask_label(record.get("mask"), record.get("causal"))
     mix = M.workload_label(record.get("workload"))
     return (
         f"{name} P={record['world_size']} B={record['batch']} S={record['seq_len']} H={record['heads']}/"

@@ -527,3 +527,39 @@ def test_packed_workloads_get_their_own_panels_balance_table_and_figure(tmp_path
     assert set(speed["mask"]) == {"causal", "causal, docs:short"}  # pairs within one mix only
     rep = build_report([str(write_run(tmp_path / "r", "syn", rows))], out=tmp_path / "out", log_to_mlflow=False)
     assert any("balance_" in f and f.endswith(".png") for f in rep.figures)
+
+
+def test_mask_families_get_their_own_reference_table_and_figure(tmp_path):
+    """Rows of mask families (methods/masks.py) are other problems than the plain causal one: percent of
+    ideal divides by the reference of the same mask (not the causal reference of the same shape), the
+    labels name the family with its values, and the mask table and figure hold each family's numbers."""
+    from suite.reports.figures.plan import plan_figures
+
+    window = "sliding_window:symmetric=false,window=64"
+    question = "shared_question:answers=4,question=128"
+    rows = [row("reference", 1, 1024, time_ms=10.0), row("ring", 4, 1024, time_ms=5.0)]
+    for name, ref_ms, ring_ms, redundant in ((window, 2.0, 1.0, 3 * 2**20), (question, 8.0, 4.0, 2**20)):
+        rows.append(row("reference", 1, 1024, time_ms=ref_ms, mask=name, key=f"ref-{name}"))
+        rows.append(
+            row(
+                "ring",
+                4,
+                1024,
+                time_ms=ring_ms,
+                mask=name,
+                key=f"ring-{name}",
+                **{M.REDUNDANT_BYTES: redundant, M.IMBALANCE: 1.5},
+            )
+        )
+    df = frame_of(tmp_path, rows)
+    assert set(df["family"]) == {"causal", "sliding_window(64)", "shared_question(answers=4, question=128)"}
+    t = build_tables(df, "ring")
+    thr = t["throughput"].data
+    # causal: 10 / 4 / 5 = 50 %; the window: 2 / 4 / 1 = 50 % (against its own reference, not 10 ms)
+    assert sorted(thr[thr["P"] == 4]["pct_of_ideal"].round(3)) == [50.0, 50.0, 50.0]
+    masks = t["mask_families"].data
+    got = {r["mask"]: (round(r["redundant_mib"], 3), r["imbalance"]) for _, r in masks.iterrows()}
+    assert got["sliding_window(64)"] == (3.0, 1.5) and got["shared_question(answers=4, question=128)"] == (1.0, 1.5)
+    jobs, _ = plan_figures(df, "ring")
+    assert any(j.name.startswith("masks") for j in jobs)
+    assert M.mask_label(window, True) == "sliding_window(64)" and M.mask_label(None, False) == "full"

@@ -139,8 +139,13 @@ def normalise(df: pd.DataFrame) -> pd.DataFrame:
     # a document-causal mask is another problem than the causal one
     df["workload"] = df["workload"].fillna("")  # rows from before the column existed: one document each
     df["mix"] = df["workload"].map(M.workload_label)
-    df["mask"] = [("causal" if bool(c) else "full") + ("" if mix == "uniform" else f", {mix}")
-                  for c, mix in zip(df["causal"], df["mix"])]
+    # the row's own column: the full, parseable name ("" for the plain masks, whose flag is `causal`,
+    # and rows from before the column)
+    # (normalise runs again on combined sets: the label below replaces "mask", so derive once)
+    if "mask_name" not in df or df["mask_name"].isna().any():
+        df["mask_name"] = [m if isinstance(m, str) and m not in M.PLAIN_MASKS else "" for m in df["mask"]]
+    df["family"] = [M.mask_label(m, c) for m, c in zip(df["mask_name"], df["causal"])]
+    df["mask"] = [fam + ("" if mix == "uniform" else f", {mix}") for fam, mix in zip(df["family"], df["mix"])]
     # shape: everything of the problem but its length, mask and pass (figures draw one shape at a
     # time: rows of different shapes are never averaged into one point)
     df["shape"] = df.apply(lambda r: f"B={r['batch']} H={r['heads']}/{r['kv_heads']} D={r['head_dim']} {r['dtype']}",

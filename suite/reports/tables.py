@@ -23,7 +23,7 @@ from suite.reports.style import rank_word
 # Columns that, with the series, identify a comparable point (everything but the method).
 POINT = ["hardware", "executor", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
          "causal", "pass", "workload"]
-PROBLEM = ["batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal", "pass", "workload"]
+PROBLEM = ["batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal", "pass", "workload", "mask_name"]
 
 _OPTION_LABELS = {"ulysses_degree": "U", "ranks_per_node": "per-node"}
 
@@ -242,15 +242,11 @@ def throughput_rows(df: pd.DataFrame) -> pd.DataFrame:
     m = measured(df)
     if m.empty:
         return pd.DataFrame()
-    ref = m[(m["method"] == "reference") & (m["world_size"] == 1)]
-    ref = ref.groupby(["hardware", "executor"] + PROBLEM, dropna=False)[M.TIME_MS_MEDIAN].median()
-    key = list(zip(*(m[c] for c in ["hardware", "executor"] + PROBLEM)))
-    ref_ms = pd.Series([ref.get(k) for k in key], index=m.index, dtype="float64")
     out = pd.DataFrame({
         "series": m["series"], "shape": m["shape"], "P": m["world_size"], "mask": m["mask"], "pass": m["pass"],
         "seq_len": m["seq_len"], "time_ms": m[M.TIME_MS_MEDIAN], "time_ms_min": m[M.TIME_MS_MIN],
         "time_ms_max": m[M.TIME_MS_MAX], "tflops_per_gpu": m[M.TFLOPS_PER_GPU], "tokens_per_s": m[M.TOKENS_PER_S],
-        "pct_of_ideal": 100 * (ref_ms / m["world_size"]) / m[M.TIME_MS_MEDIAN],
+        "pct_of_ideal": throughput_pct(df),
         "sim_error_pct": pd.to_numeric(m[M.SIM_ERROR_PCT], errors="coerce"),
     })
     return out.sort_values(["shape", "mask", "pass", "P", "seq_len", "series"]).reset_index(drop=True)
@@ -439,7 +435,7 @@ def perplexity(df: pd.DataFrame) -> Table:
 
 
 SIM_PAIR = ["method", "options", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal",
-            "pass", "workload"]
+            "pass", "workload", "mask_name"]
 
 
 def sim_pairs(df: pd.DataFrame) -> pd.DataFrame:
@@ -461,7 +457,7 @@ def sim_vs_measured(df: pd.DataFrame) -> Table:
     data = pd.DataFrame({
         "method": [method_label(r["method"], _options(r["options"])) for _, r in pair.iterrows()],
         "P": pair["world_size"], "S": pair["seq_len"], "B": pair["batch"],
-        "mask": pair["causal"].map({True: "causal", False: "full"}), "pass": pair["pass"],
+        "mask": pair["mask_dist"], "pass": pair["pass"],
         "measured on": pair["hardware_dist"], "predicted on": pair["topology_sim"],
         "measured ms": pair[f"{M.TIME_MS_MEDIAN}_dist"], "predicted ms": pair[f"{M.TIME_MS_MEDIAN}_sim"],
     })
@@ -508,8 +504,8 @@ def packed_vs_uniform(df: pd.DataFrame) -> Table:
     title = "Percent of ideal: packed documents vs uniform sequences"
     if t.empty or "mask" not in t or not t["mask"].str.contains(", docs:").any():
         return Table("packed_vs_uniform", title, pd.DataFrame(), {})
-    parts = t["mask"].str.split(", ", n=1, expand=True)
-    t = t.assign(mask=parts[0], mix=parts[1].fillna("uniform") if 1 in parts else "uniform")
+    parts = t["mask"].str.split(", docs:", n=1, expand=True)
+    t = t.assign(mask=parts[0], mix=("docs:" + parts[1]).fillna("uniform") if 1 in parts else "uniform")
     out = t.pivot_table(index=["shape", "P", "mask", "pass", "seq_len", "series"], columns="mix",
                         values="pct_of_ideal", aggfunc="median")
     mixes = ["uniform"] + sorted(c for c in out.columns if c != "uniform")
@@ -524,12 +520,53 @@ def packed_vs_uniform(df: pd.DataFrame) -> Table:
     return Table("packed_vs_uniform", title, out, cols, what=what, section="balance", source=_source(df))
 
 
+def mask_families(df: pd.DataFrame) -> Table:
+    """Per method and mask family (methods/masks.py): percent of ideal, the K/V bytes a rank received
+    that none of its queries attends, and the balance of the ranks' visible area (max / mean, Gini):
+    which method is right and fast for the masks a model trains with."""
+    m = measured(df)
+    title = "Mask families: throughput, redundant communication and balance"
+    if m.empty or not (m["mask_name"] != "").any():
+        return Table("mask_families", title, pd.DataFrame(), {})
+    data = pd.DataFrame({
+        "series": m["series"], "shape": m["shape"], "P": m["world_size"], "pass": m["pass"],
+        "seq_len": m["seq_len"], "mask": m["family"], "mix": m["mix"], "pct_of_ideal": throughput_pct(df),
+        "redundant_mib": pd.to_numeric(m[M.REDUNDANT_BYTES], errors="coerce") / 2**20,
+        "imbalance": pd.to_numeric(m[M.IMBALANCE], errors="coerce"),
+        "gini": pd.to_numeric(m[M.AREA_GINI], errors="coerce"),
+        "sim_error_pct": pd.to_numeric(m[M.SIM_ERROR_PCT], errors="coerce"),
+    })
+    data = data[data["P"] > 1].sort_values(["shape", "pass", "P", "seq_len", "mix", "mask", "series"])
+    data = data.reset_index(drop=True)
+    cols = {**_shape_cols(_p_header(df)), "seq_len": Col("S (tokens)", "int", const="S = {}"),
+            "mix": Col("Length mix", "text"), "series": Col("Method", "text"),
+            "pct_of_ideal": Col("% of ideal", "pct"), "redundant_mib": Col("Redundant K/V (MiB per rank)"),
+            "imbalance": Col("Area max/mean", "ratio"), "gini": Col("Area Gini", "ratio")}
+    cols = {k: v for k, v in cols.items() if v.const or data[k].notna().any()}
+    what = ("Percent of ideal (the single-device reference time of the same problem and mask / P over the "
+            "method's median time); K/V bytes a rank received that none of its queries attends (max over ranks); "
+            "the ranks' visible (query, key) pairs: busiest over mean, and their Gini coefficient (0 = equal). "
+            "Simulated rows carry their error band in the throughput table")
+    return Table("mask_families", title, data, cols, what=what, section="balance", source=_source(df))
+
+
+def throughput_pct(df: pd.DataFrame) -> pd.Series:
+    """Percent of ideal of every measured row, indexed like `measured(df)`."""
+    m = measured(df)
+    ref = m[(m["method"] == "reference") & (m["world_size"] == 1)]
+    ref = ref.groupby(["hardware", "executor"] + PROBLEM, dropna=False)[M.TIME_MS_MEDIAN].median()
+    key = list(zip(*(m[c] for c in ["hardware", "executor"] + PROBLEM)))
+    ref_ms = pd.Series([ref.get(k) for k in key], index=m.index, dtype="float64")
+    return 100 * (ref_ms / m["world_size"]) / m[M.TIME_MS_MEDIAN]
+
+
 def build_tables(df: pd.DataFrame, baseline: str) -> dict[str, Table]:
     """All tables of a report, by file stem (empty ones are left out by the writer). Attention
     tables use the attention rows; the perplexity table the model-level rows."""
     att = attention_rows(df)
     tables = [status_counts(df), correctness_matrix(att), throughput(att), throughput_pivot(att),
-              speedup(att, baseline), communication(att), balance(att), packed_vs_uniform(att), memory(att),
+              speedup(att, baseline), communication(att), balance(att), packed_vs_uniform(att), mask_families(att),
+              memory(att),
               perplexity(df), sim_vs_measured(att), problems(df)]
     return {t.name: t for t in tables}
 

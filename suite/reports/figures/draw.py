@@ -94,7 +94,12 @@ def tick_labels(values) -> list[str]:
 def _categorical_x(ax, xs: list, *, last_row: bool, xlabel: str):
     """The swept values at even spacing (every panel of a figure has the same ones, so only the
     bottom row labels them)."""
-    ax.set_xticks(range(len(xs)), tick_labels(xs))
+    labels = tick_labels(xs)
+    ax.set_xticks(range(len(xs)), labels)
+    if sum(len(str(t)) for t in labels) > 40:  # long names (mask families): slanted, so they never overlap
+        ax.tick_params(axis="x", labelrotation=35)
+        for t in ax.get_xticklabels():
+            t.set_horizontalalignment("right")
     ax.set_xlim(-0.6, len(xs) - 0.4)
     ax.xaxis.set_minor_locator(NullLocator())
     ax.grid(False, axis="x")
@@ -144,9 +149,23 @@ def _points(data, palette, *, rows, cols, xlabel, ylabel, title, auto_log=False,
             if j == 0:
                 ax.set_ylabel(ylabel)
         _row_y(axes[i], data[data["row"] == r], logy, ref)
+    _room_for_slanted(fig, xs)
     _title(fig, title, fig.get_figheight())
     _legend(fig, palette, series)
     return fig
+
+
+def _room_for_slanted(fig, xs: list) -> None:
+    """A taller figure, the panels kept their size, where `_categorical_x` slanted long labels."""
+    labels = [str(t) for t in tick_labels(xs)]
+    if sum(map(len, labels)) <= 40:
+        return
+    h = fig.get_figheight()
+    extra = 0.065 * max(map(len, labels)) * 0.6  # inches the slanted labels reach below the axis
+    p = fig.subplotpars
+    top_in, bottom_in = (1 - p.top) * h, p.bottom * h + extra
+    fig.set_figheight(h + extra)
+    fig.subplots_adjust(top=1 - top_in / (h + extra), bottom=bottom_in / (h + extra))
 
 
 def _row_y(axes_row, d: pd.DataFrame, log: bool, ref=None):

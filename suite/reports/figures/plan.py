@@ -29,6 +29,7 @@ from suite.reports.tables import (
     sim_band_caption,
     sim_pairs,
     speedup_rows,
+    throughput_pct,
 )
 
 INTERVAL = (0, 100)  # percentiles of the timed samples that a bar spans
@@ -177,6 +178,9 @@ def plan_figures(df: pd.DataFrame, baseline: Optional[str]) -> tuple[list[Figure
                 notes.append(_WHY_NOT[kind])
         elif kind == "balance":  # drawn where several length mixes ran; nothing to say otherwise
             if att["mix"].nunique() > 1:
+                notes.append(_WHY_NOT[kind])
+        elif kind == "masks":  # drawn where mask families ran; nothing to say otherwise
+            if (att["mask_name"] != "").any():
                 notes.append(_WHY_NOT[kind])
         else:
             notes.append(_WHY_NOT[kind])
@@ -374,7 +378,8 @@ def _plan_balance(df, _baseline) -> list[FigureJob]:
     """Compute imbalance (pairs max/mean) and throughput per method across length mixes, per
     world size: what packing documents of long-tailed lengths does to each layout's balance."""
     m = measured(df).dropna(subset=[M.IMBALANCE])
-    m = m[m["world_size"] > 1]   # one rank is balanced by definition
+    m = m[(m["world_size"] > 1) & (m["mask_name"] == "")]  # one rank is balanced by definition; plain masks
+
     if m.empty or m["mix"].nunique() < 2:
         return []
     jobs = []
@@ -407,10 +412,54 @@ def _plan_balance(df, _baseline) -> list[FigureJob]:
     return jobs
 
 
+def _plan_masks(df, _baseline) -> list[FigureJob]:
+    """Per method across mask families (methods/masks.py): percent of ideal, the K/V a rank received
+    that none of its queries attends, and the busiest rank's visible area over the mean, per world
+    size, at the longest length and the first pass of each shape and length mix."""
+    m = measured(df)
+    m = m[m["world_size"] > 1]
+    if m.empty or not (m["mask_name"] != "").any() or m["family"].nunique() < 2:
+        return []
+    m = m.assign(pct=throughput_pct(df).reindex(m.index))
+    jobs = []
+    for slug, shape, part in _per_shape(m):
+        for mix in sorted(part["mix"].unique()):
+            one = part[part["mix"] == mix]
+            s = one["seq_len"].max()
+            p_pass = sorted(one["pass"].unique())[0]
+            one = one[(one["seq_len"] == s) & (one["pass"] == p_pass)]
+            base = one.assign(col="P = " + one["world_size"].astype(str), x=one["family"])
+            rows = []
+            for label, values in (("% of ideal", base["pct"]),
+                                  ("redundant K/V (MiB per rank)",
+                                   pd.to_numeric(base[M.REDUNDANT_BYTES], errors="coerce") / 2**20),
+                                  ("area max/mean", pd.to_numeric(base[M.IMBALANCE], errors="coerce"))):
+                if values.notna().any():
+                    rows.append(base.assign(row=label, y=values, lo=values, hi=values))
+            if not rows:
+                continue
+            d = pd.concat(rows).dropna(subset=["y"])
+            names = [r["row"].iloc[0] for r in rows]
+            cols = ["P = " + str(p) for p in sorted(one["world_size"].unique())]
+            tag = "" if mix == "uniform" else f", {mix}"
+            sim = (one["executor"] == "sim").any()
+            jobs.append(FigureJob(
+                f"masks{slug}{'' if mix == 'uniform' else '_' + mix.replace(':', '_')}", "points", _tidy(d, "x"),
+                dict(rows=names, cols=cols, xlabel="mask", ylabel="",
+                     title=("Simulated: " if sim else "") + f"mask families, {shape}, S = {size_label(s)}{tag}, {p_pass}",
+                     x_order=sorted(d["x"].unique()), lines=False),
+                section="balance", shape=shape,
+                caption="Per method and mask family: percent of ideal (the single-device time of the same mask / P "
+                        "over the method's time), K/V bytes a rank received that none of its queries attends, and "
+                        "the busiest rank's visible (query, key) pairs over the mean rank's (1 = balanced)."
+                        + (" Simulated rows (executor sim) are predictions, not measurements." if sim else "")))
+    return jobs
+
+
 _PLANNERS: dict[str, Callable] = {
     "throughput": _plan_throughput, "speedup": _plan_speedup, "scaling": _plan_scaling, "bytes": _plan_bytes,
     "time_split": _plan_time_split, "memory": _plan_memory, "sim_vs_measured": _plan_sim,
-    "loss_curves": _plan_loss, "balance": _plan_balance,
+    "loss_curves": _plan_loss, "balance": _plan_balance, "masks": _plan_masks,
 }
 _WHY_NOT = {
     "throughput": "throughput: no measured rows",
@@ -422,5 +471,6 @@ _WHY_NOT = {
     "sim_vs_measured": "simulated vs measured: needs rows of both executors dist and sim for the same trials",
     "loss_curves": "loss curves: the model-level rows have no loss curves",
     "balance": "load balance by length mix: no measured rows with the balance columns",
+    "masks": "mask families: fewer than two families with multi-rank rows",
 }
 
