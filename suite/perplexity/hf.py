@@ -155,9 +155,18 @@ def _layout(model, input_ids: torch.Tensor, method: Method, world_size: int, doc
     b, s = input_ids.shape
     dtype = dtype_name(next(model.parameters()).dtype)
     case = model_case(model, b, s, world_size, dtype, input_ids.device.type)
-    if docs is not None:
-        case = Case(**{**case.__dict__, "documents": docs})
-    return method.layout(case)
+    windowed = case.documents
+    if windowed is not None and docs is not None:
+        windowed = _window_documents(docs, model_window(model), b, docs.padded_len)
+    layout = method.layout(Case(**{**case.__dict__, "documents": docs}))
+    if windowed is not None:  # a layout that follows the mask cannot serve windowed and global layers
+        other = method.layout(Case(**{**case.__dict__, "documents": windowed}))
+        if any(not torch.equal(other.positions(r), layout.positions(r)) for r in range(world_size)):
+            raise ValueError(
+                f"{method.name} {method.options()}: its layout follows the mask, so the model's "
+                "sliding-window and global layers would need different layouts"
+            )
+    return layout
 
 
 def sharded_logits(

@@ -82,6 +82,22 @@ def layer_documents(docs: Optional[Documents], mask: Mask, batch: int, seq_len: 
     return Documents(docs.lengths, docs.padded_len, mask)
 
 
+def check_one_layout(method, case, layout: layouts.Layout, per_layer: Sequence[Optional[Documents]]) -> None:
+    """Raise ValueError when a layer's documents (its mask) would give `method` another layout than
+    the one the tokens are sharded with (a layout that follows the mask, sharding=area): one model
+    needs one layout for all its layers."""
+    for d in per_layer:
+        if d is case.documents:
+            continue
+        other = method.layout(dataclasses.replace(case, documents=d))
+        if any(not torch.equal(other.positions(r), layout.positions(r)) for r in range(case.world_size)):
+            raise ValueError(
+                f"{method.name} {method.options()}: its layout follows the mask, so the layers of "
+                f"perplexity.layer_masks would need different layouts; use one mask for every layer "
+                f"or a sharding that does not depend on the mask"
+            )
+
+
 def _loss_skip(spec: TrialSpec, masks: Sequence[Mask]):
     return prefix_loss_skip(spec.document_lengths(), spec.batch, spec.seq_len, masks)
 
@@ -161,6 +177,7 @@ class PerplexityWorkload(Workload):
 
         masks = layer_masks(spec, model_cfg.layers)
         per_layer = [layer_documents(told, m, case.batch, case.seq_len) for m in masks]
+        check_one_layout(method, case, layout, [layer_documents(docs, m, case.batch, case.seq_len) for m in masks])
 
         def attend(c: Comm):
             out = []
