@@ -131,3 +131,13 @@ def test_a_layout_that_follows_the_mask_is_refused_where_layers_mask_differently
     m = methods.get_method("zigzag_ring", sharding="area")
     with pytest.raises(ValueError, match="follows the mask"):
         check_one_layout(m, case, m.layout(case), [None, window])
+
+
+def test_hf_models_with_window_and_global_layers_refuse_area_sharding():
+    pytest.importorskip("transformers", reason="the Hugging Face path needs transformers (extra hf)")
+    from suite.perplexity.hf import gathered_logits
+    from tests.test_perplexity import tiny_qwen2_with_a_window
+
+    ids = torch.randint(0, 256, (1, 32), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="follows the mask"):
+        gathered_logits(tiny_qwen2_with_a_window(4), ids, methods.get_method("zigzag_ring", sharding="area"), 2)
