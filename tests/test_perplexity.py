@@ -13,6 +13,7 @@ import methods
 from methods import layouts
 from methods.base import Case
 from methods.comm import run_threads
+from methods.documents import BlockMasks, Documents
 from suite import metrics as M
 from suite.config import ConfigError, load_config
 from suite.perplexity.data import load_corpus, train_windows, val_windows
@@ -481,8 +482,6 @@ def train_pattern(corpus, pattern, name=None, world_size=1, tc=TRAIN, model=MODE
     padded = method.padded_len(case)
     docs = None
     if padded != tc.seq_len:  # as the workload's run_case: padding travels as documents
-        from methods.documents import Documents
-
         docs = Documents.single(tc.batch, tc.seq_len, padded)
         case = dataclasses.replace(case, seq_len=padded, documents=docs)
     ok, why = method.supports(case)
@@ -502,6 +501,17 @@ def train_pattern(corpus, pattern, name=None, world_size=1, tc=TRAIN, model=MODE
             loss_skip=skip,
         ),
     )
+
+
+class WindowOnlyOnOwnBlocks(BlockMasks):
+    """The planted bug: blocks of queries against another rank's keys get the documents without
+    the mask (the window is applied only to a rank's own block)."""
+
+    def __call__(self, q_rank, q_rows, k_rank, k_rows):
+        if q_rank == k_rank or self.docs.mask is None:
+            return super().__call__(q_rank, q_rows, k_rank, k_rows)
+        plain = Documents(self.docs.lengths, self.docs.padded_len)
+        return plain.block(self.positions(q_rank)[q_rows], self.positions(k_rank)[k_rows], self.causal)
 
 
 @pytest.fixture(scope="module")
@@ -528,13 +538,6 @@ def test_a_window_ignored_on_blocks_from_other_ranks_is_caught(corpus, window_ba
     mask (the window is applied only to a rank's own block); the ring then trains another model."""
     import methods.base
     import methods.documents as D
-
-    class WindowOnlyOnOwnBlocks(D.BlockMasks):
-        def __call__(self, q_rank, q_rows, k_rank, k_rows):
-            if q_rank == k_rank or self.docs.mask is None:
-                return super().__call__(q_rank, q_rows, k_rank, k_rows)
-            plain = D.Documents(self.docs.lengths, self.docs.padded_len)
-            return plain.block(self.positions(q_rank)[q_rows], self.positions(k_rank)[k_rows], self.causal)
 
     monkeypatch.setattr(D, "BlockMasks", WindowOnlyOnOwnBlocks)
     monkeypatch.setattr(methods.base, "BlockMasks", WindowOnlyOnOwnBlocks)
@@ -638,3 +641,34 @@ def test_hf_sliding_window_model_gives_the_same_logits_with_every_method(world_s
         assert (got - ref).abs().max() < 1e-5, name
         checked += 1
     assert checked >= 5
+
+
+MASKED_SWEEP = """
+name: ppl_masks
+kind: perplexity
+sweep: {{methods: [ring, zigzag_ring], world_size: [2], batch: [2], seq_len: [64], heads: [4],
+        kv_heads: [2], head_dim: [8], causal: [true]}}
+perplexity: {{layer_masks: ["sliding_window:12", causal], steps: 4, warmup_steps: 2, eval_batches: 2,
+              data: {{max_bytes: 200000}}}}
+run: {{executor: threads, warmup: 1}}
+tracking: {{mlflow: false}}
+results: {{root: {root}}}
+"""
+
+
+def test_the_sweep_checks_layer_masks_and_reports_a_window_ignored_across_ranks(write_config, tmp_path, monkeypatch):
+    """Through the workload (config, baseline row, trial rows): with [sliding_window:12, causal]
+    the methods' rows are ok; with the window ignored on blocks from other ranks (the planted bug
+    above) the ring's row is incorrect."""
+    import methods.base
+
+    path = write_config(MASKED_SWEEP.format(root=tmp_path / "good"))
+    rows = _sweep(path).records
+    assert '"layer_masks"' in rows[0]["workload"]
+    for r in rows:
+        assert r[M.STATUS] == M.OK, (r["method"], r[M.REASON])
+
+    monkeypatch.setattr(methods.base, "BlockMasks", WindowOnlyOnOwnBlocks)
+    path = write_config(MASKED_SWEEP.format(root=tmp_path / "bug"))
+    ring = next(r for r in _sweep(path, "sweep.methods=[ring]").records if r["method"] == "ring")
+    assert ring[M.STATUS] == M.INCORRECT and "differs from the single-device baseline" in ring[M.REASON]
