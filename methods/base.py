@@ -350,7 +350,8 @@ class SPAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
-SHARDINGS = ("sequence", "documents")
+SHARDINGS = ("sequence", "documents", "area")
+AREA_CHUNKS_PER_RANK = 4  # area sharding's chunks per rank when `area_chunk` is 0
 
 
 # DocumentSharding is mixed into Method subclasses, before Method in their bases; to the type checker
@@ -364,22 +365,49 @@ else:
 class DocumentSharding(_MethodMixin):
     """The `sharding` option of a zigzag method: "sequence" zigzags the whole packed sequence (2P
     chunks); "documents" cuts every document into 2P chunks (Megatron/TE's THD load balancing,
-    `layouts.documents`), which balances each document's causal work by itself. Positions then
-    follow the documents, so the method computes every block with the documents' masks (the
-    sequence layout's causal shortcuts do not hold)."""
+    `layouts.documents`), which balances each document's causal work by itself; "area" cuts the
+    padded sequence into equal chunks of `area_chunk` tokens (0: 4 per rank) and deals them to the
+    ranks by their visible area under the mask (`layouts.area`): equal tokens, balanced work for
+    any mask family. Positions then follow the documents or the areas, so the method computes every
+    block with the documents' masks (the sequence layout's causal shortcuts do not hold)."""
 
     sharding: str = "sequence"
+    area_chunk: int = 0
 
-    def _init_sharding(self, sharding: str) -> None:
+    def _init_sharding(self, sharding: str, area_chunk: int = 0) -> None:
         if sharding not in SHARDINGS:
             raise ValueError(f"{self.name}: sharding must be one of {list(SHARDINGS)}, got {sharding!r}")
-        self.sharding = sharding
+        if isinstance(area_chunk, bool) or not isinstance(area_chunk, int) or area_chunk < 0:
+            raise ValueError(f"{self.name}: area_chunk must be a number of tokens >= 1 (0: automatic)")
+        if area_chunk and sharding != "area":
+            raise ValueError(f"{self.name}: area_chunk applies to sharding=area only")
+        self.sharding, self.area_chunk = sharding, area_chunk
+
+    def sharding_options(self) -> dict:
+        """The options that name the sharding (area_chunk only where it applies: trial keys of the
+        other shardings stay as they were)."""
+        out: dict = {"sharding": self.sharding}
+        if self.sharding == "area":
+            out["area_chunk"] = self.area_chunk
+        return out
 
     @property
     def by_documents(self) -> bool:
         return self.sharding == "documents"
 
+    @property
+    def masks_every_block(self) -> bool:
+        """Positions other than the zigzag's (by documents or by area): every block is masked."""
+        return self.sharding != "sequence"
+
+    def _area_granule(self, world_size: int) -> int:
+        return world_size * (self.area_chunk or AREA_CHUNKS_PER_RANK)
+
     def document_layout(self, case: Case) -> layouts.Layout:
+        if self.sharding == "area":
+            docs = case.documents or Documents.single(case.batch, case.seq_len)
+            chunks = case.seq_len // self.area_chunk if self.area_chunk else case.world_size * AREA_CHUNKS_PER_RANK
+            return _area_layout(docs, bool(case.causal), case.world_size, chunks)
         if case.documents is None:
             return layouts.documents([case.seq_len], case.world_size)
         if len(set(case.documents.lengths)) > 1:
@@ -390,6 +418,9 @@ class DocumentSharding(_MethodMixin):
         return layouts.documents(case.documents.lengths[0], case.world_size)
 
     def padded_len(self, case: Case) -> int:
+        if self.sharding == "area":
+            g = self._area_granule(case.world_size)
+            return -(-case.seq_len // g) * g
         if self.by_documents:
             try:
                 return self.document_layout(case).seq_len
@@ -398,11 +429,25 @@ class DocumentSharding(_MethodMixin):
         return super().padded_len(case)
 
     def documents_for(self, q: torch.Tensor, comm: Comm, docs: Optional[Documents]) -> Optional[Documents]:
-        """The documents to mask with: by-document sharding always masks (one document per
-        sequence when none are packed), since its positions are not the zigzag's."""
-        if docs is None and self.by_documents:
+        """The documents to mask with: by-document and by-area sharding always mask (one document
+        per sequence when none are packed), since their positions are not the zigzag's."""
+        if docs is None and self.masks_every_block:
             return Documents.single(q.shape[0], q.shape[1] * comm.world_size)
         return docs
+
+
+def chunk_areas(docs: Documents, causal: bool, chunks: int) -> list[int]:
+    """The visible area (query-key pairs, summed over the batch) of each of `chunks` equal chunks of
+    `docs`'s padded sequence: its queries against every key, counted from the mask's slices."""
+    size = docs.padded_len // chunks
+    keys = torch.arange(docs.padded_len)
+    return [docs.block(torch.arange(c * size, (c + 1) * size), keys, causal).pairs for c in range(chunks)]
+
+
+@functools.lru_cache(maxsize=64)
+def _area_layout(docs: Documents, causal: bool, world_size: int, chunks: int) -> layouts.Layout:
+    """The area layout of `docs` (cached: every attention call's block masks ask for it again)."""
+    return layouts.area(docs.padded_len, world_size, chunk_areas(docs, causal, chunks))
 
 
 def element_bytes(case: Case) -> tuple[int, int]:

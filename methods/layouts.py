@@ -16,6 +16,10 @@ positions (what RoPE and the loss labels need). Layouts:
   2P-1-r of every document, so each document's causal work is balanced by itself; the tail is
   padded so that every rank holds as many tokens. Its contiguous variant (`zigzag=False`) cuts
   every document into P chunks and gives rank r chunk r (ring-flash-attn's varlen ring).
+- area: the sequence in equal chunks (a multiple of P), each with its visible area (the pairs its
+  queries see under the mask, computed by the caller), dealt largest first to the rank with the
+  least area so far among the ranks that still have room: equal tokens per rank, area balanced
+  for any mask (where zigzag balances only the plain causal one). Positions increase on every rank.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from typing import Callable, Sequence, Union
 
 import torch
 
-LAYOUTS = ("contiguous", "zigzag", "stripe", "usp", "documents")
+LAYOUTS = ("contiguous", "zigzag", "stripe", "usp", "documents", "area")
 
 
 Positions = tuple[torch.Tensor, ...]  # per rank, LongTensor [S_local]
@@ -155,6 +159,43 @@ def documents(doc_lengths: Sequence[int], world_size: int, zigzag: bool = True) 
         m.extend(next(pad) for _ in range(local - len(m)))
     kind = "documents" if zigzag else "documents_contiguous"
     return Layout(kind, p * local, p, tuple(torch.tensor(m, dtype=torch.long) for m in mine))
+
+
+def assign_chunks(areas: Sequence[int], world_size: int) -> list[list[int]]:
+    """Chunks (indices into `areas`, len a multiple of `world_size`) per rank, in increasing order:
+    largest area first (ties: the earlier chunk) to the rank with the least area so far (ties: the
+    lower rank) among those holding fewer than len(areas) / world_size chunks."""
+    p, n = world_size, len(areas)
+    if p < 1 or n % p != 0:
+        raise ValueError(f"area layout: {n} chunks cannot be dealt equally to {p} ranks")
+    room = n // p
+    held: list[list[int]] = [[] for _ in range(p)]
+    load = [0] * p
+    for c in sorted(range(n), key=lambda i: (-areas[i], i)):
+        r = min((r for r in range(p) if len(held[r]) < room), key=lambda r: (load[r], r))
+        held[r].append(c)
+        load[r] += areas[c]
+    return [sorted(h) for h in held]
+
+
+def area(seq_len: int, world_size: int, areas: Sequence[int]) -> Layout:
+    """Area-balanced layout (see the module docstring): `seq_len` in len(`areas`) equal chunks,
+    chunk i of visible area areas[i]."""
+    n = len(areas)
+    _check("area", seq_len, world_size, world_size)
+    if n < 1 or n % world_size != 0 or seq_len % n != 0:
+        raise ValueError(
+            f"area layout needs a chunk count that is a multiple of world_size {world_size} and divides "
+            f"seq_len {seq_len}; got {n} chunks"
+        )
+    size = seq_len // n
+    held = assign_chunks(areas, world_size)
+    return Layout(
+        "area",
+        seq_len,
+        world_size,
+        tuple(torch.cat([torch.arange(c * size, (c + 1) * size) for c in h]) for h in held),
+    )
 
 
 def granule(kind: str, world_size: int, **params) -> int:

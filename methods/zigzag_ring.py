@@ -47,19 +47,19 @@ class ZigzagRing(DocumentSharding, KVRingMethod):
     layout_kind = "zigzag"
     test_variants = ({}, {"sharding": "documents"})
 
-    def __init__(self, kernel: str = "auto", sharding: str = "sequence"):
+    def __init__(self, kernel: str = "auto", sharding: str = "sequence", area_chunk: int = 0):
         super().__init__(kernel)
-        self._init_sharding(sharding)
+        self._init_sharding(sharding, area_chunk)
 
     def options(self):
-        return {**super().options(), "sharding": self.sharding}
+        return {**super().options(), **self.sharding_options()}
 
     def layout(self, case: Case) -> layouts.Layout:
-        return self.document_layout(case) if self.by_documents else super().layout(case)
+        return self.document_layout(case) if self.masks_every_block else super().layout(case)
 
     def plan(self, causal: bool, rank: int, local_len: int) -> Plan:
-        # by documents, every block runs with the documents' mask (which holds the causal part)
-        return full_plan if self.by_documents else zigzag_plan(causal, rank, local_len)
+        # by documents or area, every block runs with the documents' mask (which holds the causal part)
+        return full_plan if self.masks_every_block else zigzag_plan(causal, rank, local_len)
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         return super().forward(

@@ -13,6 +13,7 @@ import methods
 from methods import layouts
 from methods.base import Case
 from methods.comm import run_threads
+from methods.documents import BlockMasks, Documents
 from suite import metrics as M
 from suite.config import ConfigError, load_config
 from suite.perplexity.data import load_corpus, train_windows, val_windows
@@ -429,3 +430,245 @@ def test_training_the_baseline_prints_a_line_when_it_starts_and_ends(write_confi
     assert len(appended) == 1 and len(lines) == 2
     assert lines[0].startswith("training the single-device baseline (baseline P=1")
     assert lines[1] == "baseline ok in 1.5s: perplexity 12.2500"
+
+
+# -- per-layer masks ---------------------------------------------------------------------------------
+WINDOW_PATTERN = ["sliding_window:20", "causal"]  # a local layer, then a global one; 20 < 96 / 2
+
+
+def _masked_attends(masks, method, comm, docs, batch, seq_len):
+    from suite.workloads.perplexity import layer_documents
+
+    out = []
+    for m in masks:
+        d = layer_documents(docs, m, batch, seq_len)
+        extra = {"docs": d} if d is not None else {}
+        out.append(functools.partial(method.attention, causal=m.plain or m.causal, comm=comm, **extra))
+    return out
+
+
+def train_pattern(corpus, pattern, name=None, world_size=1, tc=TRAIN, model=MODEL):
+    """Train with the per-layer masks `pattern` (repeated over the layers): on one device with SDPA
+    and each layer's dense mask when `name` is None (the workload's baseline), else with method
+    `name` on `world_size` virtual ranks."""
+    from methods.masks import parse
+    from suite.perplexity.train import prefix_loss_skip
+    from suite.workloads.perplexity import layer_documents
+
+    masks = [parse(pattern[i % len(pattern)]) for i in range(model.layers)]
+    skip = prefix_loss_skip(None, tc.batch, tc.seq_len, masks)
+    if name is None:
+        everything = torch.arange(tc.seq_len)
+        attends = []
+        for m in masks:
+            d = layer_documents(None, m, tc.batch, tc.seq_len)
+            dense = d.block(everything, everything, m.plain or m.causal).dense() if d is not None else None
+            attends.append(functools.partial(sdpa_attend, mask=dense))
+        layout = layouts.contiguous(tc.seq_len, 1)
+        return train_and_evaluate(
+            model, tc, corpus, layout=layout, comm=None, make_attend=lambda c: attends, loss_skip=skip
+        )
+    method = methods.get_method(name)
+    case = Case(
+        batch=tc.batch,
+        seq_len=tc.seq_len,
+        heads=model.heads,
+        kv_heads=model.kv_heads,
+        head_dim=model.head_dim,
+        dtype="float32",
+        causal=True,
+        world_size=world_size,
+    )
+    padded = method.padded_len(case)
+    docs = None
+    if padded != tc.seq_len:  # as the workload's run_case: padding travels as documents
+        docs = Documents.single(tc.batch, tc.seq_len, padded)
+        case = dataclasses.replace(case, seq_len=padded, documents=docs)
+    ok, why = method.supports(case)
+    if not ok:
+        pytest.skip(why)
+    layout = method.layout(case)
+    return run_threads(
+        world_size,
+        lambda comm: train_and_evaluate(
+            model,
+            tc,
+            corpus,
+            layout=layout,
+            comm=comm,
+            make_attend=lambda c: _masked_attends(masks, method, c, docs, tc.batch, padded),
+            docs=docs,
+            loss_skip=skip,
+        ),
+    )
+
+
+class WindowOnlyOnOwnBlocks(BlockMasks):
+    """The planted bug: blocks of queries against another rank's keys get the documents without
+    the mask (the window is applied only to a rank's own block)."""
+
+    def __call__(self, q_rank, q_rows, k_rank, k_rows):
+        if q_rank == k_rank or self.docs.mask is None:
+            return super().__call__(q_rank, q_rows, k_rank, k_rows)
+        plain = Documents(self.docs.lengths, self.docs.padded_len)
+        return plain.block(self.positions(q_rank)[q_rows], self.positions(k_rank)[k_rows], self.causal)
+
+
+@pytest.fixture(scope="module")
+def window_baseline(corpus):
+    return train_pattern(corpus, WINDOW_PATTERN)
+
+
+def test_the_window_pattern_trains_another_model_than_plain_causal(baseline, window_baseline):
+    """The window really masks: the pattern's baseline is not the causal one (so equality below is
+    a statement about the window)."""
+    assert max_rel(window_baseline.losses, baseline.losses) > 1e-3
+    assert window_baseline.losses[-1] < window_baseline.losses[0] - 0.5
+
+
+@pytest.mark.parametrize("name", CAUSAL_METHODS)
+def test_every_method_trains_like_the_baseline_with_a_sliding_window_layer(corpus, window_baseline, name):
+    results = train_pattern(corpus, WINDOW_PATTERN, name, 2)
+    assert max_rel(results[0].losses, window_baseline.losses) < 1e-5
+    assert abs(results[0].perplexity / window_baseline.perplexity - 1) < 1e-5
+
+
+def test_a_window_ignored_on_blocks_from_other_ranks_is_caught(corpus, window_baseline, monkeypatch):
+    """Planted bug: blocks of queries against another rank's keys get the documents without the
+    mask (the window is applied only to a rank's own block); the ring then trains another model."""
+    import methods.base
+    import methods.documents as D
+
+    monkeypatch.setattr(D, "BlockMasks", WindowOnlyOnOwnBlocks)
+    monkeypatch.setattr(methods.base, "BlockMasks", WindowOnlyOnOwnBlocks)
+    results = train_pattern(corpus, WINDOW_PATTERN, "ring", 2)
+    assert max_rel(results[0].losses, window_baseline.losses) > 1e-3
+
+
+def test_prefix_lm_layers_leave_the_prefix_labels_out(corpus):
+    """A prefix_lm layer sees the whole prefix both ways: the labels inside it are left out of the
+    loss, and a method then trains like the baseline."""
+    from methods.masks import parse
+    from suite.perplexity.train import prefix_loss_skip
+
+    skip = prefix_loss_skip(((5, 7),), 1, 12, [parse("causal"), parse("prefix_lm:3")])
+    assert skip[0].nonzero().flatten().tolist() == [0, 1, 5, 6]  # labels 1, 2 and 6, 7: in a prefix
+    assert prefix_loss_skip(None, 2, 8, [parse("sliding_window:4")]) is None
+    pattern = ["prefix_lm:0.25", "causal"]
+    base = train_pattern(corpus, pattern)
+    results = train_pattern(corpus, pattern, "zigzag_ring", 2)
+    assert max_rel(results[0].losses, base.losses) < 1e-5
+
+
+def test_layer_masks_in_the_config(write_config):
+    """The pattern is checked (masks a causal LM cannot train with are refused, naming the key),
+    named masks resolve, and only a pattern other than plain causal enters the trials' identity."""
+    from suite.workloads.perplexity import layer_masks, workload_json
+
+    path = write_config("""
+    name: ppl
+    kind: perplexity
+    sweep: {methods: [ring], world_size: [2], seq_len: [64], heads: [4], kv_heads: [2], head_dim: [8],
+            causal: [true]}
+    masks: {local: {family: sliding_window, window: 16}}
+    perplexity: {layers: 3, data: {max_bytes: 100000}}
+    """)
+    cfg, _ = load_config(path)
+    assert cfg.perplexity.layer_masks == ["causal"] and "layer_masks" not in workload_json(cfg)
+    plain_key = plan_for(cfg, "cpu:test")[0].key
+    cfg2, _ = load_config(path, ["perplexity.layer_masks=[causal,causal]"])
+    assert plan_for(cfg2, "cpu:test")[0].key == plain_key
+    cfg3, _ = load_config(path, ["perplexity.layer_masks=[local,chunked:16]"])
+    spec = plan_for(cfg3, "cpu:test")[0]
+    assert spec.key != plain_key
+    assert [m.name for m in layer_masks(spec, 3)] == [
+        "sliding_window:symmetric=false,window=16",
+        "chunked:chunk=16",
+        "sliding_window:symmetric=false,window=16",
+    ]
+    for override, key, what in [
+        ("perplexity.layer_masks=[causal,block_causal:8]", r"perplexity\.layer_masks\[1\]", "later tokens"),
+        ("perplexity.layer_masks=[full]", r"perplexity\.layer_masks\[0\]", "bidirectional"),
+        ("perplexity.layer_masks=['sliding_window:window=8,symmetric=true']", r"layer_masks\[0\]", "later"),
+        ("perplexity.layer_masks=[global_window:2]", r"layer_masks\[0\]", "global_window"),
+        ("perplexity.layer_masks=[nope]", r"layer_masks\[0\]", "unknown mask"),
+        ("perplexity.layer_masks=[]", r"perplexity\.layer_masks", "at least one"),
+        ("sweep.mask=[sliding_window:8]", r"sweep\.mask", "perplexity.layer_masks"),
+    ]:
+        with pytest.raises(ConfigError, match=f"{key}.*{what}"):
+            load_config(path, [override])
+
+
+def tiny_qwen2_with_a_window(window: int):
+    """A random tiny Qwen2 whose second layer has a sliding window (transformers' `layer_types`)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(2)
+    cfg = Qwen2Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        use_sliding_window=True,
+        sliding_window=window,
+        max_window_layers=1,
+    )
+    return Qwen2ForCausalLM(cfg).eval()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_hf_sliding_window_model_gives_the_same_logits_with_every_method(world_size):
+    """A model with a sliding-window layer is no longer refused: the window reaches each method as
+    a mask, and the logits equal the model's own eager attention (which masks the window)."""
+    pytest.importorskip("transformers", reason="the Hugging Face path needs transformers (extra hf)")
+    from suite.perplexity.hf import eager_logits, gathered_logits, model_case, model_window
+
+    model = tiny_qwen2_with_a_window(8)
+    assert model.config.layer_types == ["full_attention", "sliding_attention"] and model_window(model) == 8
+    ids = torch.randint(0, 256, (2, 48), generator=torch.Generator().manual_seed(0))
+    ref = eager_logits(model, ids)
+    no_window = eager_logits(tiny_qwen2_with_a_window(4096), ids)
+    assert (no_window - ref).abs().max() > 1e-3  # the window changes the logits
+    checked = 0
+    for name in CAUSAL_METHODS:
+        method = methods.get_method(name)
+        if not method.supports(model_case(model, 2, 48, world_size))[0]:
+            continue
+        got = gathered_logits(model, ids, method, world_size)
+        assert (got - ref).abs().max() < 1e-5, name
+        checked += 1
+    assert checked >= 5
+
+
+MASKED_SWEEP = """
+name: ppl_masks
+kind: perplexity
+sweep: {{methods: [ring, zigzag_ring], world_size: [2], batch: [2], seq_len: [64], heads: [4],
+        kv_heads: [2], head_dim: [8], causal: [true]}}
+perplexity: {{layer_masks: ["sliding_window:12", causal], steps: 4, warmup_steps: 2, eval_batches: 2,
+              data: {{max_bytes: 200000}}}}
+run: {{executor: threads, warmup: 1}}
+tracking: {{mlflow: false}}
+results: {{root: {root}}}
+"""
+
+
+def test_the_sweep_checks_layer_masks_and_reports_a_window_ignored_across_ranks(write_config, tmp_path, monkeypatch):
+    """Through the workload (config, baseline row, trial rows): with [sliding_window:12, causal]
+    the methods' rows are ok; with the window ignored on blocks from other ranks (the planted bug
+    above) the ring's row is incorrect."""
+    import methods.base
+
+    path = write_config(MASKED_SWEEP.format(root=tmp_path / "good"))
+    rows = _sweep(path).records
+    assert '"layer_masks"' in rows[0]["workload"]
+    for r in rows:
+        assert r[M.STATUS] == M.OK, (r["method"], r[M.REASON])
+
+    monkeypatch.setattr(methods.base, "BlockMasks", WindowOnlyOnOwnBlocks)
+    path = write_config(MASKED_SWEEP.format(root=tmp_path / "bug"))
+    ring = next(r for r in _sweep(path, "sweep.methods=[ring]").records if r["method"] == "ring")
+    assert ring[M.STATUS] == M.INCORRECT and "differs from the single-device baseline" in ring[M.REASON]

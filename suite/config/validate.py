@@ -146,7 +146,7 @@ def validate(cfg: SuiteConfig) -> None:
     if cfg.kind == "perplexity":
         from suite.perplexity.config import problems
 
-        problem = next(problems(cfg.perplexity, cfg.sweep.causal), None)
+        problem = next(problems(cfg.perplexity, cfg.sweep.causal, cfg.sweep.mask, cfg.masks), None)
         if problem is not None:
             raise ConfigError(f"{problem[0]}: {problem[1]}")
     if r.executor == "sim":

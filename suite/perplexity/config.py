@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Any, Iterator, Mapping, Optional, Sequence
 
 # The model's and the training loop's own defaults (one source for both).
 from suite.perplexity.data import SOURCES
@@ -41,6 +41,12 @@ class PerplexityConfig:
     is not used."""
 
     layers: int = _Model.layers
+    layer_masks: list[str] = field(default_factory=lambda: ["causal"])
+    """The attention mask of each layer, a pattern repeated over the layers (layer l takes entry
+    l mod its length): mask names as in sweep.mask or names of the `masks:` section, e.g.
+    [sliding_window:32, causal] (local and global layers alternating). Every layer masks inside each
+    packed document. A causal LM allows only masks within causal (causal, sliding_window, chunked,
+    shared_question) and prefix_lm (whose prefix labels are then left out of the loss)."""
     mlp_hidden: int = _Model.mlp_hidden
     """SwiGLU hidden size; 0 = LLaMA's 8/3 x width rounded up to a multiple of 32."""
     rope_theta: float = _Model.rope_theta
@@ -62,14 +68,54 @@ class PerplexityConfig:
     data: DataConfig = field(default_factory=DataConfig)
 
 
-def problems(p: PerplexityConfig, causal: list[bool]) -> Iterator[tuple[str, str]]:
-    """Each value of `p` (and the sweep's `causal` axis) the check cannot run with, as (key, what
-    is wrong and what to set)."""
+def mask_problems(texts: Sequence[str], named: Optional[Mapping[str, Mapping[str, Any]]]) -> Iterator[tuple[str, str]]:
+    """The per-layer masks a causal language model cannot train with: ones that let a token see a
+    later token it is asked to predict (symmetric windows, full, block_causal, global_window)."""
+    from methods.masks import parse
+
+    if not texts:
+        yield "perplexity.layer_masks", "give at least one mask (the default is [causal])"
+    for i, text in enumerate(texts):
+        key = f"perplexity.layer_masks[{i}]"
+        try:
+            m = parse(text, named)
+        except ValueError as exc:
+            yield key, str(exc)
+            continue
+        if m.family == "causal" or m.family == "prefix_lm" or (not m.plain and m.causal):
+            continue
+        hint = (
+            "a full (bidirectional) layer; a causal LM's global layer is `causal`"
+            if m.family == "full"
+            else f"{m.short} lets a token see later tokens, among them the one it predicts"
+        )
+        yield (
+            key,
+            f"{text!r} does not fit a causal language model: {hint}. Use causal, sliding_window (not "
+            "symmetric), chunked, shared_question, or prefix_lm (its prefix labels are left out of the loss)",
+        )
+
+
+def problems(
+    p: PerplexityConfig,
+    causal: list[bool],
+    mask: Sequence[str] = (),
+    named: Optional[Mapping[str, Mapping[str, Any]]] = None,
+) -> Iterator[tuple[str, str]]:
+    """Each value of `p` (and the sweep's `causal` and `mask` axes) the check cannot run with, as
+    (key, what is wrong and what to set)."""
     if list(causal) != [True]:
         yield (
             "sweep.causal",
             (f"a perplexity check trains a causal language model: set sweep.causal: [true] (got {causal})"),
         )
+    if list(mask) not in ([], ["causal"]):
+        yield (
+            "sweep.mask",
+            f"a perplexity check takes its masks per layer: set perplexity.layer_masks (e.g. "
+            f"[sliding_window:32, causal]) and leave sweep.mask out (got {list(mask)})",
+        )
+    yield from mask_problems(list(p.layer_masks), named)
     for k in ("layers", "steps", "eval_batches"):
         if getattr(p, k) < 1:
             yield f"perplexity.{k}", "must be >= 1"

@@ -5,7 +5,11 @@ transformers (>= 4.48) looks attention functions up by name in `AttentionInterfa
 call `_suite_attention`, which runs the active method over the active comm (per thread, so virtual
 ranks can share one model object). Each rank feeds the model only its layout's tokens with their
 *global* `position_ids`, so RoPE is right; the causal mask is the method's, on global positions
-(the mask transformers builds for the local tokens is not used, and not built).
+(the mask transformers builds for the local tokens is not used, and not built). A sliding-window
+layer (Mistral, Qwen2's `layer_types`, ...) passes its window to the method as the
+`sliding_window` mask (methods/masks.py: a query sees itself and the window - 1 tokens before it,
+as transformers' sliding-window mask), carried by the documents the method masks with; a method
+without a path for documents and masks is refused with its reason.
 
     with sequence_parallel(method, comm):
         logits = sharded_logits(model, input_ids, method, comm)   # this rank's tokens
@@ -28,6 +32,7 @@ import torch
 from methods.base import Case, Method, dtype_name
 from methods.comm.base import Comm
 from methods.documents import Documents
+from methods.masks import Mask
 
 NAME = "suite_sp"
 _active = threading.local()
@@ -42,13 +47,52 @@ def _suite_attention(
         raise RuntimeError(f"attention implementation {NAME!r} called outside `sequence_parallel(method, comm)`")
     if dropout:
         raise ValueError("suite methods have no attention dropout; evaluate with model.eval()")
-    if kwargs.get("sliding_window") or getattr(module, "sliding_window", None):
-        raise ValueError("sliding-window attention is not supported by the suite's methods")
-    method, comm, docs = state
+    method, comm, docs, batch, seq_len = state
+    window = kwargs["sliding_window"] if "sliding_window" in kwargs else getattr(module, "sliding_window", None)
+    if window:
+        if not method.supports_documents:
+            raise ValueError(
+                f"{method.name} cannot apply the model's sliding window of {window}: "
+                + (method.documents_reason or "it has no path for masks inside documents")
+            )
+        docs = _window_documents(docs, int(window), batch, seq_len)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     extra = {"docs": docs} if docs is not None else {}
     out = method.attention(q, k, v, causal=True, comm=comm, softmax_scale=scaling, **extra)
     return out, None
+
+
+def sliding_window_mask(window: int) -> Mask:
+    """transformers' sliding window (query i sees keys i - window < j <= i) as the suite's mask."""
+    return Mask("sliding_window", (("window", int(window)),))
+
+
+def _window_documents(docs: Optional[Documents], window: int, batch: int, seq_len: int) -> Documents:
+    """`docs` (or one document per sequence) carrying a sliding window of `window` tokens, built
+    once per (documents, window) and thread: every layer and every call reuses its slices."""
+    cache = _active.__dict__.setdefault("windows", {})
+    key = (docs, window, batch, seq_len)
+    if key not in cache:
+        mask = sliding_window_mask(window)
+        cache.clear()  # one sequence's documents at a time
+        cache[key] = (
+            Documents.single(batch, seq_len, mask=mask)
+            if docs is None
+            else Documents(docs.lengths, docs.padded_len, mask)
+        )
+    return cache[key]
+
+
+def model_window(model) -> Optional[int]:
+    """The model's sliding window when some layer uses one (None: every layer attends causally)."""
+    cfg = model.config
+    window = getattr(cfg, "sliding_window", None)
+    if not window:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    if types is not None and "sliding_attention" not in types:
+        return None
+    return int(window)
 
 
 def _no_mask(*args, **kwargs):
@@ -66,11 +110,16 @@ def register() -> str:
 
 
 @contextlib.contextmanager
-def sequence_parallel(method: Method, comm: Comm, docs: Optional[Documents] = None) -> Iterator[None]:
+def sequence_parallel(
+    method: Method, comm: Comm, docs: Optional[Documents] = None, shape: Optional[tuple[int, int]] = None
+) -> Iterator[None]:
     """Make `method` over `comm` the attention of `suite_sp` models in this thread (with packed
-    documents `docs`, if any)."""
+    documents `docs`, if any). `shape`: the global (batch, sequence length), which a sliding-window
+    layer needs when there are no documents to take it from."""
     previous = getattr(_active, "state", None)
-    _active.state = (method, comm, docs)
+    if shape is None and docs is not None:
+        shape = (docs.batch, docs.padded_len)
+    _active.state = (method, comm, docs, *(shape or (None, None)))
     try:
         yield
     finally:
@@ -83,8 +132,11 @@ def use_suite_attention(model) -> None:
 
 
 def model_case(model, batch: int, seq_len: int, world_size: int, dtype: str = "float32", device: str = "cpu") -> Case:
+    """The attention problem of `model` on [batch, seq_len] tokens (with the model's sliding window
+    as a mask, when it has one, so that `method.supports` answers for it)."""
     cfg = model.config
     heads = cfg.num_attention_heads
+    window = model_window(model)
     return Case(
         batch=batch,
         seq_len=seq_len,
@@ -95,6 +147,7 @@ def model_case(model, batch: int, seq_len: int, world_size: int, dtype: str = "f
         causal=True,
         world_size=world_size,
         device=device,
+        documents=Documents.single(batch, seq_len, mask=sliding_window_mask(window)) if window else None,
     )
 
 
@@ -102,9 +155,18 @@ def _layout(model, input_ids: torch.Tensor, method: Method, world_size: int, doc
     b, s = input_ids.shape
     dtype = dtype_name(next(model.parameters()).dtype)
     case = model_case(model, b, s, world_size, dtype, input_ids.device.type)
-    if docs is not None:
-        case = Case(**{**case.__dict__, "documents": docs})
-    return method.layout(case)
+    windowed = case.documents
+    if windowed is not None and docs is not None:
+        windowed = _window_documents(docs, model_window(model), b, docs.padded_len)
+    layout = method.layout(Case(**{**case.__dict__, "documents": docs}))
+    if windowed is not None:  # a layout that follows the mask cannot serve windowed and global layers
+        other = method.layout(Case(**{**case.__dict__, "documents": windowed}))
+        if any(not torch.equal(other.positions(r), layout.positions(r)) for r in range(world_size)):
+            raise ValueError(
+                f"{method.name} {method.options()}: its layout follows the mask, so the model's "
+                "sliding-window and global layers would need different layouts"
+            )
+    return layout
 
 
 def sharded_logits(
@@ -119,7 +181,7 @@ def sharded_logits(
     positions = layout.positions(comm.rank).to(input_ids.device)[None].expand(b, -1)
     if docs is not None:
         positions = positions - docs.starts[:, layout.positions(comm.rank)].to(input_ids.device)
-    with sequence_parallel(method, comm, docs):
+    with sequence_parallel(method, comm, docs, shape=(b, layout.seq_len)):
         return model(input_ids=tokens, position_ids=positions, use_cache=False).logits
 
 

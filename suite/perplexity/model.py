@@ -7,20 +7,23 @@ attention is per token, so the only things that must know about the other ranks 
 - RoPE, which must use each token's *global* position (`positions`, from the method's layout;
   under zigzag, striped or TASP layouts a rank's tokens are not a contiguous range), and
 - attention itself, the `attend(q, k, v)` callable: local [B, S_local, H, D] shards in, local
-  output out, causal on global positions (a method's `attention` bound to its comm).
+  output out, causal on global positions (a method's `attention` bound to its comm), or one
+  such callable per layer when the layers mask differently (`perplexity.layer_masks`).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+Attends = Union[Attend, Sequence[Attend]]
+"""One attention for every layer, or one per layer (a per-layer mask pattern)."""
 
 
 @dataclass(frozen=True)
@@ -132,10 +135,13 @@ class TinyLlama(nn.Module):
                     std /= math.sqrt(2 * self.cfg.layers)
                 p.copy_(torch.randn(p.shape, generator=generator, dtype=torch.float32).to(p.dtype) * std)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, attend: Attends) -> torch.Tensor:
         x = self.embed(tokens)
-        for block in self.blocks:
-            x = block(x, positions, attend)
+        per_layer = list(attend) if isinstance(attend, (list, tuple)) else [attend] * len(self.blocks)
+        if len(per_layer) != len(self.blocks):
+            raise ValueError(f"{len(per_layer)} attention callables for {len(self.blocks)} layers")
+        for block, layer_attend in zip(self.blocks, per_layer):
+            x = block(x, positions, layer_attend)
         return self.head(self.norm(x))
 
 

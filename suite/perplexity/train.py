@@ -13,13 +13,17 @@ the two differ only where sequence parallelism must differ:
   keys to their owners), so every rank takes the same optimizer step.
 
 `planted_bug` breaks one of these on purpose, so that a test (or a user) can see the check catch it.
+
+A layer pattern with a `prefix_lm` mask (the prefix attends both ways) would let a prefix token see
+the token it predicts; `loss_skip` then leaves the labels inside each document's prefix out of the
+loss (`prefix_loss_skip`), in the baseline and the methods alike.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -28,9 +32,10 @@ from methods import layouts
 from methods.comm import CommLedger, CountingComm
 from methods.comm.base import Comm
 from methods.documents import Documents
+from methods.masks import Mask
 from methods.timing import Stopwatch
 from suite.perplexity.data import Corpus, train_windows, val_windows
-from suite.perplexity.model import Attend, ModelConfig, TinyLlama
+from suite.perplexity.model import Attends, ModelConfig, TinyLlama
 
 PLANTED_BUGS = {
     "none": "no bug",
@@ -85,17 +90,20 @@ def train_and_evaluate(
     *,
     layout: layouts.Layout,
     comm: Optional[Comm],
-    make_attend: Callable[[Optional[Comm]], Attend],
+    make_attend: Callable[[Optional[Comm]], Attends],
     dtype: torch.dtype = torch.float32,
     device: torch.device = torch.device("cpu"),
     docs: Optional[Documents] = None,
+    loss_skip: Optional[torch.Tensor] = None,
 ) -> TrainResult:
     """Train for `tc.steps` steps, then evaluate on the validation windows.
 
     `comm` is the sequence-parallel group (None on a single device); `make_attend(comm)` returns the
     attention to use with that comm (the first step runs through a byte-counting comm). `docs`:
     packed documents of every window (RoPE positions restart at each document; the attention
-    masks them), and the padding up to the layout's length (no loss on padding).
+    masks them), and the padding up to the layout's length (no loss on padding). `make_attend` may
+    return one attention per layer. `loss_skip`: [B, S] bool, the positions whose label is left out
+    of the loss (the loss is the mean over the others).
     """
     if tc.planted_bug not in PLANTED_BUGS:
         raise ValueError(f"unknown planted_bug {tc.planted_bug!r}; choose one of {list(PLANTED_BUGS)}")
@@ -112,7 +120,7 @@ def train_and_evaluate(
     )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, tc.warmup_steps)))
     windows = train_windows(corpus, steps=tc.steps, batch=tc.batch, seq_len=tc.seq_len, seed=tc.seed)
-    n_tokens = tc.batch * tc.seq_len
+    n_tokens = tc.batch * tc.seq_len - (int(loss_skip.sum()) if loss_skip is not None else 0)
     result = TrainResult(losses=[], val_loss=math.nan, step_ms=[])
 
     model.train()
@@ -121,7 +129,7 @@ def train_and_evaluate(
         with watch.region():
             ledger = CommLedger() if step == 0 and comm is not None else None
             attend = make_attend(CountingComm(comm, ledger) if ledger is not None else comm)
-            tokens, labels, positions = _shard(windows[step].to(device), layout, rank, tc.planted_bug, docs)
+            tokens, labels, positions = _shard(windows[step].to(device), layout, rank, tc.planted_bug, docs, loss_skip)
             logits = model(tokens, positions, attend)
             nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
             (nll / n_tokens).backward()
@@ -145,14 +153,46 @@ def train_and_evaluate(
         if ledger is not None:
             result.attn_bytes_sent, result.attn_bytes_recv = ledger.bytes_sent, ledger.bytes_recv
 
-    result.val_loss = _evaluate(model, tc, corpus, layout, rank, comm, make_attend(comm), device, docs)
+    result.val_loss = _evaluate(
+        model, tc, corpus, layout, rank, comm, make_attend(comm), device, docs, loss_skip, n_tokens
+    )
     return result
 
 
-def _shard(window: torch.Tensor, layout: layouts.Layout, rank: int, bug: str, docs: Optional[Documents] = None):
+def prefix_loss_skip(
+    lengths: Optional[Sequence[Sequence[int]]], batch: int, seq_len: int, masks: Sequence[Mask]
+) -> Optional[torch.Tensor]:
+    """[B, seq_len] bool: the positions whose label (the next token) lies inside its document's
+    prefix under the layers' prefix_lm masks (the longest prefix of any layer), or None when no
+    layer has one. A prefix token sees the whole prefix, the token it would predict included; the
+    last prefix token's label (the first token after the prefix) stays in: nothing at or before it
+    sees a later token."""
+    prefixes = [m for m in masks if m.family == "prefix_lm"]
+    if not prefixes:
+        return None
+    skip = torch.zeros(batch, seq_len, dtype=torch.bool)
+    for b, ls in enumerate(lengths or [(seq_len,)] * batch):
+        start = 0
+        for n in ls:
+            p = max(min(m.size("prefix", n), n) for m in prefixes)
+            skip[b, start : start + p - 1] = True
+            start += n
+    return skip
+
+
+def _shard(
+    window: torch.Tensor,
+    layout: layouts.Layout,
+    rank: int,
+    bug: str,
+    docs: Optional[Documents] = None,
+    loss_skip: Optional[torch.Tensor] = None,
+):
     """This rank's (tokens, labels, positions) of a [B, S + 1] window: positions [S_local], or
     [B, S_local] with packed documents (each document's tokens numbered from 0)."""
     inputs, labels = window[:, :-1], window[:, 1:]  # shifted on the global sequence
+    if loss_skip is not None:
+        labels = labels.masked_fill(loss_skip.to(labels.device), -100)
     if docs is not None and docs.padding:  # padding: token 0, no loss
         inputs = torch.cat([inputs, inputs.new_zeros(inputs.shape[0], docs.padding)], dim=1)
         labels = torch.cat([labels, labels.new_full((labels.shape[0], docs.padding), -100)], dim=1)
@@ -186,19 +226,21 @@ def _evaluate(
     layout: layouts.Layout,
     rank: int,
     comm: Optional[Comm],
-    attend: Attend,
+    attend: Attends,
     device: torch.device,
     docs: Optional[Documents],
+    loss_skip: Optional[torch.Tensor],
+    n_tokens: int,
 ) -> float:
     model.eval()
     windows = val_windows(corpus, batches=tc.eval_batches, batch=tc.batch, seq_len=tc.seq_len)
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for w in windows:
-        tokens, labels, positions = _shard(w.to(device), layout, rank, tc.planted_bug, docs)
+        tokens, labels, positions = _shard(w.to(device), layout, rank, tc.planted_bug, docs, loss_skip)
         logits = model(tokens, positions, attend)
         total += F.cross_entropy(
             logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum"
         ).double()
     if comm is not None and comm.world_size > 1:
         comm.all_reduce(total)
-    return float(total) / (windows.shape[0] * tc.batch * tc.seq_len)
+    return float(total) / (windows.shape[0] * n_tokens)

@@ -5,6 +5,10 @@ its world size (every rank runs `PerplexityWorkload.run_rank`), and the parent c
 final perplexity with a baseline trained on one device from the same seed with torch's SDPA (none
 of the suite's attention code). The baseline is computed once per workload in the parent, stored
 as its own row (method `baseline`, executor `local`), and read back on `--resume`.
+
+`perplexity.layer_masks` gives each layer its mask (a pattern repeated over the layers): the method
+is called per layer with the packed documents carrying that layer's mask, and the baseline gives
+SDPA the same layer's dense mask.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ import math
 import time
 import traceback
 from datetime import datetime, timezone
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -24,10 +28,12 @@ from methods import layouts
 from methods.base import torch_dtype
 from methods.comm.base import Comm
 from methods.documents import Documents
+from methods.masks import Mask
+from methods.masks import parse as parse_mask
 from suite import metrics as M
 from suite.perplexity.data import Corpus, load_corpus
 from suite.perplexity.model import ModelConfig, sdpa_attend
-from suite.perplexity.train import TrainConfig, train_and_evaluate
+from suite.perplexity.train import TrainConfig, prefix_loss_skip, train_and_evaluate
 from suite.plan import TrialSpec
 from suite.records import Outcome, RankReport, RowContext, base_row, begin_row, complete, finish, timing_columns
 from suite.workloads.base import RankContext, Workload, documents_identity
@@ -41,7 +47,8 @@ LOCAL = "local"  # its executor: the parent process, one device
 # The workload: everything about the model, data and training that identifies a trial
 # ---------------------------------------------------------------------------------------------
 def workload_json(cfg) -> str:
-    """Canonical JSON of the config's perplexity section plus the corpus's name and SHA-256."""
+    """Canonical JSON of the config's perplexity section plus the corpus's name and SHA-256 (the
+    per-layer masks only when some layer is not plain causal: earlier trials keep their keys)."""
     p = cfg.perplexity
     data = dataclasses.asdict(p.data)
     corpus = _corpus(json.dumps(data, sort_keys=True))
@@ -52,7 +59,47 @@ def workload_json(cfg) -> str:
     }
     train["seed"] = cfg.run.seed
     data.update(name=corpus.name, sha256=corpus.sha256)
-    return json.dumps({"model": model, "train": train, "data": data}, sort_keys=True, separators=(",", ":"))
+    ident = {"model": model, "train": train, "data": data}
+    masks = [parse_mask(text, cfg.masks).name for text in p.layer_masks]
+    if any(m != "causal" for m in masks):
+        ident["layer_masks"] = masks
+    return json.dumps(ident, sort_keys=True, separators=(",", ":"))
+
+
+def layer_masks(spec: TrialSpec, layers: int) -> list[Mask]:
+    """Each layer's mask: the pattern of the trial's workload repeated over the layers."""
+    pattern = json.loads(spec.workload).get("layer_masks") or ["causal"]
+    return [parse_mask(pattern[i % len(pattern)]) for i in range(layers)]
+
+
+def layer_documents(docs: Optional[Documents], mask: Mask, batch: int, seq_len: int) -> Optional[Documents]:
+    """The documents a layer of mask `mask` attends with: `docs` (packed documents and padding, or
+    None) carrying the mask; `docs` itself for the plain causal mask."""
+    if mask.plain:
+        return docs
+    if docs is None:
+        return Documents.single(batch, seq_len, mask=mask)
+    return Documents(docs.lengths, docs.padded_len, mask)
+
+
+def check_one_layout(method, case, layout: layouts.Layout, per_layer: Sequence[Optional[Documents]]) -> None:
+    """Raise ValueError when a layer's documents (its mask) would give `method` another layout than
+    the one the tokens are sharded with (a layout that follows the mask, sharding=area): one model
+    needs one layout for all its layers."""
+    for d in per_layer:
+        if d is case.documents:
+            continue
+        other = method.layout(dataclasses.replace(case, documents=d))
+        if any(not torch.equal(other.positions(r), layout.positions(r)) for r in range(case.world_size)):
+            raise ValueError(
+                f"{method.name} {method.options()}: its layout follows the mask, so the layers of "
+                f"perplexity.layer_masks would need different layouts; use one mask for every layer "
+                f"or a sharding that does not depend on the mask"
+            )
+
+
+def _loss_skip(spec: TrialSpec, masks: Sequence[Mask]):
+    return prefix_loss_skip(spec.document_lengths(), spec.batch, spec.seq_len, masks)
 
 
 @functools.lru_cache(maxsize=4)
@@ -128,9 +175,16 @@ class PerplexityWorkload(Workload):
         # the planted bug: the method is not told the documents (it attends across them)
         told = docs if train_cfg.planted_bug != "cross_document_attention" or docs is None or docs.padding else None
 
+        masks = layer_masks(spec, model_cfg.layers)
+        per_layer = [layer_documents(told, m, case.batch, case.seq_len) for m in masks]
+        check_one_layout(method, case, layout, [layer_documents(docs, m, case.batch, case.seq_len) for m in masks])
+
         def attend(c: Comm):
-            extra = {"docs": told} if told is not None else {}
-            return functools.partial(method.attention, causal=True, comm=c, **extra)
+            out = []
+            for m, d in zip(masks, per_layer):
+                extra = {"docs": d} if d is not None else {}
+                out.append(functools.partial(method.attention, causal=m.plain or m.causal, comm=c, **extra))
+            return out
 
         result = train_and_evaluate(
             model_cfg,
@@ -142,6 +196,7 @@ class PerplexityWorkload(Workload):
             dtype=torch_dtype(spec.dtype),
             device=ctx.device,
             docs=docs,
+            loss_skip=_loss_skip(spec, masks),
         )
         return RankReport(
             rank=ctx.comm.rank,
@@ -243,21 +298,27 @@ def run_baseline(bspec: TrialSpec, ctx: RowContext) -> dict[str, Any]:
         model_cfg, train_cfg, corpus = _configs(bspec)
         lengths = bspec.document_lengths()
         docs = Documents(lengths, bspec.seq_len) if lengths is not None else None
-        attend = sdpa_attend
-        if docs is not None:  # the documents' mask, dense, for torch's SDPA
-            everything = torch.arange(bspec.seq_len)
-            mask = docs.block(everything, everything, causal=True).dense(torch.device(bspec.device))
-            attend = functools.partial(sdpa_attend, mask=mask)
+        masks = layer_masks(bspec, model_cfg.layers)
+        everything = torch.arange(bspec.seq_len)
+        attends = []
+        for m in masks:  # each layer's mask inside the documents, dense, for torch's SDPA
+            d = layer_documents(docs, m, bspec.batch, bspec.seq_len)
+            if d is None:
+                attends.append(sdpa_attend)
+                continue
+            dense = d.block(everything, everything, causal=m.plain or m.causal).dense(torch.device(bspec.device))
+            attends.append(functools.partial(sdpa_attend, mask=dense))
         result = train_and_evaluate(
             model_cfg,
             train_cfg,
             corpus,
             layout=layouts.contiguous(bspec.seq_len, 1),
             comm=None,
-            make_attend=lambda c: attend,
+            make_attend=lambda c: attends,
             dtype=torch_dtype(bspec.dtype),
             device=torch.device(bspec.device),
             docs=docs,
+            loss_skip=_loss_skip(bspec, masks),
         )
     except Exception as exc:  # noqa: BLE001 - recorded; the method trials then say why they have no verdict
         row.update(
