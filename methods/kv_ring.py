@@ -21,12 +21,21 @@ that dtype: fp32 would add no information) and its last hop home in the input dt
 owner returns that dtype; the cast is fused into the last addition), fp32 in between
 (`accumulators.follow_add`): exactly the sums of an all-fp32 accumulator, fewer bytes.
 
+Early stop (local masks): under a mask family (a sliding window, chunks) a rank's queries see
+only the blocks of a few ranks before it, yet the full ring passes every block to every rank. Every
+rank computes from the layout the last step at which *any* rank holds a block with a visible pair
+(`useful_steps`: the block masks of all ranks, so all ranks agree without a message) and the ring
+circulates only N <= P steps: a window of w tokens at local length L needs about w / L + 1. In the
+backward the dK/dV accumulators follow their blocks for those N steps and then go home in one
+direct message (`Route.start_home`) instead of travelling on round the ring. Without a mask family
+(no documents, or packed documents with the plain causal or full mask) N = P: nothing changes.
+
 Communication per rank and call (L local tokens, e bytes per input element, a bytes per
-accumulator element: 4, or 8 for float64; P ring size):
-    forward:  (P-1) * 2*B*L*Hkv*D*e            (K and V, P-1 hops)
-    backward: (P-1) * 2*B*L*Hkv*D*e + 2 * 2*B*L*Hkv*D*e + (P-2) * 2*B*L*Hkv*D*a
-              (K, V again; dK, dV accumulators, P hops: the first and the last in the input dtype)
-sent and received alike (P >= 2). Memory beyond inputs and outputs: two K/V blocks in flight, the fp32
+accumulator element: 4, or 8 for float64; N steps, P unless the ring stops early):
+    forward:  (N-1) * 2*B*L*Hkv*D*e            (K and V, N-1 hops)
+    backward: (N-1) * 2*B*L*Hkv*D*e + 2 * 2*B*L*Hkv*D*e + (N-2) * 2*B*L*Hkv*D*a
+              (K, V again; dK, dV accumulators, N hops: the first and the last in the input dtype)
+sent and received alike (N >= 2; nothing at N = 1). Memory beyond inputs and outputs: two K/V blocks in flight, the fp32
 out/lse accumulators; backward: the fp32 dQ and two dK/dV accumulators.
 """
 
@@ -230,14 +239,20 @@ def full_plan(src: int) -> list[Block]:
 
 
 def useful_steps(
-    p: int, src_of: Callable[[int, int], int], plan_of: Callable[[int], Plan], masks: Optional[BlockMasks]
+    p: int,
+    src_of: Callable[[int, int], int],
+    plan_of: Callable[[int], Plan],
+    masks: Optional[BlockMasks],
+    queries_travel: bool = False,
 ) -> int:
     """How many steps a circulation of `p` steps needs: one past the last step at which some rank
     holds a block with a visible pair (`src_of(rank, step)`: whose block; `plan_of(rank)`: the
     blocks that rank computes of it, refined by `masks`). Every rank computes the same number from
     the layout alone, so they agree without a message. Only a mask family (methods/masks.py) cuts
     the ring short: without one (no documents, or packed documents with the plain mask) it is
-    always `p`, so the plain schedule and bytes never change."""
+    always `p`, so the plain schedule and bytes never change. `queries_travel`: the circulating
+    block holds queries (BurstAttention's backward): a plan's block is the visiting queries' rows
+    against this rank's keys."""
     if masks is None or masks.docs.mask is None or p <= 1:
         return p
     last = 0
@@ -245,7 +260,8 @@ def useful_steps(
         plan = plan_of(rank)
         for step in range(p - 1, last, -1):
             src = src_of(rank, step)
-            if any(masks(rank, b.q_rows, src, b.k_rows).kind != EMPTY for b in plan(src)):
+            qr, kr = (src, rank) if queries_travel else (rank, src)
+            if any(masks(qr, b.q_rows, kr, b.k_rows).kind != EMPTY for b in plan(src)):
                 last = step
                 break
         if last == p - 1:

@@ -185,9 +185,10 @@ def test_counted_bytes_equal_the_declared_formula(name, options, world_size, hea
 
 @pytest.mark.parametrize("name,options", OWN, ids=IDS)
 @pytest.mark.parametrize("world_size", [2, 3, 4, 5])
-@pytest.mark.parametrize("mask", ["sliding_window:3", "global_window:globals=2,window=2"])
+@pytest.mark.parametrize("mask", ["sliding_window:3", "chunked:3", "global_window:globals=2,window=2"])
 def test_counted_bytes_equal_the_declared_formula_under_a_mask(name, options, world_size, mask):
-    """Under a mask family (a window: rings may stop early) every rank's counted bytes still equal
+    """Under a mask family (a window, chunks: rings may stop early, chunks of 3 tokens after one
+    step on the contiguous and zigzag layouts of 3 granules) every rank's counted bytes still equal
     `expected_rank_bytes`, which reads the mask from the case's documents."""
     family = parse_mask(mask)
     seq_len = seq_len_for(name, world_size, options, 4, 2)
