@@ -126,3 +126,35 @@ def test_a_64_token_window_ring_on_8_h100s_takes_2_steps_and_a_seventh_of_the_by
     full_redundant = max(m.redundant_kv_bytes(case, r) for r in range(p))
     assert full_redundant == (p - 1) * block
     assert redundant <= full_redundant / 3
+
+
+def test_rows_with_a_window_record_redundant_bytes_measured_and_simulated(write_config, tmp_path):
+    """The row column: filled for a mask family by measured (threads) and simulated rows alike, with
+    the method's own count; None for the plain mask (recorded rows stay as they were)."""
+    from suite import metrics as M
+    from suite.config import load_config
+    from suite.runner import run_sweep
+
+    rows = {}
+    for executor, extra in (("threads", ""), ("sim", "sim: {topology: [h100_sxm]}")):
+        path = write_config(f"""
+        name: early_stop_{executor}
+        sweep: {{methods: [ring, ulysses], world_size: [4], batch: [1], seq_len: [64], heads: [4],
+                 kv_heads: [4], head_dim: [8], dtype: [bfloat16], mask: [causal, "sliding_window:4"],
+                 passes: [fwd]}}
+        run: {{executor: {executor}, warmup: 0, repeats: 1}}
+        {extra}
+        tracking: {{mlflow: false}}
+        results: {{root: {tmp_path / executor}}}
+        """)
+        cfg, text = load_config(path)
+        for r in run_sweep(cfg, text, progress=False, out=open("/dev/null", "w")).records:
+            assert r[M.STATUS] == M.OK, r[M.REASON]
+            rows[(executor, r["method"], r["mask"])] = r
+    for executor in ("threads", "sim"):
+        ring = rows[(executor, "ring", "sliding_window:symmetric=false,window=4")]
+        # local length 16: 2 steps; rank 0 receives rank 3's block, none of which it sees
+        assert ring[M.REDUNDANT_BYTES] == 16 * 2 * 4 * 8 * 2 and ring[M.BYTES_RECV] == 16 * 2 * 4 * 8 * 2
+        uly = rows[(executor, "ulysses", "sliding_window:symmetric=false,window=4")]
+        assert uly[M.REDUNDANT_BYTES] == 0  # every key is seen by some query (no padding)
+        assert rows[(executor, "ring", "causal")][M.REDUNDANT_BYTES] is None
