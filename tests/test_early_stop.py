@@ -158,3 +158,15 @@ def test_rows_with_a_window_record_redundant_bytes_measured_and_simulated(write_
         uly = rows[(executor, "ulysses", "sliding_window:symmetric=false,window=4")]
         assert uly[M.REDUNDANT_BYTES] == 0  # every key is seen by some query (no padding)
         assert rows[(executor, "ring", "causal")][M.REDUNDANT_BYTES] is None
+
+
+def test_tasp_receives_every_unit_and_token_ring_no_kv():
+    """TASP circulates every unit to every rank (no early stop): its waste is all-gather K/V's;
+    TokenRing moves queries, never K/V."""
+    case = _case(48, 4, "sliding_window:3")
+    tasp = methods.get_method("tasp")
+    pos = tasp.layout(case).positions
+    for r in range(4):
+        want = sum(_brute_unseen_bytes(case, pos(r), pos(o), 2) for o in range(4) if o != r)
+        assert tasp.redundant_kv_bytes(case, r) == want > 0
+        assert methods.get_method("token_ring").redundant_kv_bytes(case, r) == 0
