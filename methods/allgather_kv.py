@@ -24,10 +24,12 @@ backward the full fp32 dK and dV: the one method here that does not stay within 
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from methods import kernels, layouts, merge
-from methods.base import Case, DocumentSharding, Method, element_bytes
+from methods.base import Case, DocumentSharding, Method, element_bytes, unseen_kv_bytes
 from methods.comm.base import Comm
 from methods.registry import register
 
@@ -187,6 +189,11 @@ class AllGatherKV(DocumentSharding, Method):
         if pass_ == "fwd_bwd":
             n += (p - 1) * kv * e + (p - 1) * kv * a  # again; reduce-scatter the fp32 dK, dV
         return n, n
+
+    def redundant_kv_bytes(self, case: Case, rank: int) -> Optional[int]:
+        """The gather brings every other rank's K/V: the keys of it this rank's queries do not see."""
+        pos = self.layout(case).positions
+        return sum(unseen_kv_bytes(case, pos(rank), pos(r)) for r in range(case.world_size) if r != rank)
 
     def _order(self, comm: Comm, local_len: int, masks) -> torch.Tensor:
         """Global positions of the gathered tokens [P, L], rank by rank (to put them in global

@@ -134,6 +134,13 @@ class Method:
         uneven) gives each rank's exact formula, and the generic test checks every rank."""
         return self.expected_bytes(case, pass_)
 
+    def redundant_kv_bytes(self, case: Case, rank: int) -> Optional[int]:
+        """K/V bytes rank `rank` receives in one forward that none of its queries attends (keys,
+        and their values, of received blocks that no local query sees under the case's mask;
+        MagiAttention's measure of wasted communication), from the layout alone. None: not
+        declared."""
+        return None
+
     def supports(self, case: Case) -> tuple[bool, str]:
         """Whether this method can run `case`, and if not, why (recorded as the skip reason)."""
         if case.heads % case.kv_heads != 0:
@@ -448,6 +455,15 @@ def chunk_areas(docs: Documents, causal: bool, chunks: int) -> list[int]:
 def _area_layout(docs: Documents, causal: bool, world_size: int, chunks: int) -> layouts.Layout:
     """The area layout of `docs` (cached: every attention call's block masks ask for it again)."""
     return layouts.area(docs.padded_len, world_size, chunk_areas(docs, causal, chunks))
+
+
+def unseen_kv_bytes(case: Case, q_pos: torch.Tensor, k_pos: torch.Tensor, kv_heads: Optional[int] = None) -> int:
+    """Bytes of K and V at global positions `k_pos` that no query at `q_pos` sees under `case`'s
+    mask (documents, padding, mask family, causal flag), over the batch; `kv_heads` defaults to
+    the case's (a rank holding some heads only gives its own)."""
+    docs = case.documents or Documents.single(case.batch, case.seq_len)
+    unseen = docs.unseen_keys(q_pos, k_pos, case.causal)
+    return unseen * 2 * (kv_heads or case.kv_heads) * case.head_dim * case.torch_dtype.itemsize
 
 
 def element_bytes(case: Case) -> tuple[int, int]:

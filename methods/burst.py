@@ -15,6 +15,10 @@ Zigzag masks in the backward, for visiting queries of `src` and this rank's keys
 src == r: local causal block; src < r: src's back-chunk queries see all our keys (its front chunk
 sees none); src > r: all visiting queries see our front chunk (none of our back chunk).
 
+Local masks (a window, chunks): both rings stop once no rank has a visible pair left
+(kv_ring.useful_steps; the dQ accumulators then go home directly), so the formulas below hold with
+P replaced by each ring's steps; the two-level ring always makes all P steps.
+
 Topology: with `ranks_per_node` set and ranks spanning nodes, both rings run as the two-level
 ring of the paper's code (methods/kv_ring.TwoLevelRoute): intra-node ring steps, with the
 inter-node hop sent at the start of each cycle and hidden behind it.
@@ -35,9 +39,12 @@ Memory beyond inputs and outputs: two packets in flight, two dQ accumulators, fp
 
 from __future__ import annotations
 
+from typing import Optional
+
 from methods import accumulators, kernels, merge
-from methods.base import Case, Method, element_bytes
-from methods.kv_ring import Plan, circulate, follow_bytes, kv_ring_forward, make_route
+from methods.base import Case, Method, element_bytes, unseen_kv_bytes
+from methods.documents import BlockMasks
+from methods.kv_ring import Plan, circulate, follow_bytes, kv_ring_forward, make_route, ring_src, useful_steps
 from methods.registry import register
 from methods.zigzag_ring import zigzag_plan
 
@@ -67,14 +74,35 @@ class Burst(Method):
         return {**super().options(), "ranks_per_node": self.ranks_per_node}
 
     def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
-        p, l = case.world_size, case.seq_len // case.world_size
+        l = case.seq_len // case.world_size
+        masks = BlockMasks(case.documents, self.layout(case).positions, case.causal) if case.documents else None
+        fwd, bwd = self._steps(masks, case.causal, case.world_size, l)
         e, a = element_bytes(case)
         b, h, d = case.batch, case.heads, case.head_dim
-        n = (p - 1) * 2 * b * l * case.kv_heads * d * e  # forward: K, V
+        n = (fwd - 1) * 2 * b * l * case.kv_heads * d * e  # forward: K, V
         if pass_ == "fwd_bwd":
-            n += (p - 1) * (2 * b * l * h * d * e + 2 * b * h * l * a)  # Q, dO; D, lse
-            n += follow_bytes(b * l * h * d, p, e, a)  # the dQ accumulator
+            n += (bwd - 1) * (2 * b * l * h * d * e + 2 * b * h * l * a)  # Q, dO; D, lse
+            n += follow_bytes(b * l * h * d, bwd, e, a)  # the dQ accumulator
         return n, n
+
+    def _steps(self, masks: Optional[BlockMasks], causal: bool, p: int, local_len: int) -> tuple[int, int]:
+        """Steps of the forward's K/V ring and of the backward's query ring (`useful_steps`: fewer
+        under a mask family). The two-level ring always makes all P steps: its inter-node hop
+        leaves at the start of a cycle, before the steps it serves."""
+        if 0 < self.ranks_per_node < p:
+            return p, p
+        src = ring_src(p)
+        fwd = useful_steps(p, src, lambda r: zigzag_plan(causal, r, local_len), masks)
+        bwd = useful_steps(p, src, lambda r: query_ring_plan(causal, r, local_len), masks, queries_travel=True)
+        return fwd, bwd
+
+    def redundant_kv_bytes(self, case: Case, rank: int) -> Optional[int]:
+        """The forward's K/V ring: keys of the received blocks no local query sees."""
+        l = case.seq_len // case.world_size
+        masks = BlockMasks(case.documents, self.layout(case).positions, case.causal) if case.documents else None
+        fwd, _ = self._steps(masks, case.causal, case.world_size, l)
+        pos, src = self.layout(case).positions, ring_src(case.world_size)
+        return sum(unseen_kv_bytes(case, pos(rank), pos(src(rank, t))) for t in range(1, fwd))
 
     def supports(self, case: Case) -> tuple[bool, str]:
         if self.ranks_per_node and case.world_size % self.ranks_per_node != 0 and self.ranks_per_node < case.world_size:
@@ -94,12 +122,13 @@ class Burst(Method):
             kernel=self.kernel,
             route=route,
             masks=masks,
+            steps=self._steps(masks, causal, comm.world_size, q.shape[1])[0],
         )
         return out, lse, (q, k, v, out, lse, masks)
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
         q, k, v, out, lse, masks = residuals
-        p = comm.world_size
+        p = self._steps(masks, causal, comm.world_size, q.shape[1])[1]
         route = make_route(comm, self.ranks_per_node)
         plan = query_ring_plan(causal, comm.rank, q.shape[1])
         delta = merge.softmax_delta(dout, out)  # D: [B, H, L]
@@ -134,5 +163,10 @@ class Burst(Method):
         def add(step, dq_acc, pending):  # first hop and the hop home in the input dtype, fp32 between
             return [accumulators.follow_add(None if dq_acc is None else dq_acc[0], pending, q, last_hop=step == p - 1)]
 
-        dq = circulate(p, packet, move=route.start_move, compute=compute, add=add, follow=route.start_follow)[0]
+        def follow(step, dq_acc):  # a ring cut short sends each dQ straight home after its last step
+            if step == p - 1 and p < comm.world_size:
+                return route.start_home(step, dq_acc)
+            return route.start_follow(step, dq_acc)
+
+        dq = circulate(p, packet, move=route.start_move, compute=compute, add=add, follow=follow)[0]
         return dq, dk.finish(), dv.finish()

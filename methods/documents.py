@@ -139,6 +139,47 @@ class Documents:
     def visible_pairs(self, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> int:
         return self.block(q_pos, k_pos, causal).pairs
 
+    def unseen_keys(self, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> int:
+        """How many keys at `k_pos` (both increasing) no query at `q_pos` sees, summed over the
+        batch: what a rank holding those queries received for nothing when it received those keys.
+        Searches over sorted positions, one per (slice or document, key), as the pair count."""
+        q_pos, k_pos = q_pos.to("cpu", torch.int64), k_pos.to("cpu", torch.int64)
+        if len(k_pos) == 0:
+            return 0
+        if len(q_pos) == 0:
+            return self.batch * len(k_pos)
+        return sum(len(k_pos) - int(self._seen(b, q_pos, k_pos, causal).sum()) for b in range(self.batch))
+
+    def _seen(self, b: int, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> torch.Tensor:
+        """[Sk] bool: the keys of batch element b that some query sees."""
+        if self.mask is not None:
+            t = self.slice_table[b]
+            seen = torch.zeros(len(k_pos), dtype=torch.bool)
+            if t.shape[0] == 0:
+                return seen
+            qa, qb, ka, kb, lo, hi = (c.contiguous() for c in t.unbind(1))
+            first = torch.searchsorted(k_pos, ka)
+            count = torch.searchsorted(k_pos, kb) - first
+            total = int(count.sum())
+            if total == 0:
+                return seen
+            sid = torch.repeat_interleave(torch.arange(t.shape[0]), count)
+            ki = torch.arange(total) - (torch.cumsum(count, 0) - count)[sid] + first[sid]
+            kp = k_pos[ki]
+            # query i sees key j iff lo <= i - j <= hi, inside the slice's query rows
+            q_from = torch.maximum(qa[sid], kp + lo[sid])
+            q_to = torch.minimum(qb[sid], kp + hi[sid] + 1)  # exclusive
+            n = torch.searchsorted(q_pos, q_to) - torch.searchsorted(q_pos, q_from)
+            seen[ki[n > 0]] = True
+            return seen
+        ids = self.doc_ids[b]
+        n = self.padded_len + 1
+        qd, kd = ids[q_pos], ids[k_pos]
+        qkey = torch.where(qd == PAD, self.padded_len, qd) * n + q_pos  # increasing along the queries
+        start = kd * n + (k_pos if causal else 0)
+        n_seen = torch.searchsorted(qkey, (kd + 1) * n) - torch.searchsorted(qkey, start)
+        return (kd != PAD) & (n_seen > 0)
+
 
 @dataclass
 class BlockMask:

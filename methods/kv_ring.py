@@ -21,12 +21,21 @@ that dtype: fp32 would add no information) and its last hop home in the input dt
 owner returns that dtype; the cast is fused into the last addition), fp32 in between
 (`accumulators.follow_add`): exactly the sums of an all-fp32 accumulator, fewer bytes.
 
+Early stop (local masks): under a mask family (a sliding window, chunks) a rank's queries see
+only the blocks of a few ranks before it, yet the full ring passes every block to every rank. Every
+rank computes from the layout the last step at which *any* rank holds a block with a visible pair
+(`useful_steps`: the block masks of all ranks, so all ranks agree without a message) and the ring
+circulates only N <= P steps: a window of w tokens at local length L needs about w / L + 1. In the
+backward the dK/dV accumulators follow their blocks for those N steps and then go home in one
+direct message (`Route.start_home`) instead of travelling on round the ring. Without a mask family
+(no documents, or packed documents with the plain causal or full mask) N = P: nothing changes.
+
 Communication per rank and call (L local tokens, e bytes per input element, a bytes per
-accumulator element: 4, or 8 for float64; P ring size):
-    forward:  (P-1) * 2*B*L*Hkv*D*e            (K and V, P-1 hops)
-    backward: (P-1) * 2*B*L*Hkv*D*e + 2 * 2*B*L*Hkv*D*e + (P-2) * 2*B*L*Hkv*D*a
-              (K, V again; dK, dV accumulators, P hops: the first and the last in the input dtype)
-sent and received alike (P >= 2). Memory beyond inputs and outputs: two K/V blocks in flight, the fp32
+accumulator element: 4, or 8 for float64; N steps, P unless the ring stops early):
+    forward:  (N-1) * 2*B*L*Hkv*D*e            (K and V, N-1 hops)
+    backward: (N-1) * 2*B*L*Hkv*D*e + 2 * 2*B*L*Hkv*D*e + (N-2) * 2*B*L*Hkv*D*a
+              (K, V again; dK, dV accumulators, N hops: the first and the last in the input dtype)
+sent and received alike (N >= 2; nothing at N = 1). Memory beyond inputs and outputs: two K/V blocks in flight, the fp32
 out/lse accumulators; backward: the fp32 dQ and two dK/dV accumulators.
 """
 
@@ -38,9 +47,9 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from methods import accumulators, kernels
-from methods.base import Case, Method, element_bytes
+from methods.base import Case, Method, element_bytes, unseen_kv_bytes
 from methods.comm.base import P2P, Comm
-from methods.documents import BlockMasks
+from methods.documents import EMPTY, BlockMasks
 
 ALL = slice(None)
 
@@ -67,6 +76,10 @@ class Route:
         self._moved, self._followed = DoubleBuffer(), DoubleBuffer()
 
     def src(self, step: int) -> int:
+        return self.src_of(self.rank, step)
+
+    def src_of(self, rank: int, step: int) -> int:
+        """Whose block rank `rank` holds at `step` (every rank knows every rank's schedule)."""
         raise NotImplementedError
 
     def next_holder(self, step: int) -> int:
@@ -85,6 +98,13 @@ class Route:
             tensors, self.next_holder(step), self.prev_holder(step + 1), into=self._followed(step, tensors)
         )
 
+    def start_home(self, step: int, tensors: Sequence[torch.Tensor]):
+        """Send the accumulators of the block held at `step` straight to its owner, and receive
+        those of this rank's own block from whoever holds it at `step`: the hop home of a
+        circulation cut short (`useful_steps`), one message over the remaining distance."""
+        holder = next(r for r in range(self.p) if self.src_of(r, step) == self.rank)
+        return self._swap(tensors, self.src(step), holder, into=self._followed(step, tensors))
+
     def _swap(self, tensors, to: int, frm: int, comm: Optional[Comm] = None, into=None):
         """Send `tensors` to `to`, receive same-shaped ones from `frm` (ranks of `comm`, default the
         route's comm) into `into` (fresh buffers if None); return finish()."""
@@ -102,8 +122,8 @@ class Route:
 class RingRoute(Route):
     """The plain ring: the block held at step t came from rank - t; blocks move to rank + 1."""
 
-    def src(self, step: int) -> int:
-        return (self.rank - step) % self.p
+    def src_of(self, rank: int, step: int) -> int:
+        return (rank - step) % self.p
 
     def next_holder(self, step: int) -> int:
         return (self.rank + 1) % self.p
@@ -144,8 +164,9 @@ class TwoLevelRoute(Route):
     def _g(self, node: int, local: int) -> int:
         return (node % self.nodes) * self.per_node + local % self.per_node
 
-    def src(self, step: int) -> int:
-        return self._g(self.node - step // self.per_node, self.local - step)
+    def src_of(self, rank: int, step: int) -> int:
+        node, local = divmod(rank, self.per_node)
+        return self._g(node - step // self.per_node, local - step)
 
     def next_holder(self, step: int) -> int:
         if step % self.per_node < self.per_node - 1:
@@ -217,6 +238,37 @@ def full_plan(src: int) -> list[Block]:
     return [Block(ALL, ALL, None)]
 
 
+def useful_steps(
+    p: int,
+    src_of: Callable[[int, int], int],
+    plan_of: Callable[[int], Plan],
+    masks: Optional[BlockMasks],
+    queries_travel: bool = False,
+) -> int:
+    """How many steps a circulation of `p` steps needs: one past the last step at which some rank
+    holds a block with a visible pair (`src_of(rank, step)`: whose block; `plan_of(rank)`: the
+    blocks that rank computes of it, refined by `masks`). Every rank computes the same number from
+    the layout alone, so they agree without a message. Only a mask family (methods/masks.py) cuts
+    the ring short: without one (no documents, or packed documents with the plain mask) it is
+    always `p`, so the plain schedule and bytes never change. `queries_travel`: the circulating
+    block holds queries (BurstAttention's backward): a plan's block is the visiting queries' rows
+    against this rank's keys."""
+    if masks is None or masks.docs.mask is None or p <= 1:
+        return p
+    last = 0
+    for rank in range(p):
+        plan = plan_of(rank)
+        for step in range(p - 1, last, -1):
+            src = src_of(rank, step)
+            qr, kr = (src, rank) if queries_travel else (rank, src)
+            if any(masks(qr, b.q_rows, kr, b.k_rows).kind != EMPTY for b in plan(src)):
+                last = step
+                break
+        if last == p - 1:
+            break
+    return last + 1
+
+
 def circulate(
     steps: int,
     block: list[torch.Tensor],
@@ -272,15 +324,18 @@ def kv_ring_forward(
     kernel: str,
     route: Optional[Route] = None,
     masks: Optional[BlockMasks] = None,
+    steps: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of local q [B, L, H, D] against the K/V [B, L, Hkv, D] of every ring rank.
 
     Returns out [B, L, H, D] in q.dtype and lse [B, H, L] (fp32; float64 for float64 inputs).
     `route` defaults to the plain ring over `comm`. `masks`: packed documents' masks by ranks of
     `comm` (they refine the plan's causal blocks, which stay a superset of what is visible).
+    `steps`: how many steps to circulate (`useful_steps`; default all P): blocks beyond them have
+    no visible pair on any rank.
     """
     route = route or RingRoute(comm)
-    p = comm.world_size
+    p = steps or comm.world_size
     acc = accumulators.OutputAccumulator(q)
 
     def compute(step, block):
@@ -317,11 +372,13 @@ def kv_ring_backward(
     kernel: str,
     route: Optional[Route] = None,
     masks: Optional[BlockMasks] = None,
+    steps: Optional[int] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Gradients of `kv_ring_forward` (same plan and route), given the forward's global out and lse.
-    The dK/dV accumulator of each K/V block follows it around the ring (`circulate`)."""
+    """Gradients of `kv_ring_forward` (same plan, route and steps), given the forward's global out
+    and lse. The dK/dV accumulator of each K/V block follows it around the ring (`circulate`); a
+    circulation cut short (`steps` < P) sends each accumulator home directly after its last step."""
     route = route or RingRoute(comm)
-    p = comm.world_size
+    p = steps or comm.world_size
     dq = accumulators.GradAccumulator(q)
 
     def compute(step, block):
@@ -357,7 +414,12 @@ def kv_ring_backward(
             ),
         ]
 
-    dk, dv = circulate(p, [k, v], move=route.start_move, compute=compute, add=add, follow=route.start_follow)
+    def follow(step, dkv):
+        if step == p - 1 and p < comm.world_size:
+            return route.start_home(step, dkv)
+        return route.start_follow(step, dkv)
+
+    dk, dv = circulate(p, [k, v], move=route.start_move, compute=compute, add=add, follow=follow)
     return dq.finish(), dk, dv
 
 
@@ -368,13 +430,15 @@ def kv_ring_bytes(
     kv_heads: Optional[int] = None,
     local_len: Optional[int] = None,
     input_dtype_ends: bool = True,
+    steps: Optional[int] = None,
 ) -> tuple[int, int]:
     """Bytes one rank sends (and receives) on the K/V ring (the formula of this module's docstring):
     K, V on P-1 hops; the backward again, plus the dK/dV accumulators on P hops. `ring_size`,
     `kv_heads` and `local_len` default to the case's world size, KV heads and S/P (USP's inner
     ring differs). `input_dtype_ends`: the accumulators' first and last hops carry the input dtype
-    (`accumulators.follow_add`); TASP's carry fp32 on every hop."""
-    p = ring_size or case.world_size
+    (`accumulators.follow_add`); TASP's carry fp32 on every hop. `steps`: a circulation cut short
+    (`useful_steps`): K/V on steps-1 hops, the accumulators on `steps` (the last one straight home)."""
+    p = steps or ring_size or case.world_size
     hkv = kv_heads or case.kv_heads
     l = local_len or case.seq_len // case.world_size
     e, a = element_bytes(case)
@@ -393,21 +457,51 @@ def follow_bytes(elements: int, p: int, e: int, a: int) -> int:
     return 2 * elements * e + (p - 2) * elements * a if p > 1 else 0
 
 
+def ring_src(p: int) -> Callable[[int, int], int]:
+    """`src_of` of the plain ring of `p` ranks (`RingRoute`): rank r holds at step t the block of r - t."""
+    return lambda rank, step: (rank - step) % p
+
+
 class KVRingMethod(Method):
     """A method that is a block plan on the K/V ring (ring, zigzag_ring, stripe_ring): forward and
-    backward are the ring engine's; subclasses give `plan`."""
+    backward are the ring engine's; subclasses give `plan`. Under a mask family the ring stops
+    once no rank has a visible pair left (`useful_steps`)."""
 
     def plan(self, causal: bool, rank: int, local_len: int) -> Plan:
         """Which blocks of the K/V arriving from each source rank this rank computes."""
         raise NotImplementedError
 
+    def ring_steps(self, masks: Optional[BlockMasks], causal: bool, p: int, local_len: int) -> int:
+        return useful_steps(p, ring_src(p), lambda r: self.plan(causal, r, local_len), masks)
+
+    def case_steps(self, case: Case) -> int:
+        """The steps the ring circulates for `case` (as `forward` finds them)."""
+        p = case.world_size
+        return self.ring_steps(self.case_masks(case), case.causal, p, case.seq_len // p)
+
+    def case_masks(self, case: Case) -> Optional[BlockMasks]:
+        if case.documents is None:
+            return None
+        return BlockMasks(case.documents, self.layout(case).positions, case.causal)
+
     def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
-        return kv_ring_bytes(case, pass_)
+        return kv_ring_bytes(case, pass_, steps=self.case_steps(case))
+
+    def redundant_kv_bytes(self, case: Case, rank: int) -> Optional[int]:
+        """K/V bytes of the blocks this rank received (those of the first `case_steps` - 1 sources
+        after its own) at keys none of its queries sees."""
+        p = case.world_size
+        pos = self.layout(case).positions
+        src = ring_src(p)
+        return sum(unseen_kv_bytes(case, pos(rank), pos(src(rank, t))) for t in range(1, self.case_steps(case)))
 
     def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
         plan = self.plan(causal, comm.rank, q.shape[1])
         masks = self.block_masks(q, k, comm, causal, docs)
-        out, lse = kv_ring_forward(q, k, v, comm=comm, plan=plan, scale=scale, kernel=self.kernel, masks=masks)
+        steps = self.ring_steps(masks, causal, comm.world_size, q.shape[1])
+        out, lse = kv_ring_forward(
+            q, k, v, comm=comm, plan=plan, scale=scale, kernel=self.kernel, masks=masks, steps=steps
+        )
         return out, lse, (q, k, v, out, lse, masks)
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
@@ -424,4 +518,5 @@ class KVRingMethod(Method):
             scale=scale,
             kernel=self.kernel,
             masks=masks,
+            steps=self.ring_steps(masks, causal, comm.world_size, q.shape[1]),
         )

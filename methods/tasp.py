@@ -50,11 +50,12 @@ of the own K/V into pieces and the join of dK/dV are one copy each.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import Optional
 
 import torch
 
 from methods import accumulators, kernels, layouts, merge
-from methods.base import Case, Method
+from methods.base import Case, Method, unseen_kv_bytes
 from methods.comm.base import P2P, Comm
 from methods.hamilton import hamiltonian_cycles, predecessors, successors
 from methods.kv_ring import ALL, DoubleBuffer, circulate, kv_ring_bytes
@@ -262,6 +263,12 @@ class TASP(Method):
 
     def granule(self, case: Case) -> int:
         return 2 * case.world_size * num_cycles(case.world_size)
+
+    def redundant_kv_bytes(self, case: Case, rank: int) -> Optional[int]:
+        """Every unit of every other rank visits this rank (the rounds always run to the end, no
+        early stop here): the keys of them its queries do not see."""
+        pos = self.layout(case).positions
+        return sum(unseen_kv_bytes(case, pos(rank), pos(o)) for o in range(case.world_size) if o != rank)
 
     def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
         # the ring's bytes, spread over k links per round. The units' accumulators travel as the K/V

@@ -122,6 +122,10 @@ class TokenRing(Method):
             recv += hops + rows_recv * b * h * d * e
         return sent, recv
 
+    def redundant_kv_bytes(self, case: Case, rank: int) -> Optional[int]:
+        """K and V never leave their rank (queries and results travel): no K/V byte is received."""
+        return 0
+
     def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
         per_rank = [self.expected_rank_bytes(case, pass_, r) for r in range(case.world_size)]
         return max(s for s, _ in per_rank), max(r for _, r in per_rank)

@@ -23,13 +23,16 @@ saved for the backward.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from methods import kernels
-from methods.base import Case, Method
+from methods.base import Case, Method, unseen_kv_bytes
 from methods.common import (
     check_ulysses_heads,
     heads_to_seq,
+    kv_replication,
     lse_heads_to_seq,
     seq_to_heads,
     ulysses_bytes,
@@ -51,6 +54,14 @@ class Ulysses(Method):
     def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
         n = ulysses_bytes(case, case.world_size) * (2 if pass_ == "fwd_bwd" else 1)
         return n, n
+
+    def redundant_kv_bytes(self, case: Case, rank: int) -> Optional[int]:
+        """The all-to-all brings every other rank's tokens of this rank's KV heads, and its queries
+        are the whole sequence: only keys nobody sees (padding) are received for nothing."""
+        p = case.world_size
+        heads = case.kv_heads * kv_replication(case.kv_heads, p) // p
+        lay, everything = self.layout(case), torch.arange(case.seq_len)
+        return sum(unseen_kv_bytes(case, everything, lay.positions(r), heads) for r in range(p) if r != rank)
 
     def supports(self, case: Case) -> tuple[bool, str]:
         reason = check_ulysses_heads(case.heads, case.kv_heads, case.world_size)

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 from typing import Optional
 
+import torch
+
 from methods import layouts
-from methods.base import Case, Method
+from methods.base import Case, Method, unseen_kv_bytes
 from methods.comm.base import Comm
 from methods.common import (
     check_ulysses_heads,
@@ -44,7 +46,7 @@ from methods.common import (
     ulysses_scatter_heads,
 )
 from methods.documents import BlockMasks
-from methods.kv_ring import kv_ring_backward, kv_ring_bytes, kv_ring_forward
+from methods.kv_ring import kv_ring_backward, kv_ring_bytes, kv_ring_forward, ring_src, useful_steps
 from methods.registry import register
 from methods.zigzag_ring import zigzag_plan
 
@@ -112,9 +114,52 @@ class USP(Method):
         kv_sent = case.kv_heads * kv_replication(case.kv_heads, u)
         # the inner zigzag ring: R ranks holding U local lengths of Hkv'/U heads each
         ring, _ = kv_ring_bytes(
-            case, pass_, ring_size=r, kv_heads=kv_sent // u, local_len=u * (case.seq_len // case.world_size)
+            case,
+            pass_,
+            ring_size=r,
+            kv_heads=kv_sent // u,
+            local_len=u * (case.seq_len // case.world_size),
+            steps=self._case_steps(case),
         )
         return a2a + ring, a2a + ring
+
+    @staticmethod
+    def _ring_masks(docs, causal: bool, ring_size: int) -> Optional[BlockMasks]:
+        """The inner ring's block masks: ring rank r holds the zigzag pair r of R ranks (Algorithm
+        2's layout); one ring rank, plain Ulysses, its whole sequence in order."""
+        if docs is None:
+            return None
+        ring_layout = layouts.zigzag if ring_size > 1 else layouts.contiguous
+        return BlockMasks(docs, ring_layout(docs.padded_len, ring_size).positions, causal)
+
+    @staticmethod
+    def _ring_steps(masks: Optional[BlockMasks], causal: bool, ring_size: int, local_len: int) -> int:
+        """How far the inner ring circulates (all R steps unless a mask family ends it early)."""
+        return useful_steps(ring_size, ring_src(ring_size), lambda r: zigzag_plan(causal, r, local_len), masks)
+
+    def _case_steps(self, case: Case) -> int:
+        u, r = self.degrees(case)
+        masks = self._ring_masks(case.documents, case.causal, r)
+        return self._ring_steps(masks, case.causal, r, u * (case.seq_len // case.world_size))
+
+    def redundant_kv_bytes(self, case: Case, rank: int) -> Optional[int]:
+        """Keys no local query sees, of what the all-to-all brings (the group's other pieces, for
+        this rank's heads, whose queries are the whole zigzag pair) and of the inner ring's blocks."""
+        u, r = self.degrees(case)
+        heads = case.kv_heads * kv_replication(case.kv_heads, u) // u
+        lay = self.layout(case)
+        pair = lambda rr: torch.cat([lay.positions(rr * u + i) for i in range(u)])  # noqa: E731
+        ring_rank = rank // u
+        mine = pair(ring_rank)
+        n = sum(
+            unseen_kv_bytes(case, mine, lay.positions(ring_rank * u + i), heads)
+            for i in range(u)
+            if ring_rank * u + i != rank
+        )
+        src = ring_src(r)
+        return n + sum(
+            unseen_kv_bytes(case, mine, pair(src(ring_rank, t)), heads) for t in range(1, self._case_steps(case))
+        )
 
     def supports(self, case: Case) -> tuple[bool, str]:
         u = self._degree(case.world_size, case.heads, case.kv_heads)
@@ -141,11 +186,11 @@ class USP(Method):
             if ring.world_size > 1:
                 k, v = k.contiguous(), v.contiguous()
         plan = zigzag_plan(causal, ring.rank, q.shape[1])
-        # the inner ring holds, on ring rank r, the zigzag pair r of R ranks (Algorithm 2's layout)
-        # (one ring rank, plain Ulysses, holds its whole sequence in order: any length, no zigzag pair)
-        ring_layout = layouts.zigzag if ring.world_size > 1 else layouts.contiguous
-        masks = BlockMasks(docs, ring_layout(docs.padded_len, ring.world_size).positions, causal) if docs else None
-        out_h, lse_h = kv_ring_forward(q, k, v, comm=ring, plan=plan, scale=scale, kernel=self.kernel, masks=masks)
+        masks = self._ring_masks(docs, causal, ring.world_size)
+        steps = self._ring_steps(masks, causal, ring.world_size, q.shape[1])
+        out_h, lse_h = kv_ring_forward(
+            q, k, v, comm=ring, plan=plan, scale=scale, kernel=self.kernel, masks=masks, steps=steps
+        )
         if u == 1:
             return out_h, lse_h, (q, k, v, out_h, lse_h, u, rep, masks)
         out = heads_to_seq(uly, out_h)  # [B, L, H, D]
@@ -169,5 +214,6 @@ class USP(Method):
             scale=scale,
             kernel=self.kernel,
             masks=masks,
+            steps=self._ring_steps(masks, causal, ring.world_size, q_h.shape[1]),
         )
         return ulysses_gather_grads(uly, *grads, rep) if u > 1 else grads

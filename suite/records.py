@@ -54,6 +54,7 @@ class RankReport:
     losses: list[float] = field(default_factory=list)  # model-level check: loss of every step
     val_loss: Optional[float] = None
     sim_error_pct: Optional[float] = None  # executor sim: the validated error band of the row's family
+    redundant_bytes: Optional[int] = None  # K/V bytes received that no local query sees (`redundant_bytes`)
 
     @classmethod
     def failure(cls, rank: int, exc: BaseException, *, oom: bool = False) -> "RankReport":
@@ -196,6 +197,16 @@ def breakdown_columns(reports: list[RankReport], total_ms: float) -> dict[str, A
     }
 
 
+def redundant_bytes(method, case, rank: int) -> Optional[int]:
+    """K/V bytes rank `rank` of `method` receives in one forward of `case` that none of its queries
+    attends (`Method.redundant_kv_bytes`), for rows with a mask family; None for the plain masks
+    (their rows stay as they were recorded) and for methods that do not declare it."""
+    docs = case.documents
+    if docs is None or docs.mask is None:
+        return None
+    return method.redundant_kv_bytes(case, rank)
+
+
 def balance_columns(spec: TrialSpec, reports: list[RankReport], padded_len: int) -> dict[str, Any]:
     """Padding, the packed documents, and how evenly the ranks' kernels share the work: visible
     pairs per rank (max, mean, max/mean) and the spread of the measured kernel time."""
@@ -217,6 +228,9 @@ def balance_columns(spec: TrialSpec, reports: list[RankReport], padded_len: int)
                 M.AREA_GINI: M.gini(pairs),
             }
         )
+    redundant = [r.redundant_bytes for r in reports]
+    if redundant and None not in redundant:
+        cols[M.REDUNDANT_BYTES] = max(redundant)
     kernel = [r.breakdown.kernel_ms for r in reports if r.breakdown is not None]
     if len(kernel) == len(reports) and kernel and sum(kernel) > 0:
         cols[M.KERNEL_SPREAD] = max(kernel) / (sum(kernel) / len(kernel))

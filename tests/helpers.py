@@ -150,7 +150,7 @@ def seq_len_for(
 
 def counted(name: str, case, **options) -> list:
     """Per rank of `name` on virtual ranks under a counting comm: (forward (sent, recv), backward
-    (sent, recv), forward p2p records)."""
+    (sent, recv), forward p2p records), with the case's documents (and mask) if any."""
     import methods
     from methods.comm import CommLedger, CountingComm, run_threads
 
@@ -162,7 +162,7 @@ def counted(name: str, case, **options) -> list:
         led = CommLedger()
         c = CountingComm(comm, led)
         q, k, v = (lay.shard(x, comm.rank).requires_grad_() for x in (prob.q, prob.k, prob.v))
-        out = m.attention(q, k, v, causal=case.causal, comm=c)
+        out = m.attention(q, k, v, causal=case.causal, comm=c, docs=case.documents)
         fwd = (led.bytes_sent, led.bytes_recv)
         fwd_records = list(led.records)
         torch.autograd.grad(out, (q, k, v), lay.shard(prob.dout, comm.rank))

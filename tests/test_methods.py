@@ -4,13 +4,17 @@ ranks), plus communication volume and causal balance. Real processes: test_metho
 Pass rule (docs/DESIGN.md section 7): error <= 2 x error of naive same-dtype attention + a floor.
 """
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 import methods
 from methods import Case
 from methods.comm import run_threads
+from methods.documents import Documents
 from methods.kernels import is_full
+from methods.masks import parse as parse_mask
 from tests.helpers import (
     TENSORS,
     counted,
@@ -172,6 +176,27 @@ def test_counted_bytes_equal_the_declared_formula(name, options, world_size, hea
         want = [m.expected_rank_bytes(case, pass_, r) for r in range(world_size)]
         assert all(w is not None for w in want), f"{name} declares no communication formula"
         assert m.expected_bytes(case, pass_) == (max(s for s, _ in want), max(r for _, r in want)), (name, pass_)
+    for rank, (got_fwd, got_bwd, _) in enumerate(counted(name, case, **options)):
+        fwd_want, both_want = m.expected_rank_bytes(case, "fwd", rank), m.expected_rank_bytes(case, "fwd_bwd", rank)
+        assert got_fwd == fwd_want, (name, options, rank, "forward", got_fwd, fwd_want)
+        both = (got_fwd[0] + got_bwd[0], got_fwd[1] + got_bwd[1])
+        assert both == both_want, (name, options, rank, "forward + backward", both, both_want)
+
+
+@pytest.mark.parametrize("name,options", OWN, ids=IDS)
+@pytest.mark.parametrize("world_size", [2, 3, 4, 5])
+@pytest.mark.parametrize("mask", ["sliding_window:3", "chunked:3", "global_window:globals=2,window=2"])
+def test_counted_bytes_equal_the_declared_formula_under_a_mask(name, options, world_size, mask):
+    """Under a mask family (a window, chunks: rings may stop early, chunks of 3 tokens after one
+    step on the contiguous and zigzag layouts of 3 granules) every rank's counted bytes still equal
+    `expected_rank_bytes`, which reads the mask from the case's documents."""
+    family = parse_mask(mask)
+    seq_len = seq_len_for(name, world_size, options, 4, 2)
+    case = Case(1, seq_len, 4, 2, D, "bfloat16", family.causal, world_size)
+    case = replace(case, documents=Documents.single(1, seq_len, mask=family))
+    m = methods.get_method(name, **options)
+    if not m.supports(case)[0]:
+        return
     for rank, (got_fwd, got_bwd, _) in enumerate(counted(name, case, **options)):
         fwd_want, both_want = m.expected_rank_bytes(case, "fwd", rank), m.expected_rank_bytes(case, "fwd_bwd", rank)
         assert got_fwd == fwd_want, (name, options, rank, "forward", got_fwd, fwd_want)

@@ -136,14 +136,16 @@ def test_masked_kernels_match_float64(kernel):
 
 
 # -- every own method ----------------------------------------------------------------------------------
-def _documents_case(name, options, world_size, seq_len, docs_lengths, causal, heads=6, kv_heads=3, batch=None):
+def _documents_case(
+    name, options, world_size, seq_len, docs_lengths, causal, heads=6, kv_heads=3, batch=None, mask=None
+):
     m = methods.get_method(name, **options)
     b = len(docs_lengths)
     case = Case(
-        b, seq_len, heads, kv_heads, 8, "float32", causal, world_size, documents=Documents(docs_lengths, seq_len)
+        b, seq_len, heads, kv_heads, 8, "float32", causal, world_size, documents=Documents(docs_lengths, seq_len, mask)
     )
     padded = m.padded_len(case)
-    docs = Documents(docs_lengths, padded)
+    docs = Documents(docs_lengths, padded, mask)
     return m, Case(b, padded, heads, kv_heads, 8, "float32", causal, world_size, documents=docs)
 
 
@@ -151,8 +153,10 @@ def _threads(world_size, fn, *args):
     return run_threads(world_size, lambda comm: fn(comm, *args))
 
 
-def check_documents(name, options, world_size, seq_len, lengths, causal, comm_runner=_threads):
-    m, case = _documents_case(name, options, world_size, seq_len, lengths, causal)
+def check_documents(name, options, world_size, seq_len, lengths, causal, comm_runner=_threads, mask=None):
+    """Every rank's out, lse and gradients of `name` on packed documents (`mask`: a mask family
+    inside each, methods/masks.py) equal float64 attention; '' or the method's reason to refuse."""
+    m, case = _documents_case(name, options, world_size, seq_len, lengths, causal, mask=mask)
     ok, why = m.supports(case)
     if not ok:
         return why
@@ -168,7 +172,7 @@ def check_documents(name, options, world_size, seq_len, lengths, causal, comm_ru
         seed=0,
         device=torch.device("cpu"),
         with_reference=True,
-        documents=Documents(lengths, seq_len),
+        documents=Documents(lengths, seq_len, mask),
     )
     per_rank = comm_runner(world_size, _rank_outputs, m.name, options, case, prob)
     lay = m.layout(case)

@@ -21,7 +21,7 @@ from typing import Optional
 
 from suite.executors.base import Executor
 from suite.plan import Place, TrialSpec
-from suite.records import Breakdown, Outcome, RankReport
+from suite.records import Breakdown, Outcome, RankReport, redundant_bytes
 from suite.sim import peers
 from suite.sim.bands import Bands, bound_of, load_bands, topology_kind
 from suite.sim.compute import ComputeModel
@@ -87,6 +87,7 @@ def predict(
     bound = bound_of(full.time_s * 1e3, max(comp.end_s[r] for r in range(spec.world_size)) * 1e3)
     band = bands.band_pct(bound, topology_kind(topology, spec.world_size)) if bands is not None else None
     reports = []
+    case = spec.run_case(method)
     for r in range(spec.world_size):
         ledger = tr.ledger(r)  # what the counting comm of a measured trial reports
         # what a measured trial's pair-counting kernel reports: visible pairs x heads of the forward
@@ -103,6 +104,7 @@ def predict(
                 peak_mem=None,
                 pairs=pairs,
                 sim_error_pct=band,
+                redundant_bytes=redundant_bytes(method, case, r),
                 breakdown=Breakdown(
                     iter_ms=full.end_s[r] * 1e3,
                     kernel_ms=full.kernel_s[r] * 1e3,

@@ -31,6 +31,7 @@ from suite.records import (
     check_columns,
     comm_columns,
     finish,
+    redundant_bytes,
     timing_columns,
 )
 from suite.timing import time_iterations
@@ -84,6 +85,7 @@ class AttentionWorkload(Workload):
         finally:
             method.kernel = kernel
         report.pairs = pairs.pairs if not method.needs_processes else None
+        report.redundant_bytes = redundant_bytes(method, case, rank)
         if not method.needs_processes:  # a peer library talks to torch.distributed itself: nothing was counted
             report.bytes_sent, report.bytes_recv = ledger.bytes_sent, ledger.bytes_recv
             report.comm_ops = dict(sorted(ledger.counts().items()))
