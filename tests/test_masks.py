@@ -450,3 +450,29 @@ def test_a_long_sequence_is_counted_in_closed_form():
     docs = Documents.single(1, 1 << 20, mask=parse("sliding_window:4096"))
     m = docs.block(torch.arange(1 << 19, (1 << 19) + 4096), torch.arange(0, 1 << 20), causal=True)
     assert m.pairs == 4096 * 4096 and m.kind == BAND
+
+
+# -- the peers -------------------------------------------------------------------------------------
+def test_peer_libraries_refuse_mask_families_with_their_limitation(monkeypatch):
+    """No peer adapter passes a mask family to its library: a family trial is a recorded skip with
+    the library's reason (never a run with the plain mask), plain masks still run."""
+    from methods.peers import ring_flash_attn_peer
+
+    for cls in ring_flash_attn_peer.CLASSES:  # past the missing flash-attn: the CPU test double's mode
+        monkeypatch.setattr(cls, "shim", True)
+        monkeypatch.setattr(cls, "import_error", "")
+    window = parse("sliding_window:4")
+    expected = {
+        "rfa_ring": "ring-flash-attn's ring functions take only causal or full masks",
+        "rfa_llama3": "a sliding window only on its llama3 path",
+        "yunchang_usp": "yunchang's LongContextAttention takes only causal or full masks",
+    }
+    for name, reason in expected.items():
+        m = methods.get_method(name, **({"kernel_shim": True} if name.startswith("yunchang") else {}))
+        plain = Case(1, 16, 4, 4, 8, "bfloat16", True, 2)
+        assert m.supports(plain)[0], m.supports(plain)
+        ok, why = m.supports(dataclasses.replace(plain, documents=Documents.single(1, 16, mask=window)))
+        assert not ok and reason in why and "sliding_window(4)" in why, why
+    cp = methods.method_class("torch_cp_allgather") if "torch_cp_allgather" in methods.available() else None
+    if cp is not None:
+        assert "no attention mask" in cp.mask_reason
