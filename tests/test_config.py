@@ -241,6 +241,7 @@ def test_a_method_registered_by_a_plugin_joins_its_group_but_a_test_double_does_
 @pytest.mark.parametrize(
     "config",
     [
+        "masks_cpu",
         "methods_cpu",
         "perplexity",
         "sim_check_cpu",

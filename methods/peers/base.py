@@ -38,6 +38,10 @@ class PeerMethod(Method):
     needs_processes: ClassVar[bool] = True
     library: ClassVar[str] = ""
     supports_documents: ClassVar[bool] = False  # a library with a varlen path says True and takes `docs`
+    mask_reason: ClassVar[str] = ""
+    """Why the library cannot compute a mask family other than causal and full (methods/masks.py):
+    no peer adapter passes one, so a trial of such a family is refused with this reason rather than
+    run with the plain mask."""
     traceable: ClassVar[bool] = False
     """The simulator can trace the library's own code (through `simulate`); else `trace_reason` says why not."""
     trace_reason: ClassVar[str] = ""
@@ -57,8 +61,13 @@ class PeerMethod(Method):
         return self
 
     def supports(self, case: Case) -> tuple[bool, str]:
+        if case.documents is not None and case.documents.mask is not None:
+            return False, self.mask_refusal(case.documents.mask)
         # a simulated method runs here, on meta tensors: the generic checks are this machine's
         return super().supports(dataclasses.replace(case, device="cpu") if self.simulated else case)
+
+    def mask_refusal(self, mask) -> str:
+        return f"{self.name}: {self.mask_reason or 'the library takes only the causal or full mask'} ({mask.short})"
 
     def attention(
         self,
@@ -79,6 +88,8 @@ class PeerMethod(Method):
                 f"{self.name} runs over the whole torch.distributed group "
                 f"({world} ranks); this comm has {comm.world_size}"
             )
+        if docs is not None and docs.mask is not None:
+            raise ValueError(self.mask_refusal(docs.mask))
         if docs is not None and not self.supports_documents:
             raise ValueError(self.documents_reason or f"{self.name} takes no packed documents")
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)

@@ -63,6 +63,10 @@ class _RFA(PeerMethod):
         "ring-flash-attn has no varlen version of this function: packed documents run through rfa_llama3 "
         "(any lengths), rfa_ring or rfa_zigzag (lengths divisible by the world size, 2 x world size for zigzag)"
     )
+    mask_reason: ClassVar[str] = (
+        "ring-flash-attn's ring functions take only causal or full masks (a sliding window only on its "
+        "llama3 path, as flash-attn's window_size, which this adapter does not pass)"
+    )
     impl: str = f"ring-flash-attn {VERSION}"
     function: ClassVar[str]
     causal_only: ClassVar[bool] = False

@@ -64,6 +64,7 @@ class _TorchCP(PeerMethod):
         "PyTorch's context_parallel shards SDPA with its causal flag only: it takes no document "
         "mask (packed documents or padding)"
     )
+    mask_reason = "PyTorch's context_parallel shards SDPA with its causal flag only: it takes no attention mask"
     library: ClassVar[str] = "torch"
     impl: str = f"torch {torch.__version__.split('+')[0]} context_parallel"
     trace_reason: ClassVar[str] = (

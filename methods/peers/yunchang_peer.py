@@ -126,6 +126,11 @@ class _YunchangBase(PeerMethod):
         "yunchang's LongContextAttention has no varlen path: its ring varlen functions are not "
         "reachable from the USP layer, so packed documents (and padding) cannot be expressed"
     )
+    mask_reason = (
+        "yunchang's LongContextAttention takes only causal or full masks: its window_size goes to every "
+        "ring step's flash-attn call in that block's local coordinates, which is not a window over the "
+        "sequence, and it takes no other mask"
+    )
     library: ClassVar[str] = "yunchang"
     impl: str = f"yunchang {VERSION}"
     traceable = True
