@@ -32,13 +32,15 @@ import methods
 from methods.base import Case, Method, option_names
 from methods.common import check_ulysses_heads
 from methods.documents import Documents
+from methods.masks import Mask, plain
+from methods.masks import parse as parse_mask
 from suite import metrics as M
 from suite.bundled import DOCUMENTS, MODELS
 from suite.config import PASSES, DocumentsConfig, SuiteConfig
 from suite.lengths import Distribution, LengthsError, histogram_path
 from suite.sim.compute import ComputeModel
 from suite.sim.memory import MemoryEstimate, estimate
-from suite.sim.record import Compute
+from suite.sim.record import Compute, masked_compute
 from suite.sim.topology import Topology, TopologyError, available_topologies, load_topology
 
 GB = 1e9
@@ -65,6 +67,42 @@ class ModelShape:
     layers: int = 1
     hidden: int = 0
     source: str = ""
+    pattern: tuple[tuple[str, int], ...] = ()
+    """The attention mask of each layer, as (canonical mask name, how many layers) in order of first
+    use (methods/masks.py); () when every layer has the question's mask (--mask, or causal)."""
+
+
+def layer_pattern(d: dict, layers: int, where: str) -> tuple[tuple[str, int], ...]:
+    """A model file's per-layer masks: `attention_pattern: [sliding_window:128, causal]`, a list
+    repeated over the `layers` in order (the last repetition cut), or `attention_layers:
+    {sliding_window:1024: 52, causal: 10}`, explicit counts adding up to `layers`."""
+    pat, counts = d.get("attention_pattern"), d.get("attention_layers")
+    if pat is None and counts is None:
+        return ()
+    if pat is not None and counts is not None:
+        raise AdviceError("--model", f"{where}: give attention_pattern or attention_layers, not both")
+    try:
+        if pat is not None:
+            if not isinstance(pat, list) or not pat:
+                raise ValueError("attention_pattern must be a non-empty list of masks")
+            names = [parse_mask(str(m)).name for m in pat]
+            tally = Counter(names[i % len(names)] for i in range(layers))
+            order = list(dict.fromkeys(names))
+        else:
+            if not isinstance(counts, dict) or not counts:
+                raise ValueError("attention_layers must map masks to layer counts")
+            tally, order = Counter(), []
+            for m, n in counts.items():
+                name = parse_mask(str(m)).name
+                if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                    raise ValueError(f"attention_layers[{m}]: a layer count >= 1, got {n!r}")
+                tally[name] += n
+                order.append(name)
+            if sum(tally.values()) != layers:
+                raise ValueError(f"attention_layers count {sum(tally.values())} layers, the model has {layers}")
+    except ValueError as exc:
+        raise AdviceError("--model", f"{where}: {exc}") from None
+    return tuple((name, tally[name]) for name in dict.fromkeys(order) if tally[name])
 
 
 def available_models() -> list[str]:
@@ -98,6 +136,7 @@ def load_model(text: str) -> ModelShape:
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise AdviceError("--model", f"{path}: needs integer heads, kv_heads, head_dim ({exc})") from None
+        shape = replace(shape, pattern=layer_pattern(d, max(shape.layers, 1), str(path)))
     if min(shape.heads, shape.kv_heads, shape.head_dim, shape.layers) < 1:
         raise AdviceError("--model", f"heads, kv_heads, head_dim and layers must be >= 1 in {text!r}")
     if shape.heads % shape.kv_heads:
@@ -152,6 +191,26 @@ class Question:
     ulysses_degrees: Optional[list[int]] = None  # restrict the Ulysses degrees weighed
     seed: int = 0
     recompute: bool = False  # activation recomputation: other layers keep only their inputs
+    mask: Optional[Mask] = None  # --mask: every layer's mask (None: the model's pattern, else causal/full)
+
+    def layer_masks(self) -> list[tuple[Mask, int]]:
+        """Each distinct attention mask of the model's layers with how many layers have it: --mask for
+        all of them, else the model file's pattern, else the plain mask of `causal`."""
+        if self.mask is not None:
+            return [(self.mask, self.model.layers)]
+        if self.model.pattern:
+            return [(parse_mask(name), n) for name, n in self.model.pattern]
+        return [(plain(self.causal), self.model.layers)]
+
+    @property
+    def per_layer(self) -> bool:
+        """Whether the answer is the model's total over its layers (a per-layer pattern), not one call."""
+        return self.mask is None and bool(self.model.pattern)
+
+    @property
+    def masks_named(self) -> bool:
+        """Whether the sweep names its masks (sweep.mask) rather than the plain causal flag."""
+        return self.mask is not None or bool(self.model.pattern)
 
     @property
     def nodes(self) -> int:
@@ -161,7 +220,7 @@ class Question:
     def ranks_per_node(self) -> int:
         return min(self.world_size, self.topology.gpus_per_node)
 
-    def case(self) -> Case:
+    def case(self, mask: Optional[Mask] = None) -> Case:
         return Case(
             batch=self.batch,
             seq_len=self.seq_len,
@@ -169,14 +228,28 @@ class Question:
             kv_heads=self.model.kv_heads,
             head_dim=self.model.head_dim,
             dtype=self.dtype,
-            causal=self.causal,
+            causal=self.causal if mask is None else _mask_causal(mask),
             world_size=self.world_size,
         )
 
-    def documents(self) -> Optional[Documents]:
+    def lengths(self) -> Optional[tuple[tuple[int, ...], ...]]:
+        """The packed documents' lengths per sequence (None: one document per sequence)."""
         if self.workload is None:
             return None
-        return Documents(self.workload.draw(self.seq_len, self.batch, self.seed), self.seq_len)
+        return self.workload.draw(self.seq_len, self.batch, self.seed)
+
+    def documents(self, mask: Optional[Mask] = None) -> Optional[Documents]:
+        """The documents and the mask inside each (None: one plain-masked document per sequence)."""
+        lengths = self.lengths()
+        if lengths is None and (mask is None or mask.plain):
+            return None
+        return Documents(lengths or tuple((self.seq_len,) for _ in range(self.batch)), self.seq_len, mask)
+
+
+def _mask_causal(mask: Mask) -> bool:
+    """The causal flag a mask's trials run with (as sweep.mask plans them): causal for the families
+    inside the causal mask, full otherwise."""
+    return mask.family == "causal" if mask.plain else mask.causal
 
 
 def make_question(
@@ -194,6 +267,7 @@ def make_question(
     batch: int = 1,
     ulysses_degree: Optional[list[int]] = None,
     recompute: bool = False,
+    mask: Optional[str] = None,
 ) -> Question:
     """Validate a question; every problem raises AdviceError naming the option."""
     shape = load_model(model)
@@ -248,6 +322,13 @@ def make_question(
         if reason:
             raise AdviceError("--ulysses-degree", f"{u} cannot split the heads of {shape.name}: {reason}")
     dist = load_workload(workload)
+    mask_spec = None
+    if mask:
+        try:
+            mask_spec = parse_mask(mask)
+        except ValueError as exc:
+            raise AdviceError("--mask", str(exc)) from None
+        causal = _mask_causal(mask_spec)
     q = Question(
         shape,
         topo,
@@ -262,12 +343,18 @@ def make_question(
         causal,
         list(ulysses_degree) if ulysses_degree else None,
         recompute=recompute,
+        mask=mask_spec,
     )
     if dist is not None:
         try:
-            q.documents()
+            q.lengths()
         except LengthsError as exc:
             raise AdviceError("--workload", str(exc)) from None
+    for m, _ in q.layer_masks():
+        try:
+            q.documents(m)
+        except ValueError as exc:  # the mask does not fit a document (a prefix longer than it)
+            raise AdviceError("--mask" if q.mask is not None else "--model", str(exc)) from None
     return q
 
 
@@ -298,6 +385,9 @@ class Candidate:
     memory_bytes: int = 0
     pruned: str = ""  # why it was not simulated ("" = simulated)
     row: dict = field(default_factory=dict)
+    """The row it is ranked by: the simulated row of its one mask, or with a per-layer pattern the
+    model's total over its layers (`total_row`)."""
+    rows: dict[str, dict] = field(default_factory=dict)  # per layer mask (canonical name): its simulated row
 
     @property
     def label(self) -> str:
@@ -325,34 +415,42 @@ def enumerate_candidates(q: Question) -> list[Candidate]:
     return out
 
 
-def _run_case(q: Question, method: Method) -> Case:
-    """The case the method runs (as `TrialSpec.run_case`): padded to its granule, with the documents."""
-    case = q.case()
-    docs = q.documents()
+def _run_case(q: Question, method: Method, mask: Optional[Mask] = None) -> Case:
+    """The case the method runs (as `TrialSpec.run_case`): padded to its granule, with the documents
+    and the mask."""
+    case = q.case(mask)
+    docs = q.documents(mask)
     if docs is not None:
         case = replace(case, documents=docs)
     padded = method.padded_len(case)
     if docs is None and padded == q.seq_len:
         return case
     lengths = docs.lengths if docs is not None else tuple((q.seq_len,) for _ in range(q.batch))
-    return replace(case, seq_len=padded, documents=Documents(lengths, padded))
+    return replace(case, seq_len=padded, documents=Documents(lengths, padded, docs.mask if docs else None))
 
 
 def prune(q: Question, candidates: list[Candidate]) -> list[Candidate]:
     """Fill each candidate's degrees, layout and memory, and mark the ones that cannot run (or do
     not fit the budget) with the reason. Nothing is traced here. Returns the candidates kept."""
     kept = []
+    layer_masks = [m for m, _ in q.layer_masks()]
     for c in candidates:
         try:
             m = methods.get_method(c.method, **c.options)
-            case = _run_case(q, m)
+            cases = [_run_case(q, m, mask) for mask in layer_masks]
+            case = cases[0]
             c.ulysses_degree, c.ring_degree = m.degrees(case)
         except (TypeError, ValueError) as exc:
             c.pruned = str(exc)
             continue
         c.layout = "documents" if c.options.get("sharding") == "documents" else m.layout_kind
         c.ranks_per_node = c.options.get("ranks_per_node") or q.ranks_per_node
-        ok, why = m.supports(replace(case, device="cpu"))
+        ok, why = True, ""
+        for mask, mcase in zip(layer_masks, cases):  # every layer's mask must run
+            ok, why = m.supports(replace(mcase, device="cpu"))
+            if not ok:
+                why = f"{why} ({mask.short})" if len(layer_masks) > 1 else why
+                break
         if ok and c.ulysses_degree > 1:  # the heads must split over the Ulysses degree, whatever the method
             why = check_ulysses_heads(q.model.heads, q.model.kv_heads, c.ulysses_degree)
             ok = not why
@@ -386,7 +484,8 @@ def prune(q: Question, candidates: list[Candidate]) -> list[Candidate]:
 # -- the simulated sweep ------------------------------------------------------------------------
 def sweep_name(q: Question) -> str:
     model = re.sub(r"[^A-Za-z0-9_.-]", "-", q.model.name)
-    return f"advise_{model}_{q.topology.name}_{q.world_size}gpu"
+    mask = "" if q.mask is None or q.mask.plain else "_" + re.sub(r"[^A-Za-z0-9_.-]", "-", q.mask.short)
+    return f"advise_{model}{mask}_{q.topology.name}_{q.world_size}gpu"
 
 
 def build_config(
@@ -412,6 +511,8 @@ def build_config(
     s.methods, s.world_size, s.batch, s.seq_len = names, [q.world_size], [q.batch], [q.seq_len]
     s.heads, s.kv_heads, s.head_dim = [q.model.heads], [q.model.kv_heads], [q.model.head_dim]
     s.dtype, s.causal, s.passes = [q.dtype], [q.causal], [q.pass_]
+    if q.masks_named:  # the mask axis: each distinct layer mask once
+        s.mask = [m.name for m, _ in q.layer_masks()]
     s.method_options, s.exclude = {}, []
     for m in names:
         mine = [c.options for c in kept if c.method == m]
@@ -437,21 +538,36 @@ def build_config(
     return cfg
 
 
-def ideal_ms(q: Question) -> float:
+def ideal_ms(q: Question, mask: Optional[Mask] = None) -> float:
     """The problem on one device of the topology's compute model, divided by the GPUs (the
     percent-of-ideal convention of the reports: single-device time / P; on a host whose ranks share
-    its cores, divided by the cores' worth of ranks instead)."""
+    its cores, divided by the cores' worth of ranks instead). `mask`: one layer's mask (default: the
+    question's only one; with a per-layer pattern, `model_ideal_ms` adds the layers)."""
+    import torch
+
+    if mask is None:
+        mask = q.layer_masks()[0][0]
     compute = ComputeModel(q.topology)
-    docs = q.documents()
-    causal_offset = 0 if q.causal else None
-    doc_pairs = pieces = None
-    if docs is not None:
-        doc_pairs = sum(n * (n + 1) // 2 if q.causal else n * n for seq in docs.lengths for n in seq)
-        # one kernel call per document, as the single-device reference runs a packed block
-        count = Counter((n, n, causal_offset) for seq in docs.lengths for n in seq)
-        pieces = tuple(sorted(count.items(), key=lambda x: x[0][0]))
+    causal = _mask_causal(mask)
+    docs = q.documents(mask)
+    causal_offset = 0 if causal else None
     t = 0.0
     for op in ("fwd",) + (("bwd",) if q.pass_ == "fwd_bwd" else ()):
+        if docs is not None and docs.mask is not None:
+            # the whole sequence as one block under the mask, as the single-device reference runs it:
+            # its visible pairs and the pieces (slices, documents) a flash kernel calls
+            pos = torch.arange(q.seq_len)
+            block = docs.block(pos, pos, causal)
+            h, kv, d = q.model.heads, q.model.kv_heads, q.model.head_dim
+            e = masked_compute(op, q.batch, q.seq_len, q.seq_len, h, kv, d, q.dtype, block)
+            t += compute.time(e)
+            continue
+        doc_pairs = pieces = None
+        if docs is not None:
+            doc_pairs = sum(n * (n + 1) // 2 if causal else n * n for seq in docs.lengths for n in seq)
+            # one kernel call per document, as the single-device reference runs a packed block
+            count = Counter((n, n, causal_offset, None) for seq in docs.lengths for n in seq)
+            pieces = tuple(sorted(count.items(), key=lambda x: x[0][0]))
         t += compute.time(
             Compute(
                 op,
@@ -470,6 +586,33 @@ def ideal_ms(q: Question) -> float:
     # ranks that share a host's cores (a calibrated CPU host) cannot compute more than the cores do
     cores = q.topology.compute.get("shared_cores")
     return t * 1e3 / (min(q.world_size, float(cores)) if cores else q.world_size)
+
+
+def model_ideal_ms(q: Question) -> float:
+    """Ideal for the answer's unit: one call of the question's mask, or with a per-layer pattern the
+    sum over the model's layers (each distinct mask's ideal x its layer count)."""
+    if not q.per_layer:
+        return ideal_ms(q)
+    return sum(n * ideal_ms(q, m) for m, n in q.layer_masks())
+
+
+def total_row(rows: dict[str, dict], counts: dict[str, int]) -> dict:
+    """A candidate's row for a per-layer model: its times added over the layers (each mask's row x its
+    layer count), compute-only likewise; imbalance the ratio that loses the same compute-only time
+    (sum of compute-only / sum of compute-only / imbalance); the error band the widest of the rows'."""
+    rs = [(rows[name], n) for name, n in counts.items()]
+    out = dict(rs[0][0])
+    out[M.TIME_MS_MEDIAN] = sum(n * r[M.TIME_MS_MEDIAN] for r, n in rs)
+    comps = [(r.get(M.COMPUTE_ONLY_MS), r.get(M.IMBALANCE) or 1.0, n) for r, n in rs]
+    if all(c is not None for c, _, _ in comps):
+        comp = sum(n * c for c, _, n in comps)
+        out[M.COMPUTE_ONLY_MS] = comp
+        balanced = sum(n * c / imb for c, imb, n in comps)
+        out[M.IMBALANCE] = comp / balanced if balanced else 1.0
+    bands = [r.get(M.SIM_ERROR_PCT) for r, _ in rs]
+    out[M.SIM_ERROR_PCT] = None if any(b is None for b in bands) else max(float(b) for b in bands)
+    out["mask"] = "+".join(counts)
+    return out
 
 
 def main_cost(row: dict, ideal: Optional[float] = None) -> str:
@@ -504,24 +647,41 @@ class Advice:
     run_dir: Optional[Path] = None
 
     def table(self, top: Optional[int] = None) -> list[dict[str, Any]]:
+        q = self.question
         rows = []
         for i, c in enumerate(self.ranked[:top] if top else self.ranked, 1):
             t = c.row[M.TIME_MS_MEDIAN]
-            rows.append(
-                {
-                    "rank": i,
-                    "method": c.label,
-                    "degrees": f"{c.ulysses_degree}x{c.ring_degree}",
-                    "layout": c.layout,
-                    "ranks/node": c.ranks_per_node,
-                    "predicted ms": round(t, 1) if t >= 100 else float(f"{t:.4g}"),
-                    "± %": _band(c),
-                    "% of ideal": round(100 * self.ideal_ms / t, 1),
-                    "memory GB/GPU": float(f"{c.memory_bytes / GB:.3g}"),
-                    "main cost": main_cost(c.row, self.ideal_ms),
-                }
-            )
+            row = {
+                "rank": i,
+                "method": c.label,
+                "mask": _mask_label(q),
+                "degrees": f"{c.ulysses_degree}x{c.ring_degree}",
+                "layout": c.layout,
+                "ranks/node": c.ranks_per_node,
+                "predicted ms": _ms(t),
+                "± %": _band(c),
+                "% of ideal": round(100 * self.ideal_ms / t, 1),
+                "memory GB/GPU": float(f"{c.memory_bytes / GB:.3g}"),
+                "main cost": main_cost(c.row, self.ideal_ms),
+            }
+            if q.per_layer:  # the model total, and what each layer mask takes per layer
+                row["per layer ms"] = "; ".join(
+                    f"{parse_mask(name).short} {_ms(c.rows[name][M.TIME_MS_MEDIAN])} x{n}"
+                    for name, n in q.model.pattern
+                )
+            rows.append(row)
         return rows
+
+
+def _ms(t: float) -> float:
+    return round(t, 1) if t >= 100 else float(f"{t:.4g}")
+
+
+def _mask_label(q: Question) -> str:
+    """The mask the answer is for: --mask, the model's per-layer pattern, or causal/full."""
+    if q.per_layer:
+        return " + ".join(f"{n}x {parse_mask(name).short}" for name, n in q.model.pattern)
+    return q.layer_masks()[0][0].short
 
 
 def _band(c: Candidate) -> Optional[float]:
@@ -594,13 +754,26 @@ def advise(
     yaml_text = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
     result = run_sweep(cfg, yaml_text, out=out or io.StringIO(), progress=progress)
     by_key = {(c.method, c.options_json): c for c in kept}
+    counts = {m.name: n for m, n in q.layer_masks()}
     for r in result.records:
         c = by_key.get((r["method"], r["options"]))
         if c is not None:
-            c.row = r
+            c.rows[r.get("mask") or next(iter(counts))] = r
+    for c in kept:
+        bad = [r for r in c.rows.values() if r.get("status") != M.OK]
+        if bad or set(c.rows) != set(counts):
+            c.row = (
+                bad[0]
+                if bad
+                else {"status": "missing", "reason": f"no row for masks {sorted(set(counts) - set(c.rows))}"}
+            )
+        elif q.per_layer:
+            c.row = total_row(c.rows, counts)
+        else:
+            c.row = next(iter(c.rows.values()))
     ranked = sorted((c for c in kept if c.row.get("status") == M.OK), key=lambda c: c.row[M.TIME_MS_MEDIAN])
     failed = [c for c in kept if c.row.get("status") != M.OK]
-    return Advice(q, ranked, pruned, failed, ideal_ms(q), result.run_dir)
+    return Advice(q, ranked, pruned, failed, model_ideal_ms(q), result.run_dir)
 
 
 # -- output ---------------------------------------------------------------------------------------
@@ -620,11 +793,17 @@ def header(advice: Advice) -> str:
         f"{q.model.name} attention (heads {q.model.heads}, kv_heads {q.model.kv_heads}, head_dim "
         f"{q.model.head_dim}, {q.model.layers} layers) on {q.world_size} x {q.topology.gpu} "
         f"({q.nodes} node(s), topology {q.topology.name}), {q.seq_len} tokens x batch {q.batch}, {mix}, "
-        f"{q.dtype}, {'causal' if q.causal else 'full'}, {q.pass_}. Simulated (executor=sim), not measured. "
-        f"Memory: one attention call's peak plus what the other layers keep for backward "
+        f"{q.dtype}, mask {_mask_label(q)}, {q.pass_}. Simulated (executor=sim), not measured. "
+        + (
+            f"Predicted ms: the model's attention over all {q.model.layers} layers (each distinct layer mask "
+            f"simulated once, its time x its layer count); ideal likewise. "
+            if q.per_layer
+            else ""
+        )
+        + "Memory: one attention call's peak plus what the other layers keep for backward "
         f"({'their inputs only: activation recomputation' if q.recompute else 'no recomputation'}); "
-        f"ideal: the whole problem as one kernel call on one GPU of the same compute model / P; "
-        f"± %: the simulator's validated error for the configuration's family (`python -m suite validate`)."
+        "ideal: the whole problem as one kernel call on one GPU of the same compute model / P; "
+        "± %: the simulator's validated error for the configuration's family (`python -m suite validate`)."
     )
 
 
@@ -777,6 +956,7 @@ def run_command(args) -> int:
             batch=args.batch,
             ulysses_degree=args.ulysses_degree,
             recompute=args.recompute,
+            mask=getattr(args, "mask", None),
         )
         if args.compare and not Path(args.compare).exists():
             raise AdviceError("--compare", f"no such folder: {args.compare}")

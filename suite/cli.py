@@ -118,6 +118,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     adv.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention instead of causal")
     adv.add_argument(
+        "--mask",
+        default=None,
+        help="every layer's mask, any family as in sweep.mask (sliding_window:0.0625, "
+        "shared_question:question=128,answers=4, ...); default: the model file's per-layer "
+        "attention_pattern, else causal (full with --no-causal)",
+    )
+    adv.add_argument(
         "--ulysses-degree", type=int, action="append", default=None, help="weigh only this Ulysses degree (repeatable)"
     )
     adv.add_argument("--top", type=int, default=10, help="rows shown, and configurations --emit-config measures")

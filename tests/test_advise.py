@@ -158,3 +158,81 @@ def test_memory_budget_prunes_by_the_layers_kept_for_backward():
         assert all(c.memory_bytes > 60e9 for c in cands if c.pruned)
     assert "ulysses" not in kept[False] and "zigzag_ring(sharding=sequence)" in kept[False]
     assert kept[True] == {c.label for c in cands}
+
+
+# -- masks and per-layer patterns ------------------------------------------------------------------------
+def test_advise_mask_answers_for_a_window_and_names_it(tmp_path, capsys):
+    """`--mask sliding_window:...`: every simulated row is of that mask, the table and the header name
+    it, and no configuration is above 100 % of the same mask's ideal."""
+    from suite.advise import _mask_label
+
+    q = make_question(model="8/8/64", topology="h100_sxm", seq_len=4096, pass_="fwd", mask="sliding_window:256")
+    assert q.mask.name == "sliding_window:symmetric=false,window=256" and q.causal
+    adv = advise(q, results_root=str(tmp_path), mlflow=False)
+    assert len(adv.ranked) >= 5 and not adv.failed
+    assert all(c.row["mask"] == q.mask.name for c in adv.ranked)
+    rows = adv.table()
+    assert all(r["mask"] == "sliding_window(256)" and 0 < r["% of ideal"] <= 100 for r in rows), rows
+    assert _mask_label(q) == "sliding_window(256)"
+    # the command line names it too, and a bad mask is refused naming --mask
+    args = ["advise", "--model", "8/8/64", "--topology", "h100_sxm", "--seq-len", "4096", "--pass", "fwd"]
+    common = ["--no-mlflow", "--results-root", str(tmp_path), "--out", str(tmp_path / "out"), "--top", "3"]
+    assert main([*args, "--mask", "shared_question:question=512,answers=2", *common]) == 0
+    out = capsys.readouterr().out
+    assert (
+        "mask shared_question(2, 512)" in out and "shared_question(2, 512)" in (tmp_path / "out/advice.md").read_text()
+    )
+    assert main([*args, "--mask", "sliding_window:0", *common]) == 2
+    assert capsys.readouterr().err.startswith("error: --mask:")
+
+
+def test_a_per_layer_model_adds_its_layers_times(tmp_path):
+    """A model file's attention_pattern repeats over its layers; the advisor simulates each distinct
+    mask once (one row per candidate and mask) and ranks by the model total: per-layer time x count."""
+    from suite.advise import ideal_ms, load_model, model_ideal_ms
+
+    assert load_model("gpt_oss_20b").pattern == (("sliding_window:symmetric=false,window=128", 12), ("causal", 12))
+    assert load_model("gemma3_27b").pattern == (("sliding_window:symmetric=false,window=1024", 52), ("causal", 10))
+    assert load_model("llama3_8b").pattern == ()
+    path = tmp_path / "tiny.yaml"
+    path.write_text(
+        "name: tiny\nheads: 8\nkv_heads: 8\nhead_dim: 64\nlayers: 5\nattention_pattern: [sliding_window:128, causal]\n"
+    )
+    q = make_question(model=str(path), topology="h100_sxm", seq_len=4096, pass_="fwd")
+    assert q.per_layer and [(m.short, n) for m, n in q.layer_masks()] == [("sliding_window(128)", 3), ("causal", 2)]
+    adv = advise(q, results_root=str(tmp_path), mlflow=False)
+    assert len(adv.ranked) >= 5 and not adv.failed
+    sw, causal = (m.name for m, _ in q.layer_masks())
+    for c in adv.ranked:
+        assert set(c.rows) == {sw, causal}
+        per_layer = 3 * c.rows[sw][M.TIME_MS_MEDIAN] + 2 * c.rows[causal][M.TIME_MS_MEDIAN]
+        assert c.row[M.TIME_MS_MEDIAN] == pytest.approx(per_layer)
+    assert adv.ideal_ms == pytest.approx(
+        3 * ideal_ms(q, q.layer_masks()[0][0]) + 2 * ideal_ms(q, q.layer_masks()[1][0])
+    )
+    assert model_ideal_ms(q) == adv.ideal_ms
+    times = [c.row[M.TIME_MS_MEDIAN] for c in adv.ranked]
+    assert times == sorted(times)
+    rows = adv.table()
+    assert all(r["% of ideal"] <= 100 and "x3" in r["per layer ms"] and "x2" in r["per layer ms"] for r in rows)
+    # --mask replaces the pattern: one mask on every layer, one call's time
+    q1 = make_question(model=str(path), topology="h100_sxm", seq_len=4096, pass_="fwd", mask="causal")
+    assert not q1.per_layer and q1.layer_masks()[0][1] == 5
+
+
+@pytest.mark.parametrize(
+    "extra,mentions",
+    [
+        ("attention_pattern: [sliding_window:0]\n", ">= 1"),
+        ("attention_layers: {causal: 2}\n", "the model has 5"),
+        ("attention_pattern: [causal]\nattention_layers: {causal: 5}\n", "not both"),
+    ],
+)
+def test_a_bad_layer_pattern_is_refused_naming_the_model(tmp_path, extra, mentions):
+    from suite.advise import AdviceError, load_model
+
+    path = tmp_path / "bad.yaml"
+    path.write_text("heads: 8\nkv_heads: 8\nhead_dim: 64\nlayers: 5\n" + extra)
+    with pytest.raises(AdviceError, match=mentions) as exc:
+        load_model(str(path))
+    assert exc.value.option == "--model"

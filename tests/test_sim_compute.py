@@ -214,3 +214,82 @@ def test_no_method_beats_ideal_on_any_topology():
                 assert pct <= 100.0, (name, m, causal, seq_len, pass_, pct)
     print("closest to ideal:", worst)
     assert worst[0] > 50  # the check sees methods near ideal, not only slow ones
+
+
+# -- masks other than the plain ones ----------------------------------------------------------------------
+def test_band_tiles_match_the_mask_tile_by_tile():
+    """A band block's full and masked tiles per work unit (`band_tiles`) equal a dense count over its
+    mask; a band as wide as the block has a causal block's tiles."""
+    import torch
+
+    from suite.sim.compute import band_tiles
+
+    for op, sq, sk, off, lower, tile in itertools.product(
+        ("fwd", "bwd"), (100, 256), (100, 300), (None, 0, 37), (-1, -50, -260, 5), ((32, 16), (64, 64))
+    ):
+        if off is not None and lower > off:
+            continue
+        tm, tn = tile
+        d = torch.arange(sk)[None, :] - torch.arange(sq)[:, None]
+        vis = (d >= lower) & (d <= (sk - 1 if off is None else off))
+        rows, cols = -(-sq // tm), -(-sk // tn)
+        full, seen = np.zeros((rows, cols), bool), np.zeros((rows, cols), bool)
+        for r, c in itertools.product(range(rows), range(cols)):
+            t = vis[r * tm : (r + 1) * tm, c * tn : (c + 1) * tn]
+            seen[r, c], full[r, c] = bool(t.any()), bool(t.all()) and (c + 1) * tn <= sk
+        axis = 1 if op == "fwd" else 0
+        want = (full.sum(axis), seen.sum(axis) - full.sum(axis))
+        got = band_tiles(op, sq, sk, off, lower, tile)
+        assert all(np.array_equal(g, w) for g, w in zip(got, want)), (op, sq, sk, off, lower, tile, got, want)
+    for op in ("fwd", "bwd"):
+        got, want = band_tiles(op, 512, 512, 0, -511, (128, 64)), unit_tiles(op, 512, 512, 0, (128, 64))
+        assert all(np.array_equal(g, w) for g, w in zip(got, want))
+
+
+@pytest.mark.parametrize("op", ["fwd", "bwd"])
+def test_a_band_costs_between_its_pairs_and_the_causal_block_and_grows_with_the_window(op):
+    """A band block (a causal sliding window of w keys, `_band_call`: a windowed kernel walks only the
+    tiles the band meets) takes at least its visible pairs at the full-mask block's rate per pair and
+    at most the causal block it lies in, and takes longer as the window widens."""
+    from methods.documents import _band_pairs
+
+    cm = ComputeModel(load_topology("h100_sxm"))
+    sq = sk = 8192
+    full = cm.time(block(op, 1, 32, 128, sq, sk, None))
+    causal = cm.time(block(op, 1, 32, 128, sq, sk, 0))
+    times = []
+    for w in (64, 256, 1024, 4096, 8192):
+        pairs = _band_pairs(sq, sk, 0, -(w - 1))
+        e = Compute(op, 1, sq, sk, 32, 32, 128, None, "bfloat16", doc_pairs=pairs, pieces=(((sq, sk, 0, -(w - 1)), 1),))
+        t = cm.time(e)
+        assert full * pairs / (sq * sk) <= t <= causal, (op, w, t, full, causal)
+        times.append(t)
+    assert times == sorted(times) and len(set(times)) == len(times), times
+
+
+@pytest.mark.parametrize("mask", ["sliding_window:0.0625", "shared_question:question=0.125,answers=4"])
+def test_no_method_beats_ideal_under_a_mask(mask):
+    """As test_no_method_beats_ideal_on_any_topology, under a windowed and a shared-question mask: ideal
+    is the single-device reference of the same mask (its whole-sequence block, the pieces a flash kernel
+    calls) / P, and no own method's compute alone comes above 100 % of it."""
+    from methods.masks import parse
+
+    m = parse(mask)
+    topo = load_topology("h100_sxm")
+    cm = ComputeModel(topo)
+    cache = TraceCache()
+    p, seq_len = 4, 32256  # a multiple of 4P and of TASP's 2P(P-1) at P = 4
+    docs = Documents.single(1, seq_len, mask=m)
+    case = Case(1, seq_len, 16, 4, 128, "bfloat16", True, p, documents=docs)
+    ref = replay(cache.get("reference", replace(case, world_size=1), "fwd_bwd"), topo, cm.time).time_s
+    seen = []
+    for name in methods.group_members("own"):
+        try:
+            tr = cache.get(name, case, "fwd_bwd")
+        except ValueError:  # the method does not support this case
+            continue
+        t = replay(tr, topo, cm.time, comm=False).time_s
+        pct = 100 * (ref / p) / t
+        seen.append((pct, name))
+        assert pct <= 100.0, (mask, name, pct)
+    assert len(seen) >= 6 and max(seen)[0] > 50, seen

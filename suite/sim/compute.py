@@ -102,6 +102,38 @@ def unit_tiles(op: str, sq: int, sk: int, causal_offset: Optional[int], tile: tu
     return full, n - full
 
 
+def band_tiles(op: str, sq: int, sk: int, off: Optional[int], lower: int, tile: tuple[int, int]):
+    """(full, masked) tile counts of each work unit of a band block, query i seeing key j iff
+    lower <= j - i <= off (off None: up to the block's edge): the tiles the band meets, full when every
+    pair in them is visible and the block's edge does not cut them (as `unit_tiles` counts them)."""
+    tm, tn = tile
+    top = sk - 1 if off is None else min(off, sk - 1)
+    kfull = sk // tn
+    if op == "fwd":
+        r = np.arange(-(-sq // tm), dtype=np.int64)
+        i0, i1 = r * tm, np.minimum((r + 1) * tm, sq) - 1
+        j0, j1 = np.maximum(0, i0 + lower), np.minimum(sk - 1, i1 + top)
+        meets = j1 >= j0
+        n = np.where(meets, j1 // tn - j0 // tn + 1, 0)
+        # key tiles wholly inside: from ceil((i1 + lower) / tn) to (i0 + top + 1) // tn - 1, uncut
+        first = np.maximum(-(-(i1 + lower) // tn), j0 // tn)
+        last = np.minimum(np.minimum((i0 + top + 1) // tn - 1, kfull - 1), j1 // tn)
+        full = np.where(meets, np.clip(last - first + 1, 0, n), 0)
+        return full, n - full
+    t = np.arange(-(-sk // tn), dtype=np.int64)
+    k0, k1 = t * tn, np.minimum((t + 1) * tn, sk) - 1
+    r0, r1 = np.maximum(0, k0 - top), np.minimum(sq - 1, k1 - lower)  # the query rows the column meets
+    meets = r1 >= r0
+    n = np.where(meets, r1 // tm - r0 // tm + 1, 0)
+    # row tiles wholly inside: rows from k1 - top to k0 - lower, in an uncut column
+    first = np.maximum(-(-(k1 - top) // tm), r0 // tm)
+    rows = -(-sq // tm)
+    last = np.where(k0 - lower >= sq - 1, rows - 1, (k0 - lower + 1) // tm - 1)  # the last row tile may be cut
+    last = np.minimum(last, r1 // tm)
+    full = np.where(meets & (t < kfull), np.clip(last - first + 1, 0, n), 0)
+    return full, n - full
+
+
 def makespan(values: np.ndarray, counts: np.ndarray, repeat: int, sms: int) -> float:
     """Time of the work units `repeat` x [values[0] x counts[0], values[1] x counts[1], ...] in that
     dispatch order on `sms` SMs: wave k (units k*S .. k*S + S - 1) starts when the work of the
@@ -373,23 +405,19 @@ class ComputeModel:
         return self.launch_s + t if t > 0 else 0.0
 
     def _band_call(self, op: str, bh: int, head_dim: int, sq: int, sk: int, off: Optional[int], lower: int) -> float:
-        """A band block (lower <= j - i <= off, a sliding window): its tiles are those the band meets,
-        each row of tiles a run of full tiles between two diagonal ones, as a windowed kernel
-        iterates them (flash-attn's window skips the tiles outside it)."""
+        """A band block (lower <= j - i <= off, a sliding window): a windowed kernel (flash-attn's window
+        skips the tiles outside it) walks, in each work unit, only the tiles the band meets: those
+        wholly inside the band are full, the two diagonals' tiles masked (`band_tiles`); units are
+        costed and dispatched as a causal call's are, so a band as wide as the block costs the causal
+        block."""
         _, causal = self.costs(op, head_dim)
-        tm, tn = causal.tile
-        top = sk - 1 if off is None else min(off, sk - 1)
-        rows_ = -(-sq // tm) if op == "fwd" else -(-sk // tn)
-        tiles = 0
-        for r in range(-(-sq // tm)):
-            i0, i1 = r * tm, min(sq, (r + 1) * tm) - 1
-            j0, j1 = max(0, i0 + lower), min(sk - 1, i1 + top)
-            if j1 >= j0:
-                tiles += j1 // tn - j0 // tn + 1
-        if tiles == 0:
+        full, masked = band_tiles(op, sq, sk, off, lower, causal.tile)
+        t = causal.unit_s + causal.tile_s * (full + masked * (1.0 + causal.diag))
+        t = t[(full + masked) > 0]
+        if t.size == 0:
             return 0.0
-        unit = causal.unit_s + tiles / rows_ * causal.tile_s
-        return self.launch_s + makespan(np.array([unit]), np.array([rows_]), bh, self.sms)
+        vals, cnts = np.unique(t, return_counts=True)
+        return self.launch_s + makespan(vals[::-1], cnts[::-1] * bh, 1, self.sms)
 
     def _tile_time(self, e: Compute) -> float:
         if e.pieces is not None:  # packed documents our code runs piece by piece: one call each

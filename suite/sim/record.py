@@ -269,6 +269,22 @@ class TracingComm(CountingComm):
             super().barrier()
 
 
+def masked_compute(
+    op: str, b: int, sq: int, sk: int, heads: int, kv_heads: int, head_dim: int, dtype: str, mask
+) -> Compute:
+    """The `Compute` event of a block under a block mask (methods/documents.py BlockMask): its visible
+    pairs, and for a partly visible or banded block the pieces a flash kernel runs it as (one call
+    per document piece and slice; a band is a windowed call). Never builds the dense mask."""
+    plain = None if mask.kind in ("full", "partial", "band") else (mask.causal_offset if mask.kind == "offset" else -sq)
+    pieces = None
+    if mask.kind in (PARTIAL, BAND):
+        count = Counter(
+            (r.stop - r.start, c.stop - c.start, off, low) for i in range(b) for r, c, off, low in mask.pieces(i)
+        )
+        pieces = tuple(sorted(count.items(), key=lambda x: tuple(-(1 << 62) if v is None else v for v in x[0])))
+    return Compute(op, b, sq, sk, heads, kv_heads, head_dim, plain, dtype, doc_pairs=mask.pairs, pieces=pieces)
+
+
 class TracingKernel(kernels.TimedKernel):
     """A kernel choice that records every block call and computes nothing (placeholders)."""
 
@@ -288,23 +304,8 @@ class TracingKernel(kernels.TimedKernel):
         mask=None,
     ):
         b, sq, h, d = q.shape
-        if mask is not None:  # packed documents: the mask's own pairs (a partly visible block has no offset)
-            plain = (
-                None
-                if mask.kind in ("full", "partial", "band")
-                else (mask.causal_offset if mask.kind == "offset" else -sq)
-            )
-            pieces = None
-            if mask.kind in (PARTIAL, BAND):  # a band (a window) is one call per batch element's piece
-                count = Counter(
-                    (r.stop - r.start, c.stop - c.start, off, low)
-                    for i in range(b)
-                    for r, c, off, low in mask.pieces(i)
-                )
-                pieces = tuple(sorted(count.items(), key=lambda x: tuple(-(1 << 62) if v is None else v for v in x[0])))
-            e = Compute(
-                op, b, sq, k.shape[1], h, k.shape[2], d, plain, dtype_name(q.dtype), doc_pairs=mask.pairs, pieces=pieces
-            )
+        if mask is not None:  # packed documents or a mask family: the mask's own pairs and pieces
+            e = masked_compute(op, b, sq, k.shape[1], h, k.shape[2], d, dtype_name(q.dtype), mask)
         else:
             e = Compute(op, b, sq, k.shape[1], h, k.shape[2], d, causal_offset, dtype_name(q.dtype))
         with self.block(e):
