@@ -169,8 +169,8 @@ class Documents:
             # query i sees key j iff lo <= i - j <= hi, inside the slice's query rows
             q_from = torch.maximum(qa[sid], kp + lo[sid])
             q_to = torch.minimum(qb[sid], kp + hi[sid] + 1)  # exclusive
-            n = torch.searchsorted(q_pos, q_to) - torch.searchsorted(q_pos, q_from)
-            seen[ki[n > 0]] = True
+            hits = torch.searchsorted(q_pos, q_to) - torch.searchsorted(q_pos, q_from)
+            seen[ki[hits > 0]] = True
             return seen
         ids = self.doc_ids[b]
         n = self.padded_len + 1
