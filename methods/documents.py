@@ -392,13 +392,9 @@ def _index_band(
     """(offset, lower) with (lo <= q_pos[i] - k_pos[j] <= hi) == (lower <= j - i <= offset) for all
     rows, when both sides are evenly spaced with one stride (None otherwise); a side that never
     binds on these sizes is None."""
-    strides = {int(p[1] - p[0]) for p in (q_pos, k_pos) if len(p) > 1}
-    for p in (q_pos, k_pos):
-        if len(p) > 2 and not bool(((p[1:] - p[:-1]) == (p[1] - p[0])).all()):
-            return None
-    if len(strides) > 1:
+    s = _common_stride(q_pos, k_pos)
+    if s is None:
         return None
-    s = strides.pop() if strides else 1
     sq, sk = len(q_pos), len(k_pos)
     base = int(q_pos[0]) - int(k_pos[0])
     # q0 + s*i - (k0 + s*j) <= hi  <=>  j - i >= (base - hi) / s ;  >= lo  <=>  j - i <= (base - lo) / s
@@ -443,16 +439,24 @@ def _affine_runs(pos: torch.Tensor, rows: tuple[int, int]) -> Iterator[tuple[int
         a = b
 
 
-def _affine_offset(q_pos: torch.Tensor, k_pos: torch.Tensor) -> Optional[int]:
-    """c with (k_pos[j] <= q_pos[i]) == (j <= i + c) for all i, j, when both sides are evenly spaced
-    with one stride; None otherwise."""
+def _common_stride(q_pos: torch.Tensor, k_pos: torch.Tensor) -> Optional[int]:
+    """The one stride of two evenly spaced position runs (1 when both are single), or None when a
+    side is not evenly spaced or the sides' strides differ."""
     strides = {int(p[1] - p[0]) for p in (q_pos, k_pos) if len(p) > 1}
     for p in (q_pos, k_pos):
         if len(p) > 2 and not bool(((p[1:] - p[:-1]) == (p[1] - p[0])).all()):
             return None
     if len(strides) > 1:
         return None
-    s = strides.pop() if strides else 1
+    return strides.pop() if strides else 1
+
+
+def _affine_offset(q_pos: torch.Tensor, k_pos: torch.Tensor) -> Optional[int]:
+    """c with (k_pos[j] <= q_pos[i]) == (j <= i + c) for all i, j, when both sides are evenly spaced
+    with one stride; None otherwise."""
+    s = _common_stride(q_pos, k_pos)
+    if s is None:
+        return None
     # k0 + s*j <= q0 + s*i  <=>  j <= i + floor((q0 - k0) / s)
     return (int(q_pos[0]) - int(k_pos[0])) // s
 
