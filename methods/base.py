@@ -220,7 +220,20 @@ class Method:
             world_size=comm.world_size,
             documents=docs,
         )
-        return BlockMasks(docs, self.layout(case).positions, causal)
+        return self.case_masks(case)
+
+    def case_masks(self, case: Case) -> Optional[BlockMasks]:
+        """The block masks of `case` on this method's layout (None without documents), kept per case:
+        a block's mask is classified once per problem, not again in every timed call (the masks of
+        every rank's blocks are what a ring's early stop asks, `kv_ring.useful_steps`)."""
+        if case.documents is None:
+            return None
+        cache: dict[Case, BlockMasks] = self.__dict__.setdefault("_case_masks", {})
+        if case not in cache:
+            if len(cache) >= 8:  # a sweep's problems come one after another: keep the latest few
+                cache.clear()
+            cache[case] = BlockMasks(case.documents, self.layout(case).positions, case.causal)
+        return cache[case]
 
     # -- the public, differentiable entry point ------------------------------------------------
     def attention(

@@ -75,7 +75,7 @@ class Burst(Method):
 
     def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
         l = case.seq_len // case.world_size
-        masks = BlockMasks(case.documents, self.layout(case).positions, case.causal) if case.documents else None
+        masks = self.case_masks(case)
         fwd, bwd = self._steps(masks, case.causal, case.world_size, l)
         e, a = element_bytes(case)
         b, h, d = case.batch, case.heads, case.head_dim
@@ -99,7 +99,7 @@ class Burst(Method):
     def redundant_kv_bytes(self, case: Case, rank: int) -> Optional[int]:
         """The forward's K/V ring: keys of the received blocks no local query sees."""
         l = case.seq_len // case.world_size
-        masks = BlockMasks(case.documents, self.layout(case).positions, case.causal) if case.documents else None
+        masks = self.case_masks(case)
         fwd, _ = self._steps(masks, case.causal, case.world_size, l)
         pos, src = self.layout(case).positions, ring_src(case.world_size)
         return sum(unseen_kv_bytes(case, pos(rank), pos(src(rank, t))) for t in range(1, fwd))

@@ -479,11 +479,6 @@ class KVRingMethod(Method):
         p = case.world_size
         return self.ring_steps(self.case_masks(case), case.causal, p, case.seq_len // p)
 
-    def case_masks(self, case: Case) -> Optional[BlockMasks]:
-        if case.documents is None:
-            return None
-        return BlockMasks(case.documents, self.layout(case).positions, case.causal)
-
     def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
         return kv_ring_bytes(case, pass_, steps=self.case_steps(case))
 
