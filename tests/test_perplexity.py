@@ -38,9 +38,9 @@ def baseline(corpus):
     )
 
 
-def train_sp(corpus, name, world_size, tc=TRAIN, model=MODEL, **options):
-    method = methods.get_method(name, **options)
-    case = Case(
+def layer_case(tc, model, world_size) -> Case:
+    """The attention problem of one layer of `model` trained with `tc` on `world_size` ranks."""
+    return Case(
         batch=tc.batch,
         seq_len=tc.seq_len,
         heads=model.heads,
@@ -50,6 +50,11 @@ def train_sp(corpus, name, world_size, tc=TRAIN, model=MODEL, **options):
         causal=True,
         world_size=world_size,
     )
+
+
+def train_sp(corpus, name, world_size, tc=TRAIN, model=MODEL, **options):
+    method = methods.get_method(name, **options)
+    case = layer_case(tc, model, world_size)
     ok, why = method.supports(case)
     if not ok:
         pytest.skip(why)
@@ -469,16 +474,7 @@ def train_pattern(corpus, pattern, name=None, world_size=1, tc=TRAIN, model=MODE
             model, tc, corpus, layout=layout, comm=None, make_attend=lambda c: attends, loss_skip=skip
         )
     method = methods.get_method(name)
-    case = Case(
-        batch=tc.batch,
-        seq_len=tc.seq_len,
-        heads=model.heads,
-        kv_heads=model.kv_heads,
-        head_dim=model.head_dim,
-        dtype="float32",
-        causal=True,
-        world_size=world_size,
-    )
+    case = layer_case(tc, model, world_size)
     padded = method.padded_len(case)
     docs = None
     if padded != tc.seq_len:  # as the workload's run_case: padding travels as documents
