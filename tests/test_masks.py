@@ -19,7 +19,7 @@ from methods.documents import BAND, EMPTY, FULL, OFFSET, PARTIAL, Documents
 from methods.masks import Mask, parse
 from suite.check import build_problem
 from suite.config import ConfigError, load_config
-from tests.helpers import own_variants, plan_for, variant_id
+from tests.helpers import assert_block_matches, own_variants, plan_for, variant_id
 from tests.test_varlen import _rank_outputs, _threads
 
 # several parameter choices per family: token counts (odd ones), fractions, the shorthand and the
@@ -216,16 +216,6 @@ def _reference(do, q, k, v, vis, scale):
     return ro, rl, kernels.math_backward(*d, ro, rl, scale=scale, causal_offset=None, visible=vis)
 
 
-def _compare(o, lse, grads, ro, rl, ref):
-    seen = torch.isfinite(rl)
-    assert torch.equal(torch.isfinite(lse), seen)
-    if seen.any():
-        assert float((lse.double() - rl)[seen].abs().max()) < 1e-5
-    assert float((o.double() - ro).abs().max()) < 1e-5
-    for got, want in zip(grads, ref):
-        assert float((got.double() - want).abs().max()) < 1e-5
-
-
 @pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
 def test_band_kernels_match_float64(kernel):
     """block_forward / block_backward with a BAND block mask, and with `lower=` and an offset given
@@ -248,7 +238,7 @@ def test_band_kernels_match_float64(kernel):
             ro, rl, ref = _reference(do, q, k, v, brute_force(docs, docs.mask)[:, qp][:, :, kp], 0.3)
             o, lse = kernels.block_forward(q, k, v, scale=0.3, causal_offset=0, kernel=kernel, mask=m)
             grads = kernels.block_backward(do, q, k, v, o, lse, scale=0.3, causal_offset=0, kernel=kernel, mask=m)
-            _compare(o, lse, grads, ro, rl, ref)
+            assert_block_matches(o, lse, grads, ro, rl, ref)
     assert bands >= 10
     for sq, sk, offset, lower in [(6, 9, 3, 1), (5, 5, None, -2), (7, 4, 0, -3), (4, 8, 2, 2), (6, 3, 5, -1)]:
         q, do = torch.randn(1, sq, 4, 8), torch.randn(1, sq, 4, 8)
@@ -258,7 +248,7 @@ def test_band_kernels_match_float64(kernel):
         ro, rl, ref = _reference(do, q, k, v, vis.expand(1, sq, sk), 0.5)
         o, lse = kernels.block_forward(q, k, v, scale=0.5, causal_offset=offset, lower=lower, kernel=kernel)
         grads = kernels.block_backward(do, q, k, v, o, lse, scale=0.5, causal_offset=offset, lower=lower, kernel=kernel)
-        _compare(o, lse, grads, ro, rl, ref)
+        assert_block_matches(o, lse, grads, ro, rl, ref)
 
 
 # -- every own method ----------------------------------------------------------------------------
