@@ -20,7 +20,10 @@ Backends:
 - "math": explicit matrix products in float32 (float64 for float64 inputs); the reference path.
 - "cpu_flash": aten._scaled_dot_product_flash_attention_for_cpu and its backward.
 - "flash_attn": flash-attn 2 on CUDA (fp16/bf16), when importable; see methods/_flash_attn.py.
-"auto" picks flash_attn on CUDA when possible, cpu_flash on CPU, math otherwise.
+- "torch_flash": PyTorch's own CUDA flash attention (fp16/bf16), its private ops that return and
+  take the lse; see methods/_torch_flash.py. A band (sliding-window) block runs on math.
+"auto" picks flash_attn on CUDA when possible, else torch_flash on CUDA, cpu_flash on CPU, math
+otherwise.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from methods.documents import BAND, EMPTY, FULL, PARTIAL, BlockMask
 from methods.merge import acc_dtype, empty_accumulators, merge_
 from methods.timing import Stopwatch
 
-KERNELS = ("math", "cpu_flash", "flash_attn")
+KERNELS = ("math", "cpu_flash", "flash_attn", "torch_flash")
 KERNEL_CHOICES = ("auto",) + KERNELS
 # Measurement only (never a config choice): blocks return zeros at once, so a run with it times
 # a method's communication and bookkeeping without its attention ("comm-only" runs).
@@ -141,6 +144,10 @@ def kernel_status(name: str) -> tuple[bool, str]:
         from methods import _flash_attn
 
         return _flash_attn.status()
+    if name == "torch_flash":
+        from methods import _torch_flash
+
+        return _torch_flash.status()
     raise ValueError(f"unknown kernel {name!r}; choose one of {KERNEL_CHOICES}")
 
 
@@ -150,7 +157,7 @@ def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim
     the choice cannot run."""
     if name not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernel {name!r}; choose one of {KERNEL_CHOICES}")
-    from methods import _flash_attn
+    from methods import _flash_attn, _torch_flash
 
     flash_head_ok = head_dim is None or _flash_attn.head_dim_ok(head_dim)
     if name == "auto":
@@ -161,6 +168,13 @@ def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim
             and kernel_status("flash_attn")[0]
         ):
             return "flash_attn"
+        if (
+            device.type == "cuda"
+            and dtype in (torch.float16, torch.bfloat16)
+            and (head_dim is None or _torch_flash.head_dim_ok(head_dim))
+            and kernel_status("torch_flash")[0]
+        ):
+            return "torch_flash"
         if device.type == "cpu":
             return "cpu_flash"
         return "math"
@@ -174,6 +188,14 @@ def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim
             raise ValueError("kernel 'flash_attn' needs CUDA tensors in float16 or bfloat16")
         if not flash_head_ok:
             raise ValueError(f"kernel 'flash_attn' needs head_dim a multiple of 8 up to 256, got {head_dim}")
+    if name == "torch_flash":
+        ok, why = kernel_status("torch_flash")
+        if not ok:
+            raise ValueError(f"kernel 'torch_flash' unavailable: {why}")
+        if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
+            raise ValueError("kernel 'torch_flash' needs CUDA tensors in float16 or bfloat16")
+        if head_dim is not None and not _torch_flash.head_dim_ok(head_dim):
+            raise ValueError(f"kernel 'torch_flash' needs head_dim a multiple of 8 up to 256, got {head_dim}")
     return name
 
 
@@ -435,6 +457,10 @@ def block_forward(
         from methods import _flash_attn
 
         out, lse = _flash_attn.forward(q, k, v, scale=scale, causal_offset=causal_offset)
+    elif backend == "torch_flash":
+        from methods import _torch_flash
+
+        out, lse = _torch_flash.forward(q, k, v, scale=scale, causal_offset=causal_offset)
     else:
         out, lse = math_forward(q, k, v, scale=scale, causal_offset=causal_offset)
     # Contiguous results (the CPU op's lse is strided, math's out a transposed view): methods
@@ -543,6 +569,10 @@ def block_backward(
         from methods import _flash_attn
 
         return _flash_attn.backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset)
+    if backend == "torch_flash":
+        from methods import _torch_flash
+
+        return _torch_flash.backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset)
     raise AssertionError(f"unhandled kernel {backend}")
 
 
@@ -560,7 +590,7 @@ def _plain_offset(mask: BlockMask, sq: int) -> Optional[int]:
 
 def _partial_forward(q, k, v, *, scale: float, mask: BlockMask, kernel: str):
     backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
-    if backend == "flash_attn":  # it takes no dense mask: one call per document piece
+    if backend in ("flash_attn", "torch_flash"):  # they take no dense mask: one call per document piece
         return forward_by_pieces(q, k, v, scale=scale, mask=mask, kernel=backend)
     return _dense_forward(q, k, v, scale=scale, visible=mask.dense(q.device), backend=backend)
 
@@ -607,7 +637,7 @@ def _band_backward(dout, q, k, v, out, lse, *, scale: float, causal_offset, lowe
 
 
 def _dense_forward(q, k, v, *, scale: float, visible: torch.Tensor, backend: str):
-    """A block under a [B, Sq, Sk] bool mask (math or cpu_flash)."""
+    """A block under a [B, Sq, Sk] bool mask: cpu_flash, else math (torch_flash takes no dense mask)."""
     if backend == "cpu_flash":
         out, lse = _CPU_FWD(
             q.transpose(1, 2),
@@ -630,7 +660,7 @@ def _dense_forward(q, k, v, *, scale: float, visible: torch.Tensor, backend: str
 
 def _partial_backward(dout, q, k, v, out, lse, *, scale: float, mask: BlockMask, kernel: str, delta):
     backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
-    if backend == "flash_attn":
+    if backend in ("flash_attn", "torch_flash"):
         return backward_by_pieces(dout, q, k, v, out, lse, scale=scale, mask=mask, kernel=backend, delta=delta)
     return _dense_backward(
         dout, q, k, v, out, lse, scale=scale, visible=mask.dense(q.device), backend=backend, delta=delta
@@ -638,7 +668,7 @@ def _partial_backward(dout, q, k, v, out, lse, *, scale: float, mask: BlockMask,
 
 
 def _dense_backward(dout, q, k, v, out, lse, *, scale: float, visible: torch.Tensor, backend: str, delta):
-    if backend == "math":
+    if backend != "cpu_flash":  # math, and torch_flash (no dense masks)
         return math_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=None, delta=delta, visible=visible)
     if out is None:
         out = out_with_delta(dout, delta)
