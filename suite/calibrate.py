@@ -110,6 +110,79 @@ def measure_memory(device: torch.device, repeats: int) -> dict:
     return {"GBps": round(5 * n * 4 / max(big - 2 * op, 1e-9) / 1e9, 3), "op_us": round(op * 1e6, 3)}
 
 
+def _sleep_cycles_per_second(device: torch.device) -> float:
+    """Clock rate that torch.cuda._sleep counts in, measured (it spins for a number of GPU cycles)."""
+    n = 10_000_000
+    secs = median_seconds(lambda: torch.cuda._sleep(n), device, 3)
+    return n / secs
+
+
+def measure_overlap(e: Compute, device: torch.device, kernel: str, repeats: int, rates_GBps=(180.0, 370.0)) -> dict:
+    """How much a kernel slows while the GPU moves data beside it (CUDA only): block `e` is timed
+    alone, then while a second stream copies a 64 MiB buffer at a paced rate (copies separated by
+    GPU-side sleeps), for each rate in GB/s of bytes copied (each byte is read and written: a send
+    and a receive of that rate each). A stand-in for NCCL traffic, which also holds a few SMs for
+    the whole exchange: it measures the HBM and SM contention of the copies, not NCCL's own kernels.
+    Returns {block, alone_ms, rows: [{target_GBps, achieved_GBps, ms, slowdown}]}."""
+    dt = getattr(torch, e.dtype)
+    g = torch.Generator(device="cpu").manual_seed(0)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g, dtype=torch.float32).to(device=device, dtype=dt)
+
+    q, k, v = (
+        rnd(e.batch, e.sq, e.heads, e.head_dim),
+        rnd(e.batch, e.sk, e.kv_heads, e.head_dim),
+        rnd(e.batch, e.sk, e.kv_heads, e.head_dim),
+    )
+    scale = kernels.default_scale(e.head_dim)
+
+    def call():
+        kernels.block_forward(q, k, v, scale=scale, causal_offset=e.causal_offset, kernel=kernel)
+
+    alone = median_seconds(call, device, repeats)
+    src = torch.empty(64 * MB, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_s = median_seconds(lambda: dst.copy_(src), device, repeats)
+    hz = _sleep_cycles_per_second(device)
+    side = torch.cuda.Stream(device)
+    rows = []
+    for rate in rates_GBps:
+        period = src.numel() / (rate * 1e9)
+        gap = max(period - copy_s, 0.0)
+        copies = int(alone * 3 / period) + 2  # the side traffic outlasts the kernel
+        samples, achieved = [], []
+        for i in range(repeats + 1):
+            torch.cuda.synchronize(device)
+            start_side, end_side = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(side):
+                start_side.record(side)
+                for _ in range(copies):
+                    dst.copy_(src)
+                    if gap:
+                        torch.cuda._sleep(int(gap * hz))
+                end_side.record(side)
+            torch.cuda._sleep(int(alone * 0.5 * hz))  # let the side stream reach its steady rate first
+            watch = Stopwatch(device)
+            with watch.region():
+                call()
+            torch.cuda.synchronize(device)
+            if i >= 1:
+                samples.append(watch.seconds)
+                achieved.append(copies * src.numel() / (start_side.elapsed_time(end_side) / 1e3) / 1e9)
+        ms = statistics.median(samples)
+        rows.append(
+            {
+                "target_GBps": rate,
+                "achieved_GBps": round(statistics.median(achieved), 1),
+                "ms": round(ms * 1e3, 4),
+                "slowdown": round(ms / alone - 1.0, 4),
+            }
+        )
+    block = f"fwd {e.sq}x{e.sk} heads {e.heads}/{e.kv_heads} D {e.head_dim} offset {e.causal_offset} {e.dtype}"
+    return {"block": block, "alone_ms": round(alone * 1e3, 4), "copy_64MiB_ms": round(copy_s * 1e3, 4), "rows": rows}
+
+
 # ---------------------------------------------------------------------------------------------
 # Loopback links (CPU, gloo)
 # ---------------------------------------------------------------------------------------------
@@ -226,11 +299,21 @@ def calibrate(
     label = hardware_label(device.type)
     memory = measure_memory(device, repeats)
     log(f"bookkeeping: {memory['GBps']} GB/s elementwise, {memory['op_us']} us per op")
+    overlap = None
+    if device.type == "cuda" and blocks:
+        fwd = [e for e in blocks if e.op == "fwd" and e.causal_offset is None] or blocks
+        e = dataclasses.replace(max(fwd, key=lambda b: b.flops), op="fwd")
+        overlap = measure_overlap(e, device, cfg.run.kernel, repeats)
+        log(
+            f"overlap ({overlap['block']}, {overlap['alone_ms']} ms alone): "
+            + ", ".join(f"{r['achieved_GBps']} GB/s copied beside it -> +{r['slowdown']:.1%}" for r in overlap["rows"])
+        )
     table = {
         "device": label,
         "kernel": kernel_name,
         "threads": threads,
         "memory": memory,
+        **({"overlap": overlap} if overlap else {}),
         "measured": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "sweep": cfg.name,
         "blocks": rows,
