@@ -2,6 +2,8 @@
 
 - every own method, emulated with 2, 4 and 8 virtual ranks on the one GPU (executor threads), in bf16
   with the GPU kernels, checked against float64 (out, lse, dq, dk, dv), causal and full, MHA and GQA;
+- every own method under every mask family (uniform and packed documents), emulated with 4 virtual
+  ranks in bf16 and checked against float64;
 - world size 1 over NCCL (executor dist) for every method and every importable peer;
 - `suite calibrate` on the GPU: a kernel table for the block shapes of the main sweep, with each
   block's TFLOP/s against the device's bf16 peak (written to $SUITE_GPU_CHECK_OUT/kernels.md).
@@ -37,7 +39,7 @@ pytestmark = [
 HEAD_DIM = 128 if DEVICE == "cuda" else 32
 
 
-def _sweep(tmp_path, name: str, sweep: dict, run: dict) -> list[dict]:
+def _sweep(tmp_path, name: str, sweep: dict, run: dict, **sections) -> list[dict]:
     from suite.config import load_config
     from suite.runner import run_sweep
 
@@ -50,6 +52,7 @@ def _sweep(tmp_path, name: str, sweep: dict, run: dict) -> list[dict]:
                 "run": {"device": DEVICE, **run},
                 "results": {"root": str(tmp_path / "results")},
                 "tracking": {"mlflow": False},
+                **sections,
             }
         )
     )
@@ -95,8 +98,44 @@ def test_single_gpu_emulation_checks_every_own_method_in_bf16(tmp_path):
     assert all(r["checked"] for r in rows)
     from methods import kernels
 
-    if DEVICE == "cuda" and kernels.kernel_status("flash_attn")[0]:  # the real GPU kernel, not the math fallback
-        assert {r["kernel_used"] for r in rows} == {"flash_attn"}, {r["kernel_used"] for r in rows}
+    if DEVICE == "cuda":  # a GPU kernel, not the math fallback: flash-attn where installed, else PyTorch's own
+        gpu_kernel = "flash_attn" if kernels.kernel_status("flash_attn")[0] else "torch_flash"
+        assert {r["kernel_used"] for r in rows} == {gpu_kernel}, {r["kernel_used"] for r in rows}
+
+
+def test_single_gpu_emulation_checks_every_mask_family(tmp_path):
+    rows = _sweep(
+        tmp_path,
+        "gpu_masks",
+        {
+            "methods": OWN,
+            "world_size": [4],
+            "batch": [1],
+            "seq_len": [1008],
+            "heads": [8],
+            "kv_heads": [2],
+            "head_dim": [HEAD_DIM],
+            "dtype": ["bfloat16"],
+            "mask": ["window", "window_sym", "chunks", "prefix", "blocks", "question", "globals"],
+            "passes": ["fwd_bwd"],
+            "workload": ["uniform", "docs"],
+            "method_options": {"usp": {"ulysses_degree": 2}},
+        },
+        {"executor": "threads", "warmup": 0, "repeats": 1, "breakdown": False},
+        masks={
+            "window": {"family": "sliding_window", "window": 100},
+            "window_sym": {"family": "sliding_window", "window": 100, "symmetric": True},
+            "chunks": {"family": "chunked", "chunk": 96},
+            "prefix": {"family": "prefix_lm", "prefix": 0.25},
+            "blocks": {"family": "block_causal", "block": 40},
+            "question": {"family": "shared_question", "question": 64, "answers": 3},
+            "globals": {"family": "global_window", "globals": 4, "window": 64},
+        },
+        documents={"docs": {"distribution": "lognormal", "median": 200, "sigma": 0.8, "min": 16, "max": 1008}},
+    )
+    assert len(rows) == len(OWN) * 7 * 2
+    assert not _bad(rows), "\n".join(_bad(rows))
+    assert all(r["checked"] for r in rows)
 
 
 def test_world_size_one_over_nccl_runs_every_method_and_peer(tmp_path):
@@ -176,3 +215,32 @@ def test_calibrate_writes_the_kernel_table_of_the_main_shapes(tmp_path):
             f"{'' if peak is None else f'{tf * 1e12 / peak:.1%}'} |"
         )
     (OUT / "kernels.md").write_text("\n".join(lines) + "\n")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="PyTorch's CUDA flash kernel runs on CUDA only")
+def test_torch_flash_blocks_match_float64():
+    """PyTorch's own CUDA flash kernel as a block kernel: out, lse and the gradients taken with a
+    given out and lse, for full, causal and shifted blocks, GQA, odd lengths, against float64 math."""
+    from methods import kernels
+
+    if not kernels.kernel_status("torch_flash")[0]:
+        pytest.skip(kernels.kernel_status("torch_flash")[1])
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for sq, sk, offset in [(256, 256, None), (200, 200, 0), (256, 256, -1), (256, 256, -64), (129, 300, None)]:
+        q = torch.randn(2, sq, 8, HEAD_DIM, device="cuda", generator=g, dtype=torch.bfloat16)
+        k, v = (torch.randn(2, sk, 2, HEAD_DIM, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(2))
+        dout = torch.randn_like(q)
+        scale = HEAD_DIM**-0.5
+        out, lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=offset, kernel="torch_flash")
+        q64, k64, v64, d64 = (x.double() for x in (q, k, v, dout))
+        ref_out, ref_lse = kernels.block_forward(q64, k64, v64, scale=scale, causal_offset=offset, kernel="math")
+        grads = kernels.block_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=offset, kernel="torch_flash")
+        ref = kernels.block_backward(
+            d64, q64, k64, v64, ref_out, ref_lse, scale=scale, causal_offset=offset, kernel="math"
+        )
+        seen = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isfinite(lse), seen), (sq, sk, offset)
+        torch.testing.assert_close(lse[seen].double(), ref_lse[seen], atol=2e-2, rtol=0)
+        torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)
+        for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+            torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=5e-2, msg=f"{name} {sq} {sk} {offset}")
