@@ -45,10 +45,6 @@ def _ops():
     )
 
 
-def head_dim_ok(head_dim: int) -> bool:
-    return head_dim % 8 == 0 and head_dim <= 256
-
-
 def pieces(sq: int, sk: int, causal_offset: Optional[int]) -> list[tuple[slice, slice, bool]]:
     """(rows, cols, causal) calls whose visible pairs are exactly the block's, none overlapping: each
     full or a square causal diagonal. Empty for a block no row of which sees a key."""

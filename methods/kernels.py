@@ -157,7 +157,7 @@ def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim
     the choice cannot run."""
     if name not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernel {name!r}; choose one of {KERNEL_CHOICES}")
-    from methods import _flash_attn, _torch_flash
+    from methods import _flash_attn
 
     flash_head_ok = head_dim is None or _flash_attn.head_dim_ok(head_dim)
     if name == "auto":
@@ -171,7 +171,7 @@ def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim
         if (
             device.type == "cuda"
             and dtype in (torch.float16, torch.bfloat16)
-            and (head_dim is None or _torch_flash.head_dim_ok(head_dim))
+            and flash_head_ok  # the same rule: PyTorch's flash is flash-attn 2's code
             and kernel_status("torch_flash")[0]
         ):
             return "torch_flash"
@@ -180,22 +180,14 @@ def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim
         return "math"
     if name == "cpu_flash" and device.type != "cpu":
         raise ValueError("kernel 'cpu_flash' runs on CPU tensors only")
-    if name == "flash_attn":
-        ok, why = kernel_status("flash_attn")
+    if name in ("flash_attn", "torch_flash"):
+        ok, why = kernel_status(name)
         if not ok:
-            raise ValueError(f"kernel 'flash_attn' unavailable: {why}")
+            raise ValueError(f"kernel {name!r} unavailable: {why}")
         if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError("kernel 'flash_attn' needs CUDA tensors in float16 or bfloat16")
-        if not flash_head_ok:
-            raise ValueError(f"kernel 'flash_attn' needs head_dim a multiple of 8 up to 256, got {head_dim}")
-    if name == "torch_flash":
-        ok, why = kernel_status("torch_flash")
-        if not ok:
-            raise ValueError(f"kernel 'torch_flash' unavailable: {why}")
-        if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16):
-            raise ValueError("kernel 'torch_flash' needs CUDA tensors in float16 or bfloat16")
-        if head_dim is not None and not _torch_flash.head_dim_ok(head_dim):
-            raise ValueError(f"kernel 'torch_flash' needs head_dim a multiple of 8 up to 256, got {head_dim}")
+            raise ValueError(f"kernel {name!r} needs CUDA tensors in float16 or bfloat16")
+        if head_dim is not None and not _flash_attn.head_dim_ok(head_dim):
+            raise ValueError(f"kernel {name!r} needs head_dim a multiple of 8 up to 256, got {head_dim}")
     return name
 
 

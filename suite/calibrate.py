@@ -54,26 +54,26 @@ def sweep_blocks(cfg) -> list[Compute]:
     return sorted(seen, key=lambda e: (e.op, e.flops))
 
 
-def time_block(e: Compute, device: torch.device, kernel: str, repeats: int) -> float:
-    """Median seconds of one block call with the suite's kernel (random inputs)."""
+def _random_block(e: Compute, device: torch.device):
+    """Random q, k, v and dout of block `e`'s shapes (seeded), on `device` in its dtype."""
     dt = getattr(torch, e.dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float32).to(device=device, dtype=dt)
-
-    q, k, v = (
-        rnd(e.batch, e.sq, e.heads, e.head_dim),
-        rnd(e.batch, e.sk, e.kv_heads, e.head_dim),
-        rnd(e.batch, e.sk, e.kv_heads, e.head_dim),
+    shapes = [(e.sq, e.heads), (e.sk, e.kv_heads), (e.sk, e.kv_heads), (e.sq, e.heads)]
+    return tuple(
+        torch.randn(e.batch, n, h, e.head_dim, generator=g, dtype=torch.float32).to(device=device, dtype=dt)
+        for n, h in shapes
     )
+
+
+def time_block(e: Compute, device: torch.device, kernel: str, repeats: int) -> float:
+    """Median seconds of one block call with the suite's kernel (random inputs)."""
+    q, k, v, dout = _random_block(e, device)
     scale = kernels.default_scale(e.head_dim)
     if e.op == "fwd":
 
         def call():
             kernels.block_forward(q, k, v, scale=scale, causal_offset=e.causal_offset, kernel=kernel)
     else:
-        dout = rnd(e.batch, e.sq, e.heads, e.head_dim)
         out, lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=e.causal_offset, kernel=kernel)
 
         def call():
@@ -124,17 +124,7 @@ def measure_overlap(e: Compute, device: torch.device, kernel: str, repeats: int,
     and a receive of that rate each). A stand-in for NCCL traffic, which also holds a few SMs for
     the whole exchange: it measures the HBM and SM contention of the copies, not NCCL's own kernels.
     Returns {block, alone_ms, rows: [{target_GBps, achieved_GBps, ms, slowdown}]}."""
-    dt = getattr(torch, e.dtype)
-    g = torch.Generator(device="cpu").manual_seed(0)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g, dtype=torch.float32).to(device=device, dtype=dt)
-
-    q, k, v = (
-        rnd(e.batch, e.sq, e.heads, e.head_dim),
-        rnd(e.batch, e.sk, e.kv_heads, e.head_dim),
-        rnd(e.batch, e.sk, e.kv_heads, e.head_dim),
-    )
+    q, k, v, _ = _random_block(e, device)
     scale = kernels.default_scale(e.head_dim)
 
     def call():

@@ -312,17 +312,7 @@ def test_the_h100_tile_model_against_kernel_times_measured_on_an_h100():
     cm = ComputeModel(load_topology("h100_sxm"))
     large = []
     for b in table["blocks"]:
-        e = Compute(
-            b["op"],
-            b["batch"],
-            b["sq"],
-            b["sk"],
-            b["heads"],
-            b["kv_heads"],
-            b["head_dim"],
-            b["causal_offset"],
-            b["dtype"],
-        )
+        e = Compute.from_row(b)
         error = cm.time(e) / b["seconds"] - 1.0
         assert -0.95 < error < 0.05, (b, error)  # never slower than the real kernel, never absurdly fast
         if min(b["sq"], b["sk"]) >= 8064:

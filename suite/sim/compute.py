@@ -306,17 +306,7 @@ class ComputeModel:
             self.mem_Bps, self.op_s = float(mem["GBps"]) * 1e9, float(mem["op_us"]) * 1e-6
         by_class: dict[tuple, list[tuple[float, float]]] = {}
         for b in data.get("blocks", []):
-            e = Compute(
-                b["op"],
-                b["batch"],
-                b["sq"],
-                b["sk"],
-                b["heads"],
-                b["kv_heads"],
-                b["head_dim"],
-                b["causal_offset"],
-                b["dtype"],
-            )
+            e = Compute.from_row(b)
             self.table[e] = float(b["seconds"])
             if e.pairs:
                 by_class.setdefault((e.op, mask_class(e), e.head_dim, e.dtype), []).append(

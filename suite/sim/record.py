@@ -51,6 +51,13 @@ class Compute:
     # batch element, with how many times it occurs over the batch; what its tiles are counted from
     pieces: Optional[tuple[tuple[tuple[int, int, Optional[int], Optional[int]], int], ...]] = None
 
+    @classmethod
+    def from_row(cls, row: dict) -> "Compute":
+        """The block of one row of a measured kernel table (`suite calibrate`)."""
+        return cls(
+            *(row[f] for f in ("op", "batch", "sq", "sk", "heads", "kv_heads", "head_dim", "causal_offset", "dtype"))
+        )
+
     @property
     def pairs(self) -> float:
         """Visible (query, key) pairs of one head of one batch element (the batch's mean with documents)."""
