@@ -358,28 +358,38 @@ def _run(args) -> int:
 
 
 def sweep_exit_code(
-    cfg, yaml_text: str, *, resume: Optional[str], dry_run: bool, progress: bool, force: bool = False
+    cfg,
+    yaml_text: str,
+    *,
+    resume: Optional[str],
+    dry_run: bool,
+    progress: bool,
+    force: bool = False,
+    out=None,
+    err=None,
 ) -> int:
     """Run a loaded sweep as a command does (`suite run`, the Hydra app): SIGTERM/SIGHUP stop it like
-    Ctrl-C, and each way it can end is one line and an exit code."""
+    Ctrl-C, and each way it can end is one line and an exit code. `out`/`err`: where the sweep's
+    lines and the error line go (default: stdout, stderr)."""
     from suite.config import ConfigError
     from suite.results import StoreError
     from suite.runner import run_sweep
 
+    err = err or sys.stderr
     try:
         with _signals_interrupt():
-            run_sweep(cfg, yaml_text, resume=resume, dry_run=dry_run, progress=progress, force=force)
+            run_sweep(cfg, yaml_text, resume=resume, dry_run=dry_run, progress=progress, force=force, out=out)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"config error: {exc}", file=err)
         return 2
     except (FileNotFoundError, StoreError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=err)
         return 2
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", signal.SIGINT)
         print(
             f"\ninterrupted ({signal.Signals(signum).name}): every finished trial is saved; continue with --resume",
-            file=sys.stderr,
+            file=err,
         )
         return 128 + signum
     return 0
