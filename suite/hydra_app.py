@@ -158,7 +158,9 @@ def main(cfg: DictConfig) -> None:
     node = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("cli", "hydra")])
     output_dir = Path(hc.runtime.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
-    with open(output_dir / SUMMARY, "w", encoding="utf-8") as summary:
+    # under torchrun every rank runs this; only rank 0 (the one that writes results) writes it
+    leader = os.environ.get("RANK", "0") == "0"
+    with open(output_dir / SUMMARY if leader else os.devnull, "w", encoding="utf-8") as summary:
         out, err = _Tee(sys.stdout, summary), _Tee(sys.stderr, summary)
         named = [o for o in hc.overrides.task if not o.startswith(f"{GROUP}=")]
         print(" ".join([f"{GROUP}={choice}", *named]), file=summary)  # which job this is
