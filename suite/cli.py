@@ -14,7 +14,7 @@ from typing import Optional
 EPILOG = """examples:
   python -m suite run configs/quickstart.yaml
   python -m suite run configs/quickstart.yaml run.repeats=3 sweep.seq_len=[256,512]
-  python -m suite run configs/quickstart.yaml --resume            # continue the latest run of this sweep
+  python -m suite run configs/quickstart.yaml --resume            # continue the newest run with this config
   python -m suite run configs/h100_sweep.yaml --dry-run           # print the planned trials
   python -m suite run configs/simulate_tasp.yaml                   # predicted on topology models (executor sim)
   python -m suite calibrate configs/sim_check_cpu.yaml             # kernel/link times for the simulator
@@ -56,15 +56,15 @@ def _parser() -> argparse.ArgumentParser:
         const="latest",
         default=None,
         metavar="RUN_DIR",
-        help="continue an interrupted sweep: skip trials already recorded (default: the latest "
-        "run folder of this sweep)",
+        help="continue an interrupted sweep: skip trials already recorded (default: the newest "
+        "run folder of this sweep whose config matches; refused if none does)",
     )
     run.add_argument(
         "--force",
         action="store_true",
-        help="with --resume: continue even where a setting that changes results (run.repeats, "
-        "run.check, run.seed, ...) or the sweep name differs from the folder's; the change is "
-        "recorded in the folder's resumes.jsonl",
+        help="with --resume RUN_DIR: continue even where a sweep axis, a setting that changes "
+        "results (run.repeats, run.seed, ...) or the sweep name differs from the folder's; the "
+        "change is recorded in the folder's resumes.jsonl",
     )
     run.add_argument("--dry-run", action="store_true", help="print the planned trials and whether each can run here")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -358,28 +358,38 @@ def _run(args) -> int:
 
 
 def sweep_exit_code(
-    cfg, yaml_text: str, *, resume: Optional[str], dry_run: bool, progress: bool, force: bool = False
+    cfg,
+    yaml_text: str,
+    *,
+    resume: Optional[str],
+    dry_run: bool,
+    progress: bool,
+    force: bool = False,
+    out=None,
+    err=None,
 ) -> int:
     """Run a loaded sweep as a command does (`suite run`, the Hydra app): SIGTERM/SIGHUP stop it like
-    Ctrl-C, and each way it can end is one line and an exit code."""
+    Ctrl-C, and each way it can end is one line and an exit code. `out`/`err`: where the sweep's
+    lines and the error line go (default: stdout, stderr)."""
     from suite.config import ConfigError
     from suite.results import StoreError
     from suite.runner import run_sweep
 
+    err = err or sys.stderr
     try:
         with _signals_interrupt():
-            run_sweep(cfg, yaml_text, resume=resume, dry_run=dry_run, progress=progress, force=force)
+            run_sweep(cfg, yaml_text, resume=resume, dry_run=dry_run, progress=progress, force=force, out=out)
     except ConfigError as exc:
-        print(f"config error: {exc}", file=sys.stderr)
+        print(f"config error: {exc}", file=err)
         return 2
     except (FileNotFoundError, StoreError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        print(f"error: {exc}", file=err)
         return 2
     except KeyboardInterrupt as exc:
         signum = getattr(exc, "signum", signal.SIGINT)
         print(
             f"\ninterrupted ({signal.Signals(signum).name}): every finished trial is saved; continue with --resume",
-            file=sys.stderr,
+            file=err,
         )
         return 128 + signum
     return 0

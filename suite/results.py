@@ -1,6 +1,6 @@
 """The results store: the source of truth of every sweep (docs/DESIGN.md section 8).
 
-    results/<sweep name>/<YYYYmmdd-HHMMSS>/
+    results/<sweep name>/<YYYYmmdd-HHMMSS>[-job<N>]/     (-job<N>: job N of a Hydra multirun)
         config.yaml        the resolved config
         environment.json   hardware and software fingerprint
         trials.jsonl       one JSON row per trial, appended and fsync'ed as each trial ends
@@ -33,6 +33,15 @@ MLFLOW = "mlflow.json"
 RESUMES = "resumes.jsonl"
 LOCK = ".lock"
 SYNC_EVERY_S = 1.0
+
+
+def _stamp_order(path: Path) -> tuple[str, int]:
+    """Folders in the order they were created: `<stamp>`, `<stamp>-2`, ..., `<stamp>-10` (by name
+    alone `-10` would sort before `-2`)."""
+    name = path.name
+    if name[15:16] == "-" and name[16:].isdigit():
+        return name[:15], int(name[16:])
+    return name, 1
 
 
 class StoreError(RuntimeError):
@@ -88,15 +97,24 @@ class ResultsStore:
 
     # -- creating and reopening ------------------------------------------------------------------
     @classmethod
-    def create(cls, root: str | Path, sweep: str, config_yaml: str, environment: dict) -> "ResultsStore":
+    def create(
+        cls, root: str | Path, sweep: str, config_yaml: str, environment: dict, label: Optional[str] = None
+    ) -> "ResultsStore":
+        """A new run folder <root>/<sweep>/<time>[-<label>]: `label` tells apart the jobs of one Hydra
+        multirun (`job3`). Two processes starting in the same second get distinct folders (mkdir
+        is the claim: only one can create a name)."""
         base = Path(root) / sweep
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + (f"-{label}" if label else "")
         run_dir, n = base / stamp, 1
-        while run_dir.exists():  # two sweeps started in the same second
-            n += 1
-            run_dir = base / f"{stamp}-{n}"
         try:
-            run_dir.mkdir(parents=True)
+            base.mkdir(parents=True, exist_ok=True)
+            while True:
+                try:
+                    run_dir.mkdir()
+                    break
+                except FileExistsError:  # another sweep took this name: the next number
+                    n += 1
+                    run_dir = base / f"{stamp}-{n}"
             store = cls(run_dir).lock()
             (run_dir / CONFIG).write_text(config_yaml)
             store.write_json(ENVIRONMENT, environment)
@@ -109,10 +127,20 @@ class ResultsStore:
         return store
 
     @classmethod
-    def latest(cls, root: str | Path, sweep: str) -> Optional["ResultsStore"]:
+    def runs(cls, root: str | Path, sweep: str) -> list["ResultsStore"]:
+        """Every run folder of `sweep` under `root`, the newest first."""
         base = Path(root) / sweep
-        runs = sorted(p for p in base.glob("*") if (p / TRIALS).exists()) if base.exists() else []
-        return cls(runs[-1]) if runs else None
+        found = (
+            sorted((p for p in base.glob("*") if (p / TRIALS).exists()), key=_stamp_order, reverse=True)
+            if base.exists()
+            else []
+        )
+        return [cls(p) for p in found]
+
+    @classmethod
+    def latest(cls, root: str | Path, sweep: str) -> Optional["ResultsStore"]:
+        runs = cls.runs(root, sweep)
+        return runs[0] if runs else None
 
     @classmethod
     def open(cls, run_dir: str | Path) -> "ResultsStore":

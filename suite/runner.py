@@ -8,6 +8,7 @@ anything persistent; under an external launcher the other ranks serve rank 0's t
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from suite.env import fingerprint, redact_uri
 from suite.executors import Executor, make_executor
 from suite.plan import RunSettings, TrialSpec, expand
 from suite.records import RowContext, skipped_row
-from suite.results import CONFIG, ResultsStore, StoreError
+from suite.results import CONFIG, RESUMES, ResultsStore, StoreError
 from suite.summary import summary_table
 from suite.tracking import config_params, make_tracker
 from suite.workloads import Workload, make_workload
@@ -76,8 +77,9 @@ def run_sweep(
     progress: bool = True,
     force: bool = False,
 ) -> Optional[SweepResult]:
-    """Run (or, with `dry_run`, only plan) a sweep. `resume`: a run folder, or "latest"; `force`:
-    resume even where a setting that changes results differs from the folder's (recorded).
+    """Run (or, with `dry_run`, only plan) a sweep. `resume`: a run folder, or "latest" (the newest
+    folder whose config matches); `force`: resume a named folder even where a setting that changes
+    results differs from its config (recorded in its resumes.jsonl).
 
     Returns None for a dry run and on the ranks other than 0 of an external launch."""
     out = out or sys.stdout  # looked up now, not at import (pytest swaps sys.stdout)
@@ -106,21 +108,19 @@ def run_sweep(
         executor.close()
 
 
-# Settings that change what a trial's row says without changing its key: resuming a folder with
-# other values would append rows that disagree with the folder's config.yaml.
-RESULT_SETTINGS = (
-    "kind",
-    "run.executor",
-    "run.device",
-    "run.backend",
-    "run.kernel",
-    "run.warmup",
-    "run.repeats",
-    "run.check",
-    "run.check_max_seq_len",
-    "run.seed",
-    "run.breakdown",
-    "run.threads_per_rank",
+# Settings that never change what a row says (where it is stored, how it is logged, how long a
+# trial may take, how many ranks may share a core): a resume may change them freely. Every other
+# setting of the resolved config (the name, every sweep axis and option, run.*, the workload's own
+# sections) must match the folder's config.yaml, or rows would disagree with it.
+NOT_COMPARED = (
+    "description",
+    "results",
+    "tracking",
+    "run.timeout_s",
+    "run.prepare_timeout_s",
+    "run.startup_timeout_s",
+    "run.fail_grace_s",
+    "run.max_ranks_per_core",
 )
 
 
@@ -130,38 +130,98 @@ def _setting(d: dict, key: str):
     return d
 
 
+def _has(d: dict, key: str) -> bool:
+    for part in key.split("."):
+        if not isinstance(d, dict) or part not in d:
+            return False
+        d = d[part]
+    return True
+
+
+def _compared_keys(obj, prefix: str = "") -> list[str]:
+    """Dotted keys of every setting of the schema (a dict or list setting is one value), less
+    NOT_COMPARED."""
+    keys = []
+    for f in dataclasses.fields(obj):
+        key = prefix + f.name
+        if key in NOT_COMPARED:
+            continue
+        value = getattr(obj, f.name)
+        keys.extend(_compared_keys(value, key + ".") if dataclasses.is_dataclass(value) else [key])
+    return keys
+
+
 def resume_changes(recorded_yaml: str, cfg: SuiteConfig) -> dict[str, tuple]:
-    """{key: (the folder's value, this run's value)} of the name and every result setting that differ."""
+    """{key: (the folder's value, this run's value)} of each setting that differs: the name, every
+    sweep axis and every setting that changes rows (all but NOT_COMPARED). A key the folder's
+    config.yaml lacks (written before the key existed) is not compared, but the name always is."""
     import yaml
 
     try:
         recorded = yaml.safe_load(recorded_yaml) or {}
     except yaml.YAMLError:
         recorded = {}
+    if not isinstance(recorded, dict):
+        recorded = {}
     now = to_dict(cfg)
-    changes = {k: (_setting(recorded, k), _setting(now, k)) for k in ("name",) + RESULT_SETTINGS}
+    keys = [k for k in _compared_keys(cfg) if k == "name" or _has(recorded, k)]
+    changes = {k: (_setting(recorded, k), _setting(now, k)) for k in keys}
     return {k: v for k, v in changes.items() if v[0] != v[1]}
+
+
+def _describe(changes: dict[str, tuple], limit: int = 4) -> str:
+    what = [f"{k}: {a!r} recorded, {b!r} now" for k, (a, b) in changes.items()]
+    shown = "; ".join(w if len(w) <= 160 else w[:157] + "..." for w in what[:limit])
+    return shown + (f"; and {len(what) - limit} more" if len(what) > limit else "")
+
+
+def _folder_changes(run_dir: Path, cfg: SuiteConfig) -> dict[str, tuple]:
+    config_path = run_dir / CONFIG
+    try:
+        text = config_path.read_text() if config_path.exists() else ""
+    except (OSError, UnicodeDecodeError):
+        text = ""
+    return resume_changes(text, cfg)
+
+
+def _pick_latest(cfg: SuiteConfig) -> ResultsStore:
+    """`--resume` without a folder: the newest run folder of this sweep whose config matches this
+    run's. Never a folder run with other settings (another multirun job of the same name, an
+    earlier sweep with other axes): refused, naming the newest candidates and what differs."""
+    runs = ResultsStore.runs(cfg.results.root, cfg.name)
+    if not runs:
+        raise FileNotFoundError(f"--resume: no earlier run of {cfg.name!r} under {cfg.results.root}/")
+    differing = []
+    for store in runs:
+        changes = _folder_changes(store.run_dir, cfg)
+        if not changes:
+            return store
+        differing.append((store.run_dir, changes))
+    shown = " | ".join(f"{d} ({_describe(c, 2)})" for d, c in differing[:3])
+    more = f" | and {len(differing) - 3} older" if len(differing) > 3 else ""
+    raise StoreError(
+        f"--resume: no run folder of {cfg.name!r} under {cfg.results.root}/ was run with this "
+        f"config: {shown}{more}. Start a new run (no --resume), or name one folder and add "
+        f"--force to mix settings (--resume RUN_DIR --force; the change is recorded in its {RESUMES})"
+    )
 
 
 def open_store(
     cfg: SuiteConfig, config_yaml: str, device: str, resume: Optional[str], force: bool = False
 ) -> tuple[ResultsStore, bool]:
     """The run folder, locked by this process: a new one, or with `resume` an earlier one whose
-    sweep and result settings match this run's (or differ, with `force`, recorded in resumes.jsonl)."""
+    resolved config matches this run's (or differs, with `force` and a named folder, recorded in
+    resumes.jsonl); "latest" is the newest folder that matches."""
     if resume:
-        store = ResultsStore.latest(cfg.results.root, cfg.name) if resume == "latest" else ResultsStore.open(resume)
-        if store is None:
-            raise FileNotFoundError(f"--resume: no earlier run of {cfg.name!r} under {cfg.results.root}/")
+        store = _pick_latest(cfg) if resume == "latest" else ResultsStore.open(resume)
         store = ResultsStore(store.run_dir).lock()
         try:
-            config_path = store.run_dir / CONFIG
-            changes = resume_changes(config_path.read_text() if config_path.exists() else "", cfg)
+            changes = _folder_changes(store.run_dir, cfg)
             if changes and not force:
-                what = "; ".join(f"{k}: {a!r} recorded, {b!r} now" for k, (a, b) in changes.items())
                 raise StoreError(
-                    f"--resume: {store.run_dir} was run with other settings ({what}); rows would "
-                    f"disagree with its config.yaml. Resume with the recorded values, start a new "
-                    f"run (no --resume), or add --force to mix them (the change is recorded)"
+                    f"--resume: {store.run_dir} was run with other settings ({_describe(changes)}); rows "
+                    f"would disagree with its config.yaml. Resume with the recorded values, start a new "
+                    f"run (no --resume), or add --force to mix them (the change is recorded in its {RESUMES})"
                 )
             if changes:
                 store.record_resume(changes)

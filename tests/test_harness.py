@@ -142,14 +142,71 @@ def test_a_second_writer_is_refused_naming_the_holder(write_config, tmp_path, ca
 def test_resume_refuses_changed_result_settings_unless_forced(write_config, tmp_path, capsys):
     rc, path, runs = _sweep(write_config, tmp_path)
     capsys.readouterr()
-    assert main(["run", str(path), "--resume", "run.repeats=3", "--no-progress"]) == 2
+    assert main(["run", str(path), "--resume", str(runs[0]), "run.repeats=3", "--no-progress"]) == 2
     err = capsys.readouterr().err
-    assert "run.repeats: 10 recorded, 3 now" in err and "--force" in err
+    assert err.count("\n") == 1 and "run.repeats: 10 recorded, 3 now" in err and "--force" in err
     assert main(["run", str(path), "--resume", str(runs[0]), "name=other", "--no-progress"]) == 2
     assert "name: 'small' recorded, 'other' now" in capsys.readouterr().err
-    assert main(["run", str(path), "--resume", "--force", "run.seed=5", "--no-progress"]) == 0
+    assert not (runs[0] / "resumes.jsonl").exists()
+    assert main(["run", str(path), "--resume", str(runs[0]), "--force", "run.seed=5", "--no-progress"]) == 0
     entry = json.loads((runs[0] / "resumes.jsonl").read_text())
     assert entry["changed"] == {"run.seed": {"recorded": 0, "now": 5}}
+
+
+def test_resume_of_a_folder_with_other_sweep_axes_is_refused_or_forced_and_recorded(write_config, tmp_path, capsys):
+    """A folder run with fewer axis values (one job of a multirun) is no place for the other trials:
+    its config.yaml would contradict its rows."""
+    rc, path, runs = _sweep(write_config, tmp_path, "small", "sweep.methods=[ring]", "sweep.seq_len=[64]")
+    assert rc == 0 and len(ResultsStore(runs[0]).records()) == 1
+    capsys.readouterr()
+    assert main(["run", str(path), "--resume", str(runs[0]), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --resume: ")
+    assert "sweep.methods: ['ring'] recorded, ['ring', 'ulysses'] now" in err
+    assert "sweep.seq_len: [64] recorded, [64, 128] now" in err
+    assert "start a new run (no --resume)" in err and "--force" in err and "resumes.jsonl" in err
+    assert len(ResultsStore(runs[0]).records()) == 1 and not (runs[0] / "resumes.jsonl").exists()
+    # settings that never change a row (where it is logged, how long a trial may take) may change
+    assert main(["run", str(path), "--resume", str(runs[0]), "--force", "--no-progress"]) == 0
+    assert len(ResultsStore(runs[0]).records()) == 4
+    entry = json.loads((runs[0] / "resumes.jsonl").read_text())
+    assert set(entry["changed"]) == {"sweep.methods", "sweep.seq_len"}
+    assert entry["changed"]["sweep.methods"] == {"recorded": ["ring"], "now": ["ring", "ulysses"]}
+
+
+def test_resume_of_a_folder_ignores_settings_that_never_change_rows(write_config, tmp_path, capsys):
+    rc, path, runs = _sweep(write_config, tmp_path, "small", "sweep.seq_len=[64]")
+    more = ["run.timeout_s=99", "description=again", "tracking.experiment=elsewhere"]
+    assert main(["run", str(path), "--resume", str(runs[0]), "sweep.seq_len=[64]", *more, "--no-progress"]) == 0
+    assert not (runs[0] / "resumes.jsonl").exists()
+
+
+def test_resume_without_a_folder_takes_the_newest_folder_whose_config_matches(write_config, tmp_path, capsys):
+    """The newest folder of the name is a one-trial job of a multirun: not this sweep's."""
+    rc, path, runs = _sweep(write_config, tmp_path)
+    ResultsStore(runs[0]).trials_path.write_text("")  # the full sweep, interrupted before any trial
+    _sweep(write_config, tmp_path, "small", "sweep.methods=[ring]", "sweep.seq_len=[64]")
+    newest = next(p for p in (tmp_path / "results" / "small").iterdir() if p != runs[0])
+    assert ResultsStore.latest(tmp_path / "results", "small").run_dir == newest
+    assert len(ResultsStore(newest).records()) == 1
+    capsys.readouterr()
+    assert main(["run", str(path), "--resume", "--no-progress"]) == 0
+    assert str(runs[0]) in capsys.readouterr().out
+    assert len(ResultsStore(runs[0]).records()) == 4 and len(ResultsStore(newest).records()) == 1
+    assert not list((tmp_path / "results" / "small").glob("*/resumes.jsonl"))
+
+
+def test_resume_without_a_folder_refuses_when_none_matches_naming_the_candidates(write_config, tmp_path, capsys):
+    rc, path, runs = _sweep(write_config, tmp_path, "small", "sweep.methods=[ring]")
+    capsys.readouterr()
+    for args in (["--resume"], ["--resume", "--force"]):  # --force mixes settings only in a folder named
+        assert main(["run", str(path), *args, "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "no run folder of 'small'" in err and str(runs[0]) in err
+        assert "sweep.methods: ['ring'] recorded, ['ring', 'ulysses'] now" in err
+        assert "Start a new run (no --resume)" in err and "--resume RUN_DIR --force" in err
+    assert len(ResultsStore(runs[0]).records()) == 2 and not (runs[0] / "resumes.jsonl").exists()
+    assert len(list((tmp_path / "results" / "small").iterdir())) == 1  # nothing new either
 
 
 def test_report_keeps_the_latest_row_of_a_key_and_says_so(write_config, tmp_path):

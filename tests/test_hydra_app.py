@@ -75,13 +75,63 @@ def test_multirun_over_axes_through_the_submitit_local_launcher(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-3000:]
     runs = sorted((tmp_path / "results" / "quickstart").iterdir())
-    assert len(runs) == 2
+    assert len(runs) == 2  # two jobs of one multirun: two run folders
     lengths = sorted({json.loads(line)["seq_len"] for run in runs for line in (run / "trials.jsonl").open()})
     assert lengths == [32, 48]
     for run in runs:
         rows = [json.loads(line) for line in (run / "trials.jsonl").open()]
         assert len(rows) == 2 and all(r["status"] == "ok" for r in rows)
     assert len(list((tmp_path / "multirun" / ".submitit").glob("*/*_log.out"))) == 2
+    # each job's summary is in its own output folder and on the console, naming its run folder
+    for job, length in ((0, 32), (1, 48)):
+        summary = (tmp_path / "multirun" / str(job) / "summary.txt").read_text()
+        assert f"sweep.seq_len={length}" in summary.splitlines()[0] and summary.endswith("exit code 0\n")
+        assert "2 trials: 2 ok" in summary and summary in out.stdout.replace(f"== job {job}: ", "")
+    named = {str(run) for run in runs if f"results in {run}" in out.stdout}
+    assert len(named) == 2
+    assert "warning: hydra/launcher=submitit_local starts 2 jobs of this multirun at once" in out.stderr
+
+
+def test_the_multirun_callback_warns_of_jobs_sharing_cores_and_prints_each_summary(tmp_path, capsys):
+    from omegaconf import OmegaConf
+
+    from suite.hydra_app import BASIC_LAUNCHER, LOCAL_LAUNCHER, JobSummaries, multirun_jobs
+
+    assert multirun_jobs(["config=quickstart", "sweep.seq_len=32,48", "run.seed=range(3)", "run.repeats=2"]) == 6
+    assert multirun_jobs(["config=quickstart,perplexity"]) == 2 and multirun_jobs(["run.seed=1"]) == 1
+
+    def config(launcher, *task):
+        return OmegaConf.create(
+            {
+                "hydra": {
+                    "launcher": {"_target_": launcher},
+                    "overrides": {"task": list(task)},
+                    "sweep": {"dir": str(tmp_path)},
+                }
+            }
+        )
+
+    for launcher, task, warned in (
+        (LOCAL_LAUNCHER, ["sweep.seq_len=32,48"], True),
+        (LOCAL_LAUNCHER, ["sweep.seq_len=32"], False),  # one job shares nothing
+        (BASIC_LAUNCHER, ["sweep.seq_len=32,48"], False),  # one after another
+    ):
+        JobSummaries().on_multirun_start(config(launcher, *task))
+        err = capsys.readouterr().err
+        assert ("starts 2 jobs of this multirun at once" in err) == warned and err.count("\n") == int(warned)
+
+    callback = JobSummaries()
+    callback.on_multirun_start(config(LOCAL_LAUNCHER))
+    capsys.readouterr()
+    for job in (1, 0, 10):
+        (tmp_path / str(job)).mkdir()
+        (tmp_path / str(job) / "summary.txt").write_text(f"sweep.seq_len={job}\nthe table of job {job}\nexit code 0\n")
+    callback.on_multirun_end(config(LOCAL_LAUNCHER))
+    out = capsys.readouterr().out
+    assert out.index("the table of job 0") < out.index("the table of job 1") < out.index("the table of job 10")
+    callback.on_multirun_end(config(BASIC_LAUNCHER))  # the console already showed the tables
+    out = capsys.readouterr().out
+    assert "the table" not in out and f"job 10: exit code 0; summary in {tmp_path / '10' / 'summary.txt'}" in out
 
 
 def test_only_sweep_files_are_config_options():

@@ -3,6 +3,7 @@ method against the single-device baseline, planted bugs caught, and the sweep en
 
 import dataclasses
 import functools
+import json
 import math
 import os
 
@@ -222,11 +223,11 @@ def test_plan_has_one_train_trial_per_point_with_the_corpus_hash(write_config):
 
 
 # -- the sweep, end to end ---------------------------------------------------------------------------
-def _sweep(path, *overrides, resume=None):
+def _sweep(path, *overrides, resume=None, force=False):
     from suite.runner import run_sweep
 
     cfg, text = load_config(path, list(overrides))
-    return run_sweep(cfg, text, resume=resume, progress=False, out=open(os.devnull, "w"))
+    return run_sweep(cfg, text, resume=resume, force=force, progress=False, out=open(os.devnull, "w"))
 
 
 PPL_SWEEP = """
@@ -269,8 +270,10 @@ def test_perplexity_sweep_records_baseline_curves_and_mlflow_and_resumes(write_c
     assert {"workload.train.lr", "workload.data.max_bytes"} <= set(child.data.params)
     parent = client.get_run(child.data.tags["mlflow.parentRunId"])
     assert parent.data.params["perplexity.steps"] == "8" and "perplexity.lr" in parent.data.params
-    # resume with one more method: the stored baseline is reused, not trained again
-    res2 = _sweep(path, "sweep.methods=[ring,zigzag_ring,ulysses,tasp]", resume=str(res.run_dir))
+    # resume with one more method (forced: the folder's config has three): the stored baseline is
+    # reused, not trained again
+    res2 = _sweep(path, "sweep.methods=[ring,zigzag_ring,ulysses,tasp]", resume=str(res.run_dir), force=True)
+    assert "sweep.methods" in json.loads((res.run_dir / "resumes.jsonl").read_text())["changed"]
     assert len(res2.records) == 5 and sum(r["method"] == "baseline" for r in res2.records) == 1
     assert res2.mlflow_disabled is None  # a setting changed on resume is no MLflow error
     # the resumed sweep continues the same parent run: one child per stored row, nothing twice

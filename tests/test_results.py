@@ -36,3 +36,26 @@ def test_latest_run_and_parquet(tmp_path):
     df = pd.read_parquet(second.compact())  # non-finite numbers must not break the Parquet copy
     assert df["key"].tolist() == ["a", "b"] and json.loads(df["time_ms_samples"][0]) == [1.0, 2.0]
     assert df["err"][0] == float("inf") and math.isnan(df["err"][1])
+
+
+def test_folders_of_one_second_are_distinct_and_listed_newest_first(tmp_path, monkeypatch):
+    """A multirun's jobs start in the same second: each gets its own folder, and `-10` is newer
+    than `-9` (by name alone it would sort before `-2`)."""
+    import datetime as dt
+
+    from suite import results
+
+    class Frozen(dt.datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return cls(2024, 5, 6, 7, 8, 9)
+
+    monkeypatch.setattr(results, "datetime", Frozen)
+    (tmp_path / "s" / "20240506-070809").mkdir(parents=True)  # another job's folder, being created
+    stores = [ResultsStore.create(tmp_path, "s", "", {}) for _ in range(10)]
+    for s in stores:
+        s.unlock()
+    names = [s.run_dir.name for s in stores]
+    assert len(set(names)) == 10 and "20240506-070809" not in names
+    assert [s.run_dir.name for s in ResultsStore.runs(tmp_path, "s")] == names[::-1]
+    assert ResultsStore.latest(tmp_path, "s").run_dir.name == "20240506-070809-11"
