@@ -563,3 +563,39 @@ def test_mask_families_get_their_own_reference_table_and_figure(tmp_path):
     jobs, _ = plan_figures(df, "ring")
     assert any(j.name.startswith("masks") for j in jobs)
     assert M.mask_label(window, True) == "sliding_window(64)" and M.mask_label(None, False) == "full"
+
+
+# -- issue 29: what a report picks, and what its numbers say --------------------------------------------
+def test_default_report_takes_the_latest_run_of_each_user_sweep_and_leaves_advisor_sweeps_out(tmp_path):
+    from omegaconf import OmegaConf
+
+    from suite.advise import build_config, enumerate_candidates, make_question, prune
+    from suite.reports.load import resolve_runs
+
+    root = tmp_path / "results"
+    old = write_run(root, "mine", [row("ring", 2, 512, time_ms=9.0)])
+    new = write_run(root, "mine", [row("ring", 2, 512, time_ms=3.0)])
+    assert old != new and sorted([old.name, new.name])[-1] == new.name
+    # the advisor's own simulated sweep, with the config `suite advise` stores for it
+    q = make_question(model="8/8/64", topology="h100_sxm", seq_len=4096)
+    cfg = build_config(q, prune(q, enumerate_candidates(q)), mlflow=False)
+    store = ResultsStore.create(root, cfg.name, OmegaConf.to_yaml(OmegaConf.structured(cfg)), {})
+    store.append(row("ulysses", 8, 4096, executor="sim", topology="h100_sxm"))
+    notes: list = []
+    assert resolve_runs([], root, notes) == [new]
+    assert len(notes) == 1 and cfg.name in notes[0] and "name one" in notes[0]
+    rep = build_report(results_root=root, out=tmp_path / "rep", log_to_mlflow=False)
+    assert rep.rows == 1 and any(cfg.name in n for n in rep.read_notes)
+    # named, the advisor's sweep is reported like any other
+    assert resolve_runs([str(root / cfg.name)], root) == [store.run_dir]
+    # an advisor sweep alone is no report of "everything": the error says how to ask for it
+    with pytest.raises(FileNotFoundError, match="advisor sweep"):
+        resolve_runs([], _only(root, cfg.name, tmp_path))
+
+
+def _only(root: Path, sweep: str, tmp_path: Path) -> Path:
+    """A results root holding only `sweep` (moved out of `root`)."""
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (root / sweep).rename(alone / sweep)
+    return alone
