@@ -180,7 +180,7 @@ def test_tables_read_like_a_paper(tmp_path, sweep_rows):
     md = markdown(t["throughput"])
     header = md.splitlines()[2]
     assert header.split("|")[1].strip() == "CPU ranks"  # the first column is data, not a pandas index
-    assert "Time (ms)" in header and "TFLOP/s per CPU rank" in header and "% of ideal" in header
+    assert "Time (ms)" in header and "GFLOP/s per CPU rank" in header and "% of ideal" in header
     assert "('" not in md and "_" not in header
     assert "Sweep my_sweep" in md and "cpu:test" in md and "All rows: B=1 H=8/8 D=64 float32" in md
     align = md.splitlines()[3].split("|")[1:-1]
@@ -599,3 +599,46 @@ def _only(root: Path, sweep: str, tmp_path: Path) -> Path:
     alone.mkdir()
     (root / sweep).rename(alone / sweep)
     return alone
+
+
+def test_speedup_interval_is_the_middle_half_of_the_per_sample_ratios(tmp_path):
+    import numpy as np
+
+    from suite.reports.tables import SPEEDUP_INTERVAL, speedup_rows
+
+    ring = [10.0, 10.5, 11.0, 30.0]  # one slow outlier repeat
+    uly = [2.0, 5.0, 5.2, 5.4]  # one fast outlier repeat
+    rows = [row("ring", 2, 512, samples=ring, time_ms=10.75), row("ulysses", 2, 512, samples=uly, time_ms=5.1)]
+    sp = speedup_rows(frame_of(tmp_path, rows), "ring").set_index("method").loc["ulysses"]
+    ratios = [b / u for b in ring for u in uly]
+    assert sp["speedup"] == pytest.approx(10.75 / 5.1)
+    assert (sp["speedup_lo"], sp["speedup_hi"]) == pytest.approx(tuple(np.percentile(ratios, SPEEDUP_INTERVAL)))
+    # not the extremes (min/max over max/min: 10 / 5.4 to 30 / 2 = 1.9-15x), and the point lies inside
+    assert min(ratios) < sp["speedup_lo"] <= sp["speedup"] <= sp["speedup_hi"] < max(ratios)
+
+
+def test_busy_trials_are_flagged_and_overlap_out_of_range_is_explained(tmp_path):
+    from suite.reports.render import markdown
+    from suite.reports.tables import BUSY_SPREAD
+
+    rows = [row(m, 2, S) for m in ("ring", "ulysses") for S in (256, 512)]
+    rows.append(row("reference", 1, 512))
+    t = 512 * 512 / 2 / 1e4
+    rows[1] = row("ring", 2, 512, samples=[t, t, 2 * t])  # slowest repeat 2x the median
+    rows[2] = dict(rows[2], **{M.OVERLAP_EFF: -1.39})
+    df = frame_of(tmp_path, rows)
+    assert BUSY_SPREAD < 2
+    tables = build_tables(df, "ring")
+    pivot = tables["throughput_by_seq_len"]
+    flagged = pivot.data.set_index("series")
+    assert flagged.loc["ring", "S=512"].endswith(" *") and not flagged.loc["ring", "S=256"].endswith("*")
+    assert not flagged.loc["ulysses", "S=512"].endswith("*")
+    assert "may have been busy" in pivot.caption()
+    thr = tables["throughput"].data
+    assert list(thr.loc[thr["note"] != "", "series"]) == ["ring"] and "busy" not in thr.columns
+    comm = markdown(tables["communication"])
+    assert "medians of different runs" in comm and "below 0" in comm
+    # in range everywhere: no such sentence
+    calm = build_tables(frame_of(tmp_path / "calm", [row("ring", 2, 512), row("ulysses", 2, 512)]), "ring")
+    assert "medians of different runs" not in markdown(calm["communication"])
+    assert "busy" not in calm["throughput_by_seq_len"].caption()
