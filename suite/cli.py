@@ -200,7 +200,7 @@ def _parser() -> argparse.ArgumentParser:
         nargs="*",
         metavar="RESULTS_DIR",
         help="run folders (results/<sweep>/<time>) or sweep folders (their latest run); default: the "
-        "latest run of every sweep under --results-root",
+        "latest run of every sweep under --results-root but the advisor's own simulated sweeps",
     )
     rep.add_argument("--out", default=None, help="output folder (default: reports/<sweep names>)")
     rep.add_argument(

@@ -48,6 +48,7 @@ window.addEventListener('load', () => {
       shown: img.getBoundingClientRect().width, declared: +img.getAttribute('width')})),
     numbers: [...document.querySelectorAll('td.num')].slice(0, 200).map(td => getComputedStyle(td).textAlign),
     height: document.documentElement.scrollHeight, text: document.body.innerText.length,
+    overflow: document.documentElement.scrollWidth - document.documentElement.clientWidth,
     figcaptions: document.querySelectorAll('figure figcaption').length,
     captions: document.querySelectorAll('p.tcaption').length,
   };
@@ -96,6 +97,7 @@ def assert_readable(result: dict, images: int) -> None:
         assert img["shown"] >= img["declared"] - 1, img
     assert result["figcaptions"] == images and result["captions"] >= 1
     assert result["numbers"] and set(result["numbers"]) == {"right"}, "numbers are right-aligned"
+    assert result["overflow"] <= 0, "wide tables scroll in their box, never past the page's right edge"
     assert result["ink"] > 0.02 and result["text"] > 500, "the page renders (not blank)"
 
 

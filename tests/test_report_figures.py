@@ -154,7 +154,7 @@ def test_panels_share_y_per_row_from_zero_with_sample_intervals(tmp_path):
     assert axes[0].get_ylim()[0] == 0 and axes[0].get_yscale() == "linear"
     # the error bar of the noisy reference point spans the rate at its slowest and fastest sample
     ref = [r for r in rows if r["method"] == "reference" and r["seq_len"] == 1024][0]
-    rate = ref[M.TFLOPS_PER_GPU]
+    rate = ref[M.TFLOPS_PER_GPU] * 1e3  # CPU ranks are drawn in GFLOP/s
     segments = [seg for coll in axes[0].collections for seg in coll.get_segments()]
     spans = sorted((min(s[:, 1]), max(s[:, 1])) for s in segments if len(s) == 2 and s[0][0] == s[1][0])
     assert any(lo == pytest.approx(rate / 4) and hi == pytest.approx(rate * 2) for lo, hi in spans), spans
@@ -180,10 +180,22 @@ def test_labels_name_the_device(tmp_path):
     cpu, _ = _figures(frame_of(tmp_path / "cpu", _sweep()))
     for name, fig in cpu.items():
         assert "GPU" not in _texts(fig), name
-    assert "TFLOP/s per CPU rank" in _texts(cpu["throughput_B-1-H-8-8-D-64-float32"])
+    # a CPU rank's rate in GFLOP/s (in TFLOP/s its ticks read 0.0175), a GPU's in TFLOP/s: the same
+    # rows drawn on each carry values 1000x apart
+    assert "GFLOP/s per CPU rank" in _texts(cpu["throughput_B-1-H-8-8-D-64-float32"])
+    assert "TFLOP/s" not in _texts(cpu["throughput_B-1-H-8-8-D-64-float32"])
     gpu_rows = [dict(r, hardware="NVIDIA H100 80GB HBM3") for r in _sweep()]
     gpu, _ = _figures(frame_of(tmp_path / "gpu", gpu_rows))
     assert "TFLOP/s per GPU" in _texts(gpu["throughput_B-1-H-8-8-D-64-float32"])
+    top = [
+        max(
+            ln.get_ydata().max()
+            for ln in f["throughput_B-1-H-8-8-D-64-float32"].axes[0].get_lines()
+            if len(ln.get_ydata())
+        )
+        for f in (cpu, gpu)
+    ]
+    assert top[0] == pytest.approx(1e3 * top[1])
     assert "GPUs (P)" in _texts(gpu["scaling_B-1-H-8-8-D-64-float32"])
 
 
@@ -215,3 +227,58 @@ def test_panels_equal_for_both_masks_are_drawn_once(tmp_path):
     assert titles == ["fwd, causal = full"]  # bytes sent do not depend on the mask here
     assert len(figs["memory_B-1-H-8-8-D-64-float32"].axes) == 2
     assert len(figs["throughput_B-1-H-8-8-D-64-float32"].axes) == 2
+
+
+# -- issue 29: colours that stay, predictions that say so, one iteration's time split ----------------
+def test_a_method_keeps_its_colour_in_reports_of_different_method_sets(tmp_path):
+    from suite.reports.style import method_colour
+
+    one = palette_for(frame_of(tmp_path / "a", [row(m, 2, 512) for m in ("ring", "ulysses")]))
+    two = palette_for(frame_of(tmp_path / "b", [row(m, 2, 512) for m in ("allgather_kv", "burst", "ring", "tasp")]))
+    # before: colours went by alphabetical rank among the report's methods (ring first, then third)
+    assert one.method_colours["ring"] == two.method_colours["ring"] == method_colour("ring")
+    assert one.method_colours["ring"] in COLOURS
+    # and in a report of many methods every colour is still its own
+    names = [f"method_{i}" for i in range(len(COLOURS) + 3)]
+    many = palette_for(frame_of(tmp_path / "c", [row(m, 2, 512) for m in names]))
+    assert len(set(many.method_colours.values())) == len(names)
+
+
+def _sim_rows(band=None):
+    extra = {M.SIM_ERROR_PCT: band} if band is not None else {}
+    rows = [row("reference", 1, S, executor="sim", topology="h100_sxm", samples=[1.0], **extra) for S in (512, 1024)]
+    rows += [
+        row(m, 4, S, executor="sim", topology="h100_sxm", **extra) for m in ("ring", "ulysses") for S in (512, 1024)
+    ]
+    for r in rows:  # a prediction is one value, no repeats
+        r[M.TIME_MS_SAMPLES] = [r[M.TIME_MS_MEDIAN]]
+        r[M.TIME_MS_MIN] = r[M.TIME_MS_MAX] = r[M.TIME_MS_MEDIAN]
+    return rows
+
+
+@pytest.mark.parametrize("band", [None, 12.0])
+def test_simulated_figures_say_predicted_never_timed_repeats(tmp_path, band):
+    jobs, _ = plan_figures(frame_of(tmp_path, _sim_rows(band)), "ring")
+    drawn = {j.name.split("_B-")[0]: j for j in jobs}
+    assert {"throughput", "speedup", "memory"} <= set(drawn)
+    for name in ("throughput", "speedup", "scaling", "time_split", "memory", "bytes"):
+        if name not in drawn:
+            continue
+        job = drawn[name]
+        assert job.params["title"].startswith("Predicted "), job.params["title"]
+        assert "timed repeats" not in job.caption or name == "time_split", job.caption
+    tp = drawn["throughput"]
+    assert "predict" in tp.caption
+    if band is not None:  # the error band in the title and the caption
+        assert tp.params["title"].endswith("(±12 %)") and "±12 %" in tp.caption
+
+
+def test_time_split_is_one_iterations_parts(tmp_path):
+    # the median timed repeat (100 ms) is another iteration than the instrumented one (kernels 40 +
+    # waits 20, overhead ratio 1.05): its rest is 0.05 x 60 = 3 ms, not 100 - 60 = 40 ms
+    r = row("ring", 2, 512, time_ms=100.0, **{M.KERNEL_MS: 40.0, M.COMM_WAIT_MS: 20.0, M.OVERHEAD_RATIO: 1.05})
+    jobs, _ = plan_figures(frame_of(tmp_path, [r]), None)
+    split = next(j for j in jobs if j.kind == "split")
+    got = split.data.iloc[0]
+    assert (got["kernels"], got["comm"]) == (40.0, 20.0) and got["other"] == pytest.approx(3.0)
+    assert "same iteration" in split.caption

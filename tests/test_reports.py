@@ -180,7 +180,7 @@ def test_tables_read_like_a_paper(tmp_path, sweep_rows):
     md = markdown(t["throughput"])
     header = md.splitlines()[2]
     assert header.split("|")[1].strip() == "CPU ranks"  # the first column is data, not a pandas index
-    assert "Time (ms)" in header and "TFLOP/s per CPU rank" in header and "% of ideal" in header
+    assert "Time (ms)" in header and "GFLOP/s per CPU rank" in header and "% of ideal" in header
     assert "('" not in md and "_" not in header
     assert "Sweep my_sweep" in md and "cpu:test" in md and "All rows: B=1 H=8/8 D=64 float32" in md
     align = md.splitlines()[3].split("|")[1:-1]
@@ -563,3 +563,82 @@ def test_mask_families_get_their_own_reference_table_and_figure(tmp_path):
     jobs, _ = plan_figures(df, "ring")
     assert any(j.name.startswith("masks") for j in jobs)
     assert M.mask_label(window, True) == "sliding_window(64)" and M.mask_label(None, False) == "full"
+
+
+# -- issue 29: what a report picks, and what its numbers say --------------------------------------------
+def test_default_report_takes_the_latest_run_of_each_user_sweep_and_leaves_advisor_sweeps_out(tmp_path):
+    from omegaconf import OmegaConf
+
+    from suite.advise import build_config, enumerate_candidates, make_question, prune
+    from suite.reports.load import resolve_runs
+
+    root = tmp_path / "results"
+    old = write_run(root, "mine", [row("ring", 2, 512, time_ms=9.0)])
+    new = write_run(root, "mine", [row("ring", 2, 512, time_ms=3.0)])
+    assert old != new and sorted([old.name, new.name])[-1] == new.name
+    # the advisor's own simulated sweep, with the config `suite advise` stores for it
+    q = make_question(model="8/8/64", topology="h100_sxm", seq_len=4096)
+    cfg = build_config(q, prune(q, enumerate_candidates(q)), mlflow=False)
+    store = ResultsStore.create(root, cfg.name, OmegaConf.to_yaml(OmegaConf.structured(cfg)), {})
+    store.append(row("ulysses", 8, 4096, executor="sim", topology="h100_sxm"))
+    notes: list = []
+    assert resolve_runs([], root, notes) == [new]
+    assert len(notes) == 1 and cfg.name in notes[0] and "name one" in notes[0]
+    rep = build_report(results_root=root, out=tmp_path / "rep", log_to_mlflow=False)
+    assert rep.rows == 1 and any(cfg.name in n for n in rep.read_notes)
+    # named, the advisor's sweep is reported like any other
+    assert resolve_runs([str(root / cfg.name)], root) == [store.run_dir]
+    # an advisor sweep alone is no report of "everything": the error says how to ask for it
+    with pytest.raises(FileNotFoundError, match="advisor sweep"):
+        resolve_runs([], _only(root, cfg.name, tmp_path))
+
+
+def _only(root: Path, sweep: str, tmp_path: Path) -> Path:
+    """A results root holding only `sweep` (moved out of `root`)."""
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (root / sweep).rename(alone / sweep)
+    return alone
+
+
+def test_speedup_interval_is_the_middle_half_of_the_per_sample_ratios(tmp_path):
+    import numpy as np
+
+    from suite.reports.tables import SPEEDUP_INTERVAL, speedup_rows
+
+    ring = [10.0, 10.5, 11.0, 30.0]  # one slow outlier repeat
+    uly = [2.0, 5.0, 5.2, 5.4]  # one fast outlier repeat
+    rows = [row("ring", 2, 512, samples=ring, time_ms=10.75), row("ulysses", 2, 512, samples=uly, time_ms=5.1)]
+    sp = speedup_rows(frame_of(tmp_path, rows), "ring").set_index("method").loc["ulysses"]
+    ratios = [b / u for b in ring for u in uly]
+    assert sp["speedup"] == pytest.approx(10.75 / 5.1)
+    assert (sp["speedup_lo"], sp["speedup_hi"]) == pytest.approx(tuple(np.percentile(ratios, SPEEDUP_INTERVAL)))
+    # not the extremes (min/max over max/min: 10 / 5.4 to 30 / 2 = 1.9-15x), and the point lies inside
+    assert min(ratios) < sp["speedup_lo"] <= sp["speedup"] <= sp["speedup_hi"] < max(ratios)
+
+
+def test_busy_trials_are_flagged_and_overlap_out_of_range_is_explained(tmp_path):
+    from suite.reports.render import markdown
+    from suite.reports.tables import BUSY_SPREAD
+
+    rows = [row(m, 2, S) for m in ("ring", "ulysses") for S in (256, 512)]
+    rows.append(row("reference", 1, 512))
+    t = 512 * 512 / 2 / 1e4
+    rows[1] = row("ring", 2, 512, samples=[t, t, 2 * t])  # slowest repeat 2x the median
+    rows[2] = dict(rows[2], **{M.OVERLAP_EFF: -1.39})
+    df = frame_of(tmp_path, rows)
+    assert BUSY_SPREAD < 2
+    tables = build_tables(df, "ring")
+    pivot = tables["throughput_by_seq_len"]
+    flagged = pivot.data.set_index("series")
+    assert flagged.loc["ring", "S=512"].endswith(" *") and not flagged.loc["ring", "S=256"].endswith("*")
+    assert not flagged.loc["ulysses", "S=512"].endswith("*")
+    assert "may have been busy" in pivot.caption()
+    thr = tables["throughput"].data
+    assert list(thr.loc[thr["note"] != "", "series"]) == ["ring"] and "busy" not in thr.columns
+    comm = markdown(tables["communication"])
+    assert "medians of different runs" in comm and "below 0" in comm
+    # in range everywhere: no such sentence
+    calm = build_tables(frame_of(tmp_path / "calm", [row("ring", 2, 512), row("ulysses", 2, 512)]), "ring")
+    assert "medians of different runs" not in markdown(calm["communication"])
+    assert "busy" not in calm["throughput_by_seq_len"].caption()

@@ -57,11 +57,13 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
     say = progress or (lambda _line: None)
     t0 = time.perf_counter()
     sets: list[ResultSet] = []
+    selection: list[str] = []  # what choosing the runs left out
     if paths or not mlflow_experiment:
-        sets.append(load_runs(resolve_runs(list(paths or []), results_root)))
+        sets.append(load_runs(resolve_runs(list(paths or []), results_root, selection)))
     if mlflow_experiment:
         sets.append(load_mlflow(mlflow_experiment, mlflow_uri))
     data = combine(sets)
+    data.notes[:0] = selection
     df = with_series(data.frame)
     say(f"read {len(df)} rows from {len(data.sources)} run(s) in {time.perf_counter() - t0:.1f}s")
     base = _baseline(df, baseline)
@@ -85,15 +87,28 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
     if len(jobs) > drawn:
         say(f"{len(jobs) - drawn} of {len(jobs)} figures unchanged since the last report in {out_dir} (not redrawn)")
     figures = [p for job in jobs for p in files[job.name]]
-    html = write_html(out_dir / "report.html", title=f"Sequence-parallel attention: {name}", tables=tables,
-                      jobs=jobs, files=files, sources=data.sources, notes=data.notes + notes, df=df)
-    _remove_stale(out_dir / "tables", {Path(p).name for paths in written.values() for p in paths.values()},
-                  (".md", ".tex", ".csv"))
-    _remove_stale(out_dir / "figures", {Path(p).name for p in figures} | {f".{j.name}.key" for j in jobs},
-                  (".png", ".pdf", ".key"))
+    html = write_html(
+        out_dir / "report.html",
+        title=f"Sequence-parallel attention: {name}",
+        tables=tables,
+        jobs=jobs,
+        files=files,
+        sources=data.sources,
+        notes=data.notes + notes,
+        df=df,
+    )
+    _remove_stale(
+        out_dir / "tables",
+        {Path(p).name for paths in written.values() for p in paths.values()},
+        (".md", ".tex", ".csv"),
+    )
+    _remove_stale(
+        out_dir / "figures",
+        {Path(p).name for p in figures} | {f".{j.name}.key" for j in jobs},
+        (".png", ".pdf", ".key"),
+    )
     say(f"wrote {html} ({time.perf_counter() - t0:.1f}s)")
-    report = Report(out_dir, html, written, figures, notes, len(df), redrawn=drawn,
-                    read_notes=list(data.notes))
+    report = Report(out_dir, html, written, figures, notes, len(df), redrawn=drawn, read_notes=list(data.notes))
     if log_to_mlflow:
         report.logged_to = _log_html(html, data.sources, [Path(p) for p in figures if str(p).endswith(".png")])
     report.seconds = time.perf_counter() - t0
@@ -118,8 +133,10 @@ def _baseline(df, baseline: Optional[str]) -> Optional[str]:
     if baseline not in methods:
         close = difflib.get_close_matches(baseline, methods, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ReportError(f"--baseline {baseline!r} is not a method of these runs (they have: "
-                          f"{', '.join(methods) or 'no rows'}).{hint}")
+        raise ReportError(
+            f"--baseline {baseline!r} is not a method of these runs (they have: "
+            f"{', '.join(methods) or 'no rows'}).{hint}"
+        )
     return baseline
 
 
@@ -141,12 +158,16 @@ def _log_html(html: Path, sources, pngs: list[Path] = ()) -> list[str]:
             uri = os.environ.get("MLFLOW_TRACKING_URI", uri)
         try:
             from mlflow.tracking import MlflowClient
+
             client = MlflowClient(uri)
             client.log_artifact(info["parent_run_id"], str(html), artifact_path="report")
             for png in pngs:
                 client.log_artifact(info["parent_run_id"], str(png), artifact_path="report/figures")
             logged.append(info["parent_run_id"])
         except Exception as exc:  # noqa: BLE001 - the report on disk is what matters
-            warnings.warn(f"could not attach the report to MLflow run {info.get('parent_run_id')}: "
-                          f"{type(exc).__name__}", RuntimeWarning, stacklevel=2)
+            warnings.warn(
+                f"could not attach the report to MLflow run {info.get('parent_run_id')}: {type(exc).__name__}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
     return logged

@@ -19,6 +19,9 @@ from suite.reports.style import DPI
 CSS_PX_PER_INCH = 96
 _LONG = 30  # tables with more rows than this start folded (their caption stays visible)
 
+# Wide tables (a correctness matrix of 48 problems) scroll inside their box rather than run off the
+# page: headers wrap, the first column and the header row stay in view, and the box is at most a
+# window high, so its sideways scroll bar is on screen without scrolling to the table's end.
 _CSS = """
 body { font-family: -apple-system, "Segoe UI", Helvetica, Arial, sans-serif; margin: 1.5em auto; max-width: 1560px;
        color: #222; line-height: 1.45; padding: 0 1.2em; }
@@ -29,11 +32,17 @@ a { color: #0b5cad; text-decoration: none; } a:hover { text-decoration: underlin
 nav.toc { background: #f7f8fa; border: 1px solid #e3e6ea; padding: .6em 1.2em; display: inline-block; }
 nav.toc ol { margin: .2em 0; padding-left: 1.4em; } nav.toc li { margin: .1em 0; }
 nav.toc h2 { border: 0; margin: .2em 0; font-size: 1.1em; }
-.scroll { overflow-x: auto; max-width: 100%; }
-table.data { border-collapse: collapse; font-size: .85em; margin: .4em 0 1.4em; }
+.scroll { overflow: auto; max-width: 100%; max-height: 85vh; margin: .4em 0 1.4em; }
+table.data { border-collapse: separate; border-spacing: 0; font-size: .85em; }
 .tcaption { color: #444; font-size: .9em; margin: .8em 0 .3em; max-width: 110ch; }
-table.data th, table.data td { border: 1px solid #ddd; padding: .22em .55em; white-space: nowrap; }
-table.data th { background: #f4f4f4; } .num { text-align: right; font-variant-numeric: tabular-nums; }
+table.data th, table.data td { border: 1px solid #ddd; border-width: 0 1px 1px 0; padding: .22em .55em;
+       white-space: nowrap; background: #fff; }
+table.data tr > :first-child { border-left-width: 1px; } table.data thead th { border-top-width: 1px; }
+table.data th { background: #f4f4f4; white-space: normal; min-width: 3.5em; vertical-align: bottom; }
+table.data thead th { position: sticky; top: 0; z-index: 1; }
+table.data tr > :first-child { position: sticky; left: 0; }
+table.data thead tr > :first-child { z-index: 2; }
+.num { text-align: right; font-variant-numeric: tabular-nums; }
 .txt { text-align: left; }
 .figs { display: flex; flex-wrap: wrap; gap: 0 2.4em; align-items: flex-start; }
 .card { max-width: 100%; }
@@ -46,10 +55,19 @@ pre { background: #f7f7f7; padding: .8em; overflow-x: auto; font-size: .8em; }
 
 # (anchor, heading): the page's sections in order; {baseline} is filled in.
 SECTIONS = [
-    ("runs", "Runs and trial counts"), ("correctness", "Correctness"), ("throughput", "Throughput"),
-    ("speedup", "Speedup"), ("scaling", "Scaling"), ("communication", "Communication and time split"),
-    ("balance", "Load balance and packed documents"), ("memory", "Memory"), ("perplexity", "Model-level check (perplexity)"), ("sim", "Simulated vs measured"),
-    ("problems", "Skips and failures"), ("not-drawn", "Figures not drawn"), ("configs", "Configs and environments"),
+    ("runs", "Runs and trial counts"),
+    ("correctness", "Correctness"),
+    ("throughput", "Throughput"),
+    ("speedup", "Speedup"),
+    ("scaling", "Scaling"),
+    ("communication", "Communication and time split"),
+    ("balance", "Load balance and packed documents"),
+    ("memory", "Memory"),
+    ("perplexity", "Model-level check (perplexity)"),
+    ("sim", "Simulated vs measured"),
+    ("problems", "Skips and failures"),
+    ("not-drawn", "Figures not drawn"),
+    ("configs", "Configs and environments"),
 ]
 
 
@@ -64,8 +82,9 @@ def png_size(path: str | Path) -> tuple[int, int]:
     return struct.unpack(">II", head[16:24])
 
 
-def write_html(path: Path, *, title: str, tables: dict, jobs: list, files: dict, sources, notes: list[str],
-               df: pd.DataFrame) -> Path:
+def write_html(
+    path: Path, *, title: str, tables: dict, jobs: list, files: dict, sources, notes: list[str], df: pd.DataFrame
+) -> Path:
     esc = html.escape
     body, toc = [], []
     n_table = n_figure = 0
@@ -80,8 +99,10 @@ def write_html(path: Path, *, title: str, tables: dict, jobs: list, files: dict,
             caption = f'<p class="tcaption"><b>Table {n_table}.</b> {esc(t.caption())}</p>'
             table = caption + _scroll(html_table(t, f"table-{t.name}"))
             if len(t.data) > _LONG:
-                table = (f"<details><summary>Table {n_table}: {esc(t.title)} ({len(t.data)} rows; click to "
-                         f"unfold)</summary>{table}</details>")
+                table = (
+                    f"<details><summary>Table {n_table}: {esc(t.title)} ({len(t.data)} rows; click to "
+                    f"unfold)</summary>{table}</details>"
+                )
             parts.append(table)
         mine = [j for j in jobs if j.section == anchor]
         cards = []
@@ -103,12 +124,17 @@ def write_html(path: Path, *, title: str, tables: dict, jobs: list, files: dict,
             parts.append(_configs(sources))
         if not parts:
             continue
-        heading = next((t.title for t in tables.values() if t.section == anchor == "speedup" and not t.empty),
-                       heading)
+        heading = next((t.title for t in tables.values() if t.section == anchor == "speedup" and not t.empty), heading)
         body.append(f'<section><h2 id="{anchor}">{esc(heading)}</h2>\n' + "\n".join(parts) + "</section>")
-        toc.append(f'<li><a href="#{anchor}">{esc(heading)}</a>'
-                   + ("<ol>" + "".join(f'<li><a href="#{sid}">{esc(name)}</a></li>' for sid, name in sub) + "</ol>"
-                      if sub else "") + "</li>")
+        toc.append(
+            f'<li><a href="#{anchor}">{esc(heading)}</a>'
+            + (
+                "<ol>" + "".join(f'<li><a href="#{sid}">{esc(name)}</a></li>' for sid, name in sub) + "</ol>"
+                if sub
+                else ""
+            )
+            + "</li>"
+        )
     executors = ", ".join(sorted(df["executor"].dropna().unique())) if not df.empty else "none"
     hardware = ", ".join(sorted(df["hardware"].dropna().astype(str).unique())) if not df.empty else "none"
     generated = datetime.now(timezone.utc).isoformat(timespec="seconds")
@@ -148,10 +174,12 @@ def _figure(job, paths: list[str], number: int) -> str:
     css_w, css_h = round(w * CSS_PX_PER_INCH / DPI), round(h * CSS_PX_PER_INCH / DPI)
     data = base64.b64encode(Path(png).read_bytes()).decode()
     title = job.params.get("title", job.name)
-    return (f'<figure id="fig-{esc(job.name)}" style="width:{css_w}px">'
-            f'<img alt="{esc(title)}" width="{css_w}" height="{css_h}" src="data:image/png;base64,{data}">'
-            f"<figcaption><b>Figure {number}.</b> {esc(title)}. {esc(job.caption)} "
-            f"<span class=\"note\">(figures/{esc(job.name)}.pdf)</span></figcaption></figure>")
+    return (
+        f'<figure id="fig-{esc(job.name)}" style="width:{css_w}px">'
+        f'<img alt="{esc(title)}" width="{css_w}" height="{css_h}" src="data:image/png;base64,{data}">'
+        f"<figcaption><b>Figure {number}.</b> {esc(title)}. {esc(job.caption)} "
+        f'<span class="note">(figures/{esc(job.name)}.pdf)</span></figcaption></figure>'
+    )
 
 
 def _runs(sources, df: pd.DataFrame) -> str:
@@ -163,14 +191,17 @@ def _runs(sources, df: pd.DataFrame) -> str:
         ex = ", ".join(sorted(part["executor"].dropna().unique())) if not part.empty else ""
         counts = part["status"].value_counts().to_dict() if not part.empty else {}
         status = ", ".join(f"{n} {k}" for k, n in sorted(counts.items()))
-        rows.append(f'<tr><td class="txt">{esc(s.sweep)}</td><td class="txt">{esc(s.run_dir)}</td>'
-                    f'<td class="num">{s.rows}</td><td class="txt">{esc(status)}</td><td class="txt">{esc(hw)}</td>'
-                    f'<td class="txt">{esc(ex)}</td></tr>')
-    return ('<p class="tcaption">The runs this report reads, with their trials per status.</p>'
-            + _scroll('<table class="data"><thead><tr><th class="txt">Sweep</th><th class="txt">Run folder</th>'
-                      '<th class="num">Rows</th><th class="txt">Status</th><th class="txt">Hardware</th>'
-                      '<th class="txt">Executors</th></tr></thead>'
-                      f"<tbody>{''.join(rows)}</tbody></table>"))
+        rows.append(
+            f'<tr><td class="txt">{esc(s.sweep)}</td><td class="txt">{esc(s.run_dir)}</td>'
+            f'<td class="num">{s.rows}</td><td class="txt">{esc(status)}</td><td class="txt">{esc(hw)}</td>'
+            f'<td class="txt">{esc(ex)}</td></tr>'
+        )
+    return '<p class="tcaption">The runs this report reads, with their trials per status.</p>' + _scroll(
+        '<table class="data"><thead><tr><th class="txt">Sweep</th><th class="txt">Run folder</th>'
+        '<th class="num">Rows</th><th class="txt">Status</th><th class="txt">Hardware</th>'
+        '<th class="txt">Executors</th></tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table>"
+    )
 
 
 def _configs(sources) -> str:
@@ -178,6 +209,8 @@ def _configs(sources) -> str:
     out = []
     for s in sources:
         env = json.dumps(s.environment, indent=2, sort_keys=True) if s.environment else "(none)"
-        out.append(f"<details><summary>{esc(s.sweep)}: {esc(s.run_dir)}</summary>"
-                   f"<pre>{esc(s.config_yaml or '(none)')}</pre><pre>{esc(env)}</pre></details>")
+        out.append(
+            f"<details><summary>{esc(s.sweep)}: {esc(s.run_dir)}</summary>"
+            f"<pre>{esc(s.config_yaml or '(none)')}</pre><pre>{esc(env)}</pre></details>"
+        )
     return "\n".join(out)

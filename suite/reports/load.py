@@ -1,10 +1,12 @@
 """Read stored results into one table (several sweeps at once), without rerunning anything.
 
 Sources: results folders (`results/<sweep>/<time>/`, or a sweep folder `results/<sweep>/`, read
-as its latest run), and optionally an MLflow experiment (its child runs, for stores that only
+as its latest run; with none named, the latest run of every sweep the user ran: the advisor's own
+simulated sweeps only when named), and optionally an MLflow experiment (its child runs, for stores that only
 live in MLflow). Every row keeps where it came from (`sweep`, `run_dir`) and its `executor`, so
 measured and simulated rows are never mistaken for each other.
 """
+
 from __future__ import annotations
 
 import json
@@ -33,19 +35,47 @@ class Source:
 class ResultSet:
     frame: pd.DataFrame
     sources: list[Source]
-    notes: list[str] = field(default_factory=list)   # what was read differently from what is stored
+    notes: list[str] = field(default_factory=list)  # what was read differently from what is stored
 
 
-def resolve_runs(paths: list[str | Path], root: str | Path = "results") -> list[Path]:
+# How `suite advise` describes the simulated sweep it runs for itself (suite/advise.py,
+# build_config; tests/test_reports.py checks the two agree). Its results are the advisor's
+# working, not a sweep the user ran: a report of "everything" leaves them out.
+ADVISOR_DESCRIPTION = "suite advise:"
+
+
+def is_advisor_run(run_dir: Path) -> bool:
+    """Whether a run folder holds the advisor's own simulated sweep (its resolved config says so)."""
+    import yaml
+
+    try:
+        cfg = yaml.safe_load((Path(run_dir) / CONFIG).read_text())
+    except (OSError, ValueError, yaml.YAMLError):
+        return False
+    if not isinstance(cfg, dict):
+        return False
+    run = cfg.get("run") if isinstance(cfg.get("run"), dict) else {}
+    return str(cfg.get("description") or "").startswith(ADVISOR_DESCRIPTION) and run.get("executor") == "sim"
+
+
+def resolve_runs(paths: list[str | Path], root: str | Path = "results", notes: Optional[list] = None) -> list[Path]:
     """Results folders from user paths: a run folder, a sweep folder (its latest run), or, with no
-    paths, the latest run of every sweep under `root`."""
+    paths, the latest run of every sweep under `root` but the advisor's (said in `notes`)."""
     if not paths:
         root = Path(root)
         sweeps = sorted(p for p in root.glob("*") if p.is_dir()) if root.exists() else []
-        found = [run for s in sweeps if (run := ResultsStore.latest(root, s.name)) is not None]
+        found = [run.run_dir for s in sweeps if (run := ResultsStore.latest(root, s.name)) is not None]
+        advisor = [r for r in found if is_advisor_run(r)]
+        found = [r for r in found if r not in advisor]
+        if advisor and notes is not None:
+            notes.append(
+                f"left out the advisor's simulated sweep(s) {', '.join(r.parent.name for r in advisor)} "
+                f"(name one, e.g. {advisor[0].parent}, to report it)"
+            )
         if not found:
-            raise FileNotFoundError(f"no results under {root}/ (run a sweep first, or name RESULTS_DIR)")
-        return [r.run_dir for r in found]
+            hint = f"; {len(advisor)} advisor sweep(s) left out: name one to report it" if advisor else ""
+            raise FileNotFoundError(f"no results under {root}/ (run a sweep first, or name RESULTS_DIR{hint})")
+        return found
     runs = []
     for p in map(Path, paths):
         if (p / TRIALS).exists():
@@ -77,8 +107,10 @@ def load_runs(run_dirs: list[Path]) -> ResultSet:
             continue
         notes.extend(store.damaged)
         if duplicates:
-            notes.append(f"{run_dir}: {duplicates} row(s) of keys recorded twice were dropped (the latest row of "
-                         f"each key is kept)")
+            notes.append(
+                f"{run_dir}: {duplicates} row(s) of keys recorded twice were dropped (the latest row of "
+                f"each key is kept)"
+            )
         sweep = run_dir.parent.name
         sources.append(Source(sweep, str(run_dir), config, env, len(rows)))
         if rows:
@@ -110,8 +142,17 @@ def load_mlflow(experiment: str, uri: Optional[str] = None) -> ResultSet:
     out = pd.DataFrame(rows)
     if out.empty:
         return ResultSet(normalise(out), [Source(experiment, f"mlflow:{experiment}")])
-    for col in ("world_size", "nodes", "ulysses_degree", "ring_degree", "batch", "seq_len", "heads", "kv_heads",
-                "head_dim"):
+    for col in (
+        "world_size",
+        "nodes",
+        "ulysses_degree",
+        "ring_degree",
+        "batch",
+        "seq_len",
+        "heads",
+        "kv_heads",
+        "head_dim",
+    ):
         if col in out:
             out[col] = pd.to_numeric(out[col], errors="coerce")
     for col in ("causal", M.CHECKED):
@@ -148,8 +189,8 @@ def normalise(df: pd.DataFrame) -> pd.DataFrame:
     df["mask"] = [fam + ("" if mix == "uniform" else f", {mix}") for fam, mix in zip(df["family"], df["mix"])]
     # shape: everything of the problem but its length, mask and pass (figures draw one shape at a
     # time: rows of different shapes are never averaged into one point)
-    df["shape"] = df.apply(lambda r: f"B={r['batch']} H={r['heads']}/{r['kv_heads']} D={r['head_dim']} {r['dtype']}",
-                           axis=1)
+    df["shape"] = df.apply(
+        lambda r: f"B={r['batch']} H={r['heads']}/{r['kv_heads']} D={r['head_dim']} {r['dtype']}", axis=1
+    )
     df["config"] = df.apply(lambda r: f"{r['shape']} S={r['seq_len']} {r['mask']} {r['pass']}", axis=1)
     return df
-

@@ -14,15 +14,28 @@ import math
 import re
 from dataclasses import dataclass, field
 
+import numpy as np
 import pandas as pd
 
 from suite import metrics as M
 from suite.metrics import method_label
-from suite.reports.style import rank_word
+from suite.reports.style import flop_unit, rank_word
 
 # Columns that, with the series, identify a comparable point (everything but the method).
-POINT = ["hardware", "executor", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
-         "causal", "pass", "workload"]
+POINT = [
+    "hardware",
+    "executor",
+    "world_size",
+    "batch",
+    "seq_len",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "causal",
+    "pass",
+    "workload",
+]
 PROBLEM = ["batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal", "pass", "workload", "mask_name"]
 
 _OPTION_LABELS = {"ulysses_degree": "U", "ranks_per_node": "per-node"}
@@ -72,6 +85,37 @@ def measured(df: pd.DataFrame) -> pd.DataFrame:
 
 TRAIN = "train"  # the pass of model-level (perplexity) rows
 
+# A measured row whose slowest timed repeat took more than this times its median is flagged: one
+# repeat that slow says something else ran on the machine, not that the method is that variable.
+BUSY_SPREAD = 1.5
+BUSY_NOTE = (
+    f"* slowest timed repeat over {BUSY_SPREAD:g}x the median: the machine may have been busy while this "
+    "trial was timed; rerun it before trusting it"
+)
+# Percentiles of the per-sample speedups (every baseline sample over every method sample) a speedup's
+# interval spans: the middle half, which says how stable the ratio is; min/max over max/min would
+# span the two worst outliers (0.3-8x for a speedup of 1.2).
+SPEEDUP_INTERVAL = (25, 75)
+
+
+def busy(rows: pd.DataFrame) -> pd.Series:
+    """Measured (not simulated) rows whose max time exceeds BUSY_SPREAD x their median."""
+    if rows.empty or M.TIME_MS_MAX not in rows:
+        return pd.Series(False, index=rows.index, dtype=bool)
+    t_max = pd.to_numeric(rows[M.TIME_MS_MAX], errors="coerce")
+    med = pd.to_numeric(rows[M.TIME_MS_MEDIAN], errors="coerce")
+    return ((rows["executor"] != "sim") & (t_max > BUSY_SPREAD * med)).fillna(False).astype(bool)
+
+
+def samples(row) -> np.ndarray:
+    """A row's timed samples (ms); its median alone where none were stored (simulated rows)."""
+    s = row.get(M.TIME_MS_SAMPLES)
+    if isinstance(s, str):
+        s = json.loads(s)
+    if s is None or len(s) == 0:
+        s = [row[M.TIME_MS_MEDIAN]]
+    return np.asarray(s, dtype=float)
+
 
 def attention_rows(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["pass"] != TRAIN] if not df.empty else df
@@ -90,21 +134,21 @@ class Col:
 
     header: str
     kind: str = "num"
-    const: str = ""           # part of a point's identity: a column with one value in every row is
-    group: str = ""           # left out of the shown table and named in the caption with this format
+    const: str = ""  # part of a point's identity: a column with one value in every row is
+    group: str = ""  # left out of the shown table and named in the caption with this format
 
 
 @dataclass
 class Table:
-    name: str                   # file stem
+    name: str  # file stem
     title: str
-    data: pd.DataFrame          # flat rows, machine column names, full precision (written as the CSV)
-    cols: dict[str, Col]        # shown columns, in order
-    what: str = ""              # what a cell holds, for the caption
-    section: str = ""           # where the HTML page puts it
-    html: bool = True           # shown on the HTML page (else in the files only)
-    source: str = ""            # the sweeps, machines and executors the rows come from
-    fixed: list[str] = field(default_factory=list)      # what every row shares, known when built
+    data: pd.DataFrame  # flat rows, machine column names, full precision (written as the CSV)
+    cols: dict[str, Col]  # shown columns, in order
+    what: str = ""  # what a cell holds, for the caption
+    section: str = ""  # where the HTML page puts it
+    html: bool = True  # shown on the HTML page (else in the files only)
+    source: str = ""  # the sweeps, machines and executors the rows come from
+    fixed: list[str] = field(default_factory=list)  # what every row shares, known when built
     constants: list[str] = field(default_factory=list)  # ... and found by `shown`
 
     @property
@@ -135,18 +179,25 @@ class Table:
 
 
 def _source(df: pd.DataFrame) -> str:
-    """"Sweep quickstart; cpu:Intel(R) Xeon(R) Processor; executor dist"."""
+    """ "Sweep quickstart; cpu:Intel(R) Xeon(R) Processor; executor dist"."""
     sweeps = ", ".join(dict.fromkeys(df["sweep"].dropna())) if "sweep" in df else ""
     hw = ", ".join(dict.fromkeys(df["hardware"].dropna().astype(str)))
     ex = ", ".join(dict.fromkeys(df["executor"].dropna().astype(str)))
-    parts = [f"Sweep{'s' if ',' in sweeps else ''} {sweeps}" if sweeps else "", hw,
-             f"executor{'s' if ',' in ex else ''} {ex}" if ex else ""]
+    parts = [
+        f"Sweep{'s' if ',' in sweeps else ''} {sweeps}" if sweeps else "",
+        hw,
+        f"executor{'s' if ',' in ex else ''} {ex}" if ex else "",
+    ]
     return "; ".join(p for p in parts if p)
 
 
 def _shape_cols(kind_p: str) -> dict[str, Col]:
-    return {"shape": Col("Shape", "text", const="{}"), "P": Col(kind_p, "int", const="P = {}"),
-            "mask": Col("Mask", "text", const="{} mask"), "pass": Col("Pass", "text", const="pass {}")}
+    return {
+        "shape": Col("Shape", "text", const="{}"),
+        "P": Col(kind_p, "int", const="P = {}"),
+        "mask": Col("Mask", "text", const="{} mask"),
+        "pass": Col("Pass", "text", const="pass {}"),
+    }
 
 
 def _p_header(df: pd.DataFrame) -> str:
@@ -158,8 +209,7 @@ def status_counts(df: pd.DataFrame) -> Table:
     """Trials per status, per sweep and series (a combined report never mixes two sweeps' counts)."""
     if df.empty:
         return Table("status_counts", "Trials per status", pd.DataFrame(), {})
-    counts = df.pivot_table(index=["sweep", "series"], columns=M.STATUS, values="key", aggfunc="count",
-                            fill_value=0)
+    counts = df.pivot_table(index=["sweep", "series"], columns=M.STATUS, values="key", aggfunc="count", fill_value=0)
     statuses = [s for s in M.STATUSES if s in counts.columns]
     counts = counts[statuses]
     counts["total"] = counts.sum(axis=1)
@@ -167,15 +217,30 @@ def status_counts(df: pd.DataFrame) -> Table:
     data.columns.name = None
     cols = {"sweep": Col("Sweep", "text", const="sweep {}"), "series": Col("Method", "text")}
     cols.update({s: Col(s, "int") for s in statuses + ["total"]})
-    return Table("status_counts", "Trials per status", data, cols, what="Trials of each method per sweep, by status",
-                 section="runs", source=_source(df))
+    return Table(
+        "status_counts",
+        "Trials per status",
+        data,
+        cols,
+        what="Trials of each method per sweep, by status",
+        section="runs",
+        source=_source(df),
+    )
 
 
 def _problem_parts(df: pd.DataFrame) -> pd.DataFrame:
-    return pd.DataFrame({"B": "B=" + df["batch"].astype(str), "H": "H=" + df["heads"].astype(str) + "/"
-                         + df["kv_heads"].astype(str), "D": "D=" + df["head_dim"].astype(str),
-                         "dtype": df["dtype"].astype(str), "S": "S=" + df["seq_len"].astype(str),
-                         "mask": df["mask"], "pass": df["pass"].astype(str)}, index=df.index)
+    return pd.DataFrame(
+        {
+            "B": "B=" + df["batch"].astype(str),
+            "H": "H=" + df["heads"].astype(str) + "/" + df["kv_heads"].astype(str),
+            "D": "D=" + df["head_dim"].astype(str),
+            "dtype": df["dtype"].astype(str),
+            "S": "S=" + df["seq_len"].astype(str),
+            "mask": df["mask"],
+            "pass": df["pass"].astype(str),
+        },
+        index=df.index,
+    )
 
 
 def correctness_matrix(df: pd.DataFrame) -> Table:
@@ -195,6 +260,7 @@ def correctness_matrix(df: pd.DataFrame) -> Table:
         if status == M.INCORRECT:
             return "INCORRECT" + (f" {_sci(worst)}" if worst is not None else "")
         return status.upper() if status in (M.FAILED, M.TIMEOUT) else status
+
     parts = _problem_parts(df)
     varying = [c for c in parts.columns if parts[c].nunique() > 1]
     fixed = [parts[c].iloc[0] for c in parts.columns if c not in varying]
@@ -206,10 +272,20 @@ def correctness_matrix(df: pd.DataFrame) -> Table:
     out.columns.name = None
     cols = {"series": Col("Method", "text"), "P": Col(_p_header(df), "int")}
     cols.update({p: Col(p, "sci") for p in problems})
-    what = ("Largest max-abs error of out, LSE, dQ, dK and dV against float64 attention on the unsharded inputs "
-            "(status in words where not a checked ok)")
-    return Table(name, title, out.astype(object).where(out.notna(), None), cols, what=what, section="correctness",
-                 source=_source(df), fixed=[" ".join(fixed)] if fixed else [])
+    what = (
+        "Largest max-abs error of out, LSE, dQ, dK and dV against float64 attention on the unsharded inputs "
+        "(status in words where not a checked ok)"
+    )
+    return Table(
+        name,
+        title,
+        out.astype(object).where(out.notna(), None),
+        cols,
+        what=what,
+        section="correctness",
+        source=_source(df),
+        fixed=[" ".join(fixed)] if fixed else [],
+    )
 
 
 def _natural(text: str) -> list:
@@ -217,12 +293,14 @@ def _natural(text: str) -> list:
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", text)]
 
 
-SIM_BAND_NOTE = ("± (simulated rows): predicted, with the simulator's validated error for the row's family "
-                 "(mean |error| against published tables, `python -m suite validate`)")
+SIM_BAND_NOTE = (
+    "± (simulated rows): predicted, with the simulator's validated error for the row's family "
+    "(mean |error| against published tables, `python -m suite validate`)"
+)
 
 
 def sim_band_caption(rows: pd.DataFrame) -> str:
-    """"simulated series are predicted (±12 %: ...)" for rows with an error band, else ""."""
+    """ "simulated series are predicted (±12 %: ...)" for rows with an error band, else ""."""
     if rows.empty or M.SIM_ERROR_PCT not in rows:
         return ""
     bands = pd.to_numeric(rows[M.SIM_ERROR_PCT], errors="coerce").dropna()
@@ -230,8 +308,10 @@ def sim_band_caption(rows: pd.DataFrame) -> str:
         return ""
     lo, hi = bands.min(), bands.max()
     span = f"±{lo:.0f} %" if round(lo) == round(hi) else f"±{lo:.0f}-{hi:.0f} %"
-    return (f"simulated series are predicted ({span}: the simulator's validated error for their family, "
-            "`python -m suite validate`)")
+    return (
+        f"simulated series are predicted ({span}: the simulator's validated error for their family, "
+        "`python -m suite validate`)"
+    )
 
 
 def throughput_rows(df: pd.DataFrame) -> pd.DataFrame:
@@ -242,75 +322,148 @@ def throughput_rows(df: pd.DataFrame) -> pd.DataFrame:
     m = measured(df)
     if m.empty:
         return pd.DataFrame()
-    out = pd.DataFrame({
-        "series": m["series"], "shape": m["shape"], "P": m["world_size"], "mask": m["mask"], "pass": m["pass"],
-        "seq_len": m["seq_len"], "time_ms": m[M.TIME_MS_MEDIAN], "time_ms_min": m[M.TIME_MS_MIN],
-        "time_ms_max": m[M.TIME_MS_MAX], "tflops_per_gpu": m[M.TFLOPS_PER_GPU], "tokens_per_s": m[M.TOKENS_PER_S],
-        "pct_of_ideal": throughput_pct(df),
-        "sim_error_pct": pd.to_numeric(m[M.SIM_ERROR_PCT], errors="coerce"),
-    })
+    out = pd.DataFrame(
+        {
+            "series": m["series"],
+            "shape": m["shape"],
+            "P": m["world_size"],
+            "mask": m["mask"],
+            "pass": m["pass"],
+            "seq_len": m["seq_len"],
+            "time_ms": m[M.TIME_MS_MEDIAN],
+            "time_ms_min": m[M.TIME_MS_MIN],
+            "time_ms_max": m[M.TIME_MS_MAX],
+            "tflops_per_gpu": m[M.TFLOPS_PER_GPU],
+            "tokens_per_s": m[M.TOKENS_PER_S],
+            "pct_of_ideal": throughput_pct(df),
+            "sim_error_pct": pd.to_numeric(m[M.SIM_ERROR_PCT], errors="coerce"),
+            "busy": busy(m),
+            "executor": m["executor"],
+        }
+    )
     return out.sort_values(["shape", "mask", "pass", "P", "seq_len", "series"]).reset_index(drop=True)
+
+
+def sim_note(rows: pd.DataFrame) -> str:
+    """What a table's simulated rows are ("" without any): predictions with their band, where the
+    rows carry one; never timed repeats."""
+    sim = rows[rows["executor"] == "sim"] if not rows.empty else rows
+    if sim.empty:
+        return ""
+    if M.SIM_ERROR_PCT in sim and pd.to_numeric(sim[M.SIM_ERROR_PCT], errors="coerce").notna().any():
+        return SIM_BAND_NOTE
+    return "simulated rows (executor sim) are the simulator's predictions, not timed repeats"
 
 
 def throughput(df: pd.DataFrame) -> Table:
     data = throughput_rows(df)
-    word = rank_word(df)
-    cols = {**_shape_cols(_p_header(df)), "seq_len": Col("S (tokens)", "int", const="S = {}"),
-            "series": Col("Method", "text"), "time_ms": Col("Time (ms)"), "time_ms_min": Col("Min (ms)"),
-            "time_ms_max": Col("Max (ms)"), "tflops_per_gpu": Col(f"TFLOP/s per {word}"),
-            "tokens_per_s": Col("Tokens/s"), "pct_of_ideal": Col("% of ideal", "pct")}
-    what = (f"Median, min and max time of one iteration over the timed repeats; TFLOP/s per {word} at the median "
-            "(flash-attention FLOP convention); ideal = single-device reference time / P")
+    word, unit = rank_word(df), flop_unit(df)
+    if not data.empty and unit.column != "tflops_per_gpu":  # the CSV names the unit it holds
+        data.insert(data.columns.get_loc("tflops_per_gpu"), unit.column, data["tflops_per_gpu"] * unit.scale)
+        data = data.drop(columns=["tflops_per_gpu"])
+    cols = {
+        **_shape_cols(_p_header(df)),
+        "seq_len": Col("S (tokens)", "int", const="S = {}"),
+        "series": Col("Method", "text"),
+        "time_ms": Col("Time (ms)"),
+        "time_ms_min": Col("Min (ms)"),
+        "time_ms_max": Col("Max (ms)"),
+        unit.column: Col(f"{unit.label} per {word}"),
+        "tokens_per_s": Col("Tokens/s"),
+        "pct_of_ideal": Col("% of ideal", "pct"),
+    }
+    what = (
+        f"Median, min and max time of one iteration over the timed repeats; {unit.label} per {word} at the "
+        "median (flash-attention FLOP convention); ideal = single-device reference time / P"
+    )
     if not data.empty and data["sim_error_pct"].notna().any():
         cols["sim_error_pct"] = Col("± (%)", "pct")
-        what += "; " + SIM_BAND_NOTE
     else:
         data = data.drop(columns=["sim_error_pct"], errors="ignore")
-    return Table("throughput", "Throughput", data, cols, what=what, section="throughput", html=False,
-                 source=_source(df))
+    if sim_note(data):
+        what += "; " + sim_note(data)
+    if not data.empty and data["busy"].any():  # a marker column only where a row is flagged
+        data["note"] = ["busy?" if b else "" for b in data["busy"]]
+        cols["note"] = Col("Note", "text")
+        what += f"; busy?: {BUSY_NOTE.removeprefix('* ')}"
+    data = data.drop(columns=["busy", "executor"], errors="ignore")
+    return Table(
+        "throughput", "Throughput", data, cols, what=what, section="throughput", html=False, source=_source(df)
+    )
 
 
 def throughput_pivot(df: pd.DataFrame) -> Table:
     """The ring-flash-attn README layout: series (rows) by sequence length (columns),
     "TFLOP/s per rank (percent of ideal)" per cell, one block per world size, mask and pass."""
     t = throughput_rows(df)
-    word = rank_word(df)
+    word, unit = rank_word(df), flop_unit(df)
     title = "Throughput by sequence length"
     if t.empty:
         return Table("throughput_by_seq_len", title, t, {})
-    t["cell"] = [_sig(tf) + ("" if pd.isna(p) else f" ({p:.0f}%)") + ("" if pd.isna(e) else f" ±{e:.0f}%")
-                 for tf, p, e in zip(t["tflops_per_gpu"], t["pct_of_ideal"], t["sim_error_pct"])]
-    out = t.pivot_table(index=["shape", "P", "mask", "pass", "series"], columns="seq_len", values="cell",
-                        aggfunc="first")
+    t["cell"] = [
+        _sig(tf * unit.scale)
+        + ("" if pd.isna(p) else f" ({p:.0f}%)")
+        + ("" if pd.isna(e) else f" ±{e:.0f}%")
+        + (" *" if b else "")
+        for tf, p, e, b in zip(t["tflops_per_gpu"], t["pct_of_ideal"], t["sim_error_pct"], t["busy"])
+    ]
+    out = t.pivot_table(
+        index=["shape", "P", "mask", "pass", "series"], columns="seq_len", values="cell", aggfunc="first"
+    )
     out.columns = [f"S={c}" for c in out.columns]
     out = out.reset_index()
     cols = {**_shape_cols(_p_header(df)), "series": Col("Method", "text")}
     cols.update({c: Col(c, "textnum") for c in out.columns if c.startswith("S=")})
-    what = (f"TFLOP/s per {word} at the median time (percent of ideal: single-device reference time / P); "
-            "columns are sequence lengths in tokens")
-    if t["sim_error_pct"].notna().any():
-        what += "; " + SIM_BAND_NOTE
-    return Table("throughput_by_seq_len", title, out.fillna(""), cols, what=what, section="throughput",
-                 source=_source(df))
+    what = (
+        f"{unit.label} per {word} at the median time (percent of ideal: single-device reference time / P); "
+        "columns are sequence lengths in tokens"
+    )
+    if sim_note(t):
+        what += "; " + sim_note(t)
+    if t["busy"].any():
+        what += "; " + BUSY_NOTE
+    return Table(
+        "throughput_by_seq_len", title, out.fillna(""), cols, what=what, section="throughput", source=_source(df)
+    )
 
 
 def speedup_rows(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
     """Speedup over `baseline` per measured ok row (baseline median time / series median time, same
-    hardware, executor and problem), with the range the timed samples allow:
-    [baseline min / series max, baseline max / series min]."""
+    hardware, executor and problem), with an interval from the timed samples: the SPEEDUP_INTERVAL
+    percentiles of every baseline sample over every sample of the row (the two runs are not
+    paired, so every pair is a possible ratio)."""
     m = measured(df)
     m = m[m[M.STATUS] == M.OK]  # a wrong answer has no speed worth comparing
     if m.empty or baseline not in set(m["method"]):
         return pd.DataFrame()
-    base = m[m["method"] == baseline].groupby(POINT, dropna=False)[[M.TIME_MS_MEDIAN, M.TIME_MS_MIN,
-                                                                    M.TIME_MS_MAX]].median()
-    key = pd.MultiIndex.from_frame(m[POINT])
-    b = base.reindex(key)
-    b.index = m.index
-    out = m.assign(speedup=b[M.TIME_MS_MEDIAN] / m[M.TIME_MS_MEDIAN],
-                   speedup_lo=b[M.TIME_MS_MIN] / m[M.TIME_MS_MAX], speedup_hi=b[M.TIME_MS_MAX] / m[M.TIME_MS_MIN],
-                   P=m["world_size"])
+
+    def point(r) -> tuple:  # NaN is not equal to itself: a missing value keys as None
+        return tuple(None if _missing(r[c]) else r[c] for c in POINT)
+
+    base_ms: dict[tuple, list] = {}
+    base_samples: dict[tuple, list] = {}
+    for _, r in m[m["method"] == baseline].iterrows():
+        base_ms.setdefault(point(r), []).append(r[M.TIME_MS_MEDIAN])
+        base_samples.setdefault(point(r), []).append(samples(r))
+    speed, lo, hi = [], [], []
+    for _, r in m.iterrows():
+        k = point(r)
+        if k not in base_ms:
+            speed.append(math.nan)
+            lo.append(math.nan)
+            hi.append(math.nan)
+            continue
+        ratios = np.divide.outer(np.concatenate(base_samples[k]), samples(r)).ravel()
+        q_lo, q_hi = np.percentile(ratios, SPEEDUP_INTERVAL)
+        speed.append(float(np.median(base_ms[k])) / r[M.TIME_MS_MEDIAN])
+        lo.append(q_lo)
+        hi.append(q_hi)
+    out = m.assign(speedup=speed, speedup_lo=lo, speedup_hi=hi, P=m["world_size"])
     return out.dropna(subset=["speedup"])
+
+
+def _missing(v) -> bool:
+    return pd.api.types.is_scalar(v) and bool(pd.isna(v))
 
 
 def speedup(df: pd.DataFrame, baseline: str) -> Table:
@@ -322,15 +475,18 @@ def speedup(df: pd.DataFrame, baseline: str) -> Table:
     sp = sp[sp["method"] != baseline] if not sp.empty else sp  # the baseline is 1 by definition
     if sp.empty:
         return Table(name, title, pd.DataFrame(), {})
-    out = sp.pivot_table(index=["shape", "P", "mask", "pass", "seq_len"], columns="series", values="speedup",
-                         aggfunc="median")
+    out = sp.pivot_table(
+        index=["shape", "P", "mask", "pass", "seq_len"], columns="series", values="speedup", aggfunc="median"
+    )
     series = list(out.columns)
     out = out.reset_index()
     out.columns.name = None
     cols = {**_shape_cols(_p_header(df)), "seq_len": Col("S (tokens)", "int", const="S = {}")}
     cols.update({s: Col(s, "ratio") for s in series})
-    what = (f"{baseline} median time / method median time, same hardware, executor and problem ({baseline} = 1); "
-            "rows that failed the float64 check have none")
+    what = (
+        f"{baseline} median time / method median time, same hardware, executor and problem ({baseline} = 1); "
+        "rows that failed the float64 check have none"
+    )
     band = sim_band_caption(sp)
     if band:
         what += "; " + band
@@ -349,26 +505,53 @@ def communication(df: pd.DataFrame) -> Table:
     title = "Communication and time split"
     if m.empty:
         return Table("communication", title, pd.DataFrame(), {})
-    data = pd.DataFrame({
-        "series": m["series"], "shape": m["shape"], "P": m["world_size"], "mask": m["mask"], "pass": m["pass"],
-        "seq_len": m["seq_len"], "MiB_sent_per_rank": m[M.BYTES_SENT] / 2**20,
-        "MiB_recv_per_rank": m[M.BYTES_RECV] / 2**20, "ops": m[M.COMM_OPS].map(_ops)})
-    for col in (M.KERNEL_MS, M.COMM_WAIT_MS, M.COMPUTE_ONLY_MS, M.COMM_ONLY_MS, M.CCR, M.OVERLAP_EFF,
-                M.OVERHEAD_RATIO):
+    data = pd.DataFrame(
+        {
+            "series": m["series"],
+            "shape": m["shape"],
+            "P": m["world_size"],
+            "mask": m["mask"],
+            "pass": m["pass"],
+            "seq_len": m["seq_len"],
+            "MiB_sent_per_rank": m[M.BYTES_SENT] / 2**20,
+            "MiB_recv_per_rank": m[M.BYTES_RECV] / 2**20,
+            "ops": m[M.COMM_OPS].map(_ops),
+        }
+    )
+    for col in (M.KERNEL_MS, M.COMM_WAIT_MS, M.COMPUTE_ONLY_MS, M.COMM_ONLY_MS, M.CCR, M.OVERLAP_EFF, M.OVERHEAD_RATIO):
         data[col] = m[col]
     data = data.sort_values(["shape", "mask", "pass", "P", "seq_len", "series"]).reset_index(drop=True)
     word = rank_word(df)
-    cols = {**_shape_cols(_p_header(df)), "seq_len": Col("S (tokens)", "int", const="S = {}"),
-            "series": Col("Method", "text"), "MiB_sent_per_rank": Col(f"Sent per {word} (MiB)"),
-            "MiB_recv_per_rank": Col(f"Received per {word} (MiB)"), "ops": Col("Operations", "text"),
-            M.KERNEL_MS: Col("Kernels (ms)"), M.COMM_WAIT_MS: Col("Comm. wait (ms)"),
-            M.COMPUTE_ONLY_MS: Col("Compute only (ms)"), M.COMM_ONLY_MS: Col("Comm. only (ms)"),
-            M.CCR: Col("CCR"), M.OVERLAP_EFF: Col("Overlap eff."), M.OVERHEAD_RATIO: Col("Overhead ratio")}
+    cols = {
+        **_shape_cols(_p_header(df)),
+        "seq_len": Col("S (tokens)", "int", const="S = {}"),
+        "series": Col("Method", "text"),
+        "MiB_sent_per_rank": Col(f"Sent per {word} (MiB)"),
+        "MiB_recv_per_rank": Col(f"Received per {word} (MiB)"),
+        "ops": Col("Operations", "text"),
+        M.KERNEL_MS: Col("Kernels (ms)"),
+        M.COMM_WAIT_MS: Col("Comm. wait (ms)"),
+        M.COMPUTE_ONLY_MS: Col("Compute only (ms)"),
+        M.COMM_ONLY_MS: Col("Comm. only (ms)"),
+        M.CCR: Col("CCR"),
+        M.OVERLAP_EFF: Col("Overlap eff."),
+        M.OVERHEAD_RATIO: Col("Overhead ratio"),
+    }
     # columns a run did not record (no breakdown, peers' uncounted operations) are left out
     cols = {k: v for k, v in cols.items() if v.const or data[k].replace("", None).notna().any()}
-    what = ("Bytes one iteration moves per rank and its communication calls; time in kernels and blocked in "
-            "communication; CCR = compute-only / comm-only time; overlap efficiency = (compute-only + comm-only - "
-            "total) / min(compute-only, comm-only)")
+    what = (
+        "Bytes one iteration moves per rank and its communication calls; time in kernels and blocked in "
+        "communication (one instrumented iteration; overhead ratio = its total / (kernels + waits)); CCR = "
+        "compute-only / comm-only time; overlap efficiency = (compute-only + comm-only - total) / "
+        "min(compute-only, comm-only), 1 = the shorter part fully hidden, 0 = none hidden"
+    )
+    eff = pd.to_numeric(data[M.OVERLAP_EFF], errors="coerce")
+    if ((eff < 0) | (eff > 1)).any():  # say why a reader sees -1.39, rather than let it pass as a measurement
+        what += (
+            "; its three times are medians of different runs (compute-only, comm-only, the timed repeats), so "
+            "it leaves [0, 1] where the full iteration took longer than its parts run apart (below 0: "
+            "contention or noise, no overlap to read) or less"
+        )
     return Table("communication", title, data, cols, what=what, section="communication", source=_source(df))
 
 
@@ -378,8 +561,9 @@ def memory(df: pd.DataFrame) -> Table:
     if m.empty:
         return Table("memory_peak_MiB", title, pd.DataFrame(), {})
     t = m.assign(P=m["world_size"], peak_MiB=m[M.PEAK_MEM] / 2**20)
-    out = t.pivot_table(index=["shape", "P", "mask", "pass", "seq_len"], columns="series", values="peak_MiB",
-                        aggfunc="max")
+    out = t.pivot_table(
+        index=["shape", "P", "mask", "pass", "seq_len"], columns="series", values="peak_MiB", aggfunc="max"
+    )
     series = list(out.columns)
     out = out.reset_index()
     out.columns.name = None
@@ -395,12 +579,31 @@ def problems(df: pd.DataFrame) -> Table:
     bad = df[df[M.STATUS] != M.OK] if not df.empty else df
     if bad.empty:
         return Table("skips_and_failures", title, pd.DataFrame(), {})
-    data = pd.DataFrame({"series": bad["series"], "P": bad["world_size"], "config": bad["config"],
-                         "status": bad[M.STATUS], "reason": bad[M.REASON].fillna("")}).reset_index(drop=True)
-    cols = {"series": Col("Method", "text"), "P": Col(_p_header(df), "int"), "config": Col("Problem", "text"),
-            "status": Col("Status", "text"), "reason": Col("Reason", "text")}
-    return Table("skips_and_failures", title, data, cols, what="Every trial that is not a clean ok, with its reason",
-                 section="problems", source=_source(df))
+    data = pd.DataFrame(
+        {
+            "series": bad["series"],
+            "P": bad["world_size"],
+            "config": bad["config"],
+            "status": bad[M.STATUS],
+            "reason": bad[M.REASON].fillna(""),
+        }
+    ).reset_index(drop=True)
+    cols = {
+        "series": Col("Method", "text"),
+        "P": Col(_p_header(df), "int"),
+        "config": Col("Problem", "text"),
+        "status": Col("Status", "text"),
+        "reason": Col("Reason", "text"),
+    }
+    return Table(
+        "skips_and_failures",
+        title,
+        data,
+        cols,
+        what="Every trial that is not a clean ok, with its reason",
+        section="problems",
+        source=_source(df),
+    )
 
 
 def perplexity(df: pd.DataFrame) -> Table:
@@ -410,32 +613,62 @@ def perplexity(df: pd.DataFrame) -> Table:
     title = "Model-level check"
     if t.empty:
         return Table("perplexity", title, pd.DataFrame(), {})
-    data = pd.DataFrame({
-        "shape": t["shape"], "S": t["seq_len"], "series": t["series"], "P": t["world_size"], "status": t[M.STATUS],
-        "perplexity": t[M.PPL], "baseline perplexity": t[M.PPL_BASELINE],
-        "perplexity rel. diff": t[M.PPL_REL_DIFF], "max loss rel. diff": t[M.LOSS_MAX_REL_DIFF],
-        "final train loss": t[M.LOSS_CURVE].map(lambda c: float(c[-1]) if c is not None and len(c) else math.nan),
-        "ms per step": t[M.TIME_MS_MEDIAN], "MiB sent per step": t[M.BYTES_SENT] / 2**20,
-        "_order": t["method"] != "baseline",  # the baseline first
-    })
+    data = pd.DataFrame(
+        {
+            "shape": t["shape"],
+            "S": t["seq_len"],
+            "series": t["series"],
+            "P": t["world_size"],
+            "status": t[M.STATUS],
+            "perplexity": t[M.PPL],
+            "baseline perplexity": t[M.PPL_BASELINE],
+            "perplexity rel. diff": t[M.PPL_REL_DIFF],
+            "max loss rel. diff": t[M.LOSS_MAX_REL_DIFF],
+            "final train loss": t[M.LOSS_CURVE].map(lambda c: float(c[-1]) if c is not None and len(c) else math.nan),
+            "ms per step": t[M.TIME_MS_MEDIAN],
+            "MiB sent per step": t[M.BYTES_SENT] / 2**20,
+            "_order": t["method"] != "baseline",  # the baseline first
+        }
+    )
     data = data.sort_values(["shape", "S", "_order", "P", "series"]).drop(columns="_order").reset_index(drop=True)
     word = rank_word(t[t["world_size"] > 1]) if (t["world_size"] > 1).any() else "rank"
-    cols = {"shape": Col("Shape", "text", const="{}"), "S": Col("S (tokens)", "int", const="S = {}"),
-            "series": Col("Method", "text"), "P": Col("P", "int"), "status": Col("Status", "text"),
-            "perplexity": Col("Perplexity", "precise", group="ppl"),
-            "baseline perplexity": Col("Baseline perplexity", "precise", group="ppl"),
-            "perplexity rel. diff": Col("Perplexity rel. diff.", "sci"),
-            "max loss rel. diff": Col("Max loss rel. diff.", "sci"),
-            "final train loss": Col("Final train loss", "precise"), "ms per step": Col("Time per step (ms)"),
-            "MiB sent per step": Col(f"Sent per {word} per step (MiB)")}
-    what = ("Validation perplexity after training with each method against the same model trained on one device; "
-            "rel. diff. = perplexity / baseline - 1; max loss rel. diff. = largest per-step |loss - baseline| / "
-            "baseline. Digits are shown down to the smallest difference between methods")
+    cols = {
+        "shape": Col("Shape", "text", const="{}"),
+        "S": Col("S (tokens)", "int", const="S = {}"),
+        "series": Col("Method", "text"),
+        "P": Col("P", "int"),
+        "status": Col("Status", "text"),
+        "perplexity": Col("Perplexity", "precise", group="ppl"),
+        "baseline perplexity": Col("Baseline perplexity", "precise", group="ppl"),
+        "perplexity rel. diff": Col("Perplexity rel. diff.", "sci"),
+        "max loss rel. diff": Col("Max loss rel. diff.", "sci"),
+        "final train loss": Col("Final train loss", "precise"),
+        "ms per step": Col("Time per step (ms)"),
+        "MiB sent per step": Col(f"Sent per {word} per step (MiB)"),
+    }
+    what = (
+        "Validation perplexity after training with each method against the same model trained on one device; "
+        "rel. diff. = perplexity / baseline - 1; max loss rel. diff. = largest per-step |loss - baseline| / "
+        "baseline. Digits are shown down to the smallest difference between methods"
+    )
     return Table("perplexity", title, data, cols, what=what, section="perplexity", source=_source(t))
 
 
-SIM_PAIR = ["method", "options", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal",
-            "pass", "workload", "mask_name"]
+SIM_PAIR = [
+    "method",
+    "options",
+    "world_size",
+    "batch",
+    "seq_len",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "causal",
+    "pass",
+    "workload",
+    "mask_name",
+]
 
 
 def sim_pairs(df: pd.DataFrame) -> pd.DataFrame:
@@ -454,21 +687,35 @@ def sim_vs_measured(df: pd.DataFrame) -> Table:
     title = "Simulated vs measured"
     if pair.empty:
         return Table("sim_vs_measured", title, pd.DataFrame(), {})
-    data = pd.DataFrame({
-        "method": [method_label(r["method"], _options(r["options"])) for _, r in pair.iterrows()],
-        "P": pair["world_size"], "S": pair["seq_len"], "B": pair["batch"],
-        "mask": pair["mask_dist"], "pass": pair["pass"],
-        "measured on": pair["hardware_dist"], "predicted on": pair["topology_sim"],
-        "measured ms": pair[f"{M.TIME_MS_MEDIAN}_dist"], "predicted ms": pair[f"{M.TIME_MS_MEDIAN}_sim"],
-    })
+    data = pd.DataFrame(
+        {
+            "method": [method_label(r["method"], _options(r["options"])) for _, r in pair.iterrows()],
+            "P": pair["world_size"],
+            "S": pair["seq_len"],
+            "B": pair["batch"],
+            "mask": pair["mask_dist"],
+            "pass": pair["pass"],
+            "measured on": pair["hardware_dist"],
+            "predicted on": pair["topology_sim"],
+            "measured ms": pair[f"{M.TIME_MS_MEDIAN}_dist"],
+            "predicted ms": pair[f"{M.TIME_MS_MEDIAN}_sim"],
+        }
+    )
     data["error %"] = 100 * (data["predicted ms"] / data["measured ms"] - 1)
     data = data.sort_values(["P", "method", "mask", "pass"]).reset_index(drop=True)
-    cols = {"method": Col("Method", "text"), "P": Col("P", "int", const="P = {}"),
-            "S": Col("S (tokens)", "int", const="S = {}"), "B": Col("B", "int", const="B = {}"),
-            "mask": Col("Mask", "text", const="{} mask"), "pass": Col("Pass", "text", const="pass {}"),
-            "measured on": Col("Measured on", "text", const="measured on {}"),
-            "predicted on": Col("Predicted on", "text", const="predicted on {}"), "measured ms": Col("Measured (ms)"),
-            "predicted ms": Col("Predicted (ms)"), "error %": Col("Error (%)", "pct")}
+    cols = {
+        "method": Col("Method", "text"),
+        "P": Col("P", "int", const="P = {}"),
+        "S": Col("S (tokens)", "int", const="S = {}"),
+        "B": Col("B", "int", const="B = {}"),
+        "mask": Col("Mask", "text", const="{} mask"),
+        "pass": Col("Pass", "text", const="pass {}"),
+        "measured on": Col("Measured on", "text", const="measured on {}"),
+        "predicted on": Col("Predicted on", "text", const="predicted on {}"),
+        "measured ms": Col("Measured (ms)"),
+        "predicted ms": Col("Predicted (ms)"),
+        "error %": Col("Error (%)", "pct"),
+    }
     what = "Median measured time (executor dist) beside the simulator's prediction of the same trial"
     return Table("sim_vs_measured", title, data, cols, what=what, section="sim", source=_source(df))
 
@@ -480,20 +727,37 @@ def balance(df: pd.DataFrame) -> Table:
     title = "Load balance"
     if m.empty or (m[M.IMBALANCE] == 1).all():
         return Table("balance", title, pd.DataFrame(), {})
-    data = pd.DataFrame({
-        "series": m["series"], "shape": m["shape"], "P": m["world_size"], "mask": m["mask"], "pass": m["pass"],
-        "seq_len": m["seq_len"], "imbalance": m[M.IMBALANCE], "kernel_spread": m[M.KERNEL_SPREAD],
-        "padding_pct": 100 * m[M.PADDING_FRACTION], "docs": m[M.DOCS_PER_SEQ]})
+    data = pd.DataFrame(
+        {
+            "series": m["series"],
+            "shape": m["shape"],
+            "P": m["world_size"],
+            "mask": m["mask"],
+            "pass": m["pass"],
+            "seq_len": m["seq_len"],
+            "imbalance": m[M.IMBALANCE],
+            "kernel_spread": m[M.KERNEL_SPREAD],
+            "padding_pct": 100 * m[M.PADDING_FRACTION],
+            "docs": m[M.DOCS_PER_SEQ],
+        }
+    )
     data = data.sort_values(["shape", "mask", "pass", "P", "seq_len", "series"]).reset_index(drop=True)
     word = rank_word(df)
-    cols = {**_shape_cols(_p_header(df)), "seq_len": Col("S (tokens)", "int", const="S = {}"),
-            "series": Col("Method", "text"), "imbalance": Col("Pairs max/mean", "ratio"),
-            "kernel_spread": Col("Kernel time max/mean", "ratio"), "padding_pct": Col("Padding (%)", "pct"),
-            "docs": Col("Documents per sequence")}
+    cols = {
+        **_shape_cols(_p_header(df)),
+        "seq_len": Col("S (tokens)", "int", const="S = {}"),
+        "series": Col("Method", "text"),
+        "imbalance": Col("Pairs max/mean", "ratio"),
+        "kernel_spread": Col("Kernel time max/mean", "ratio"),
+        "padding_pct": Col("Padding (%)", "pct"),
+        "docs": Col("Documents per sequence"),
+    }
     cols = {k: v for k, v in cols.items() if v.const or data[k].notna().any()}
-    what = (f"Visible (query, key) pairs x heads the busiest {word}'s attention kernels compute over the mean "
-            f"{word}'s (1 = balanced; document-causal masks counted exactly), the measured time in kernels of the "
-            f"slowest {word} over the mean, tail padding added for the layout, and packed documents per sequence")
+    what = (
+        f"Visible (query, key) pairs x heads the busiest {word}'s attention kernels compute over the mean "
+        f"{word}'s (1 = balanced; document-causal masks counted exactly), the measured time in kernels of the "
+        f"slowest {word} over the mean, tail padding added for the layout, and packed documents per sequence"
+    )
     return Table("balance", title, data, cols, what=what, section="balance", source=_source(df))
 
 
@@ -506,17 +770,26 @@ def packed_vs_uniform(df: pd.DataFrame) -> Table:
         return Table("packed_vs_uniform", title, pd.DataFrame(), {})
     parts = t["mask"].str.split(", docs:", n=1, expand=True)
     t = t.assign(mask=parts[0], mix=("docs:" + parts[1]).fillna("uniform") if 1 in parts else "uniform")
-    out = t.pivot_table(index=["shape", "P", "mask", "pass", "seq_len", "series"], columns="mix",
-                        values="pct_of_ideal", aggfunc="median")
+    out = t.pivot_table(
+        index=["shape", "P", "mask", "pass", "seq_len", "series"],
+        columns="mix",
+        values="pct_of_ideal",
+        aggfunc="median",
+    )
     mixes = ["uniform"] + sorted(c for c in out.columns if c != "uniform")
     out = out.reindex(columns=[c for c in mixes if c in out.columns]).reset_index()
     out.columns.name = None
-    cols = {**_shape_cols(_p_header(df)), "seq_len": Col("S (tokens)", "int", const="S = {}"),
-            "series": Col("Method", "text")}
+    cols = {
+        **_shape_cols(_p_header(df)),
+        "seq_len": Col("S (tokens)", "int", const="S = {}"),
+        "series": Col("Method", "text"),
+    }
     cols.update({c: Col(c, "pct") for c in mixes if c in out.columns})
-    what = ("Single-device reference time of the same problem and length mix / P over the method's median time; "
-            "columns are length mixes (uniform: one document per sequence; docs: packed documents of that "
-            "distribution, document-causal mask)")
+    what = (
+        "Single-device reference time of the same problem and length mix / P over the method's median time; "
+        "columns are length mixes (uniform: one document per sequence; docs: packed documents of that "
+        "distribution, document-causal mask)"
+    )
     return Table("packed_vs_uniform", title, out, cols, what=what, section="balance", source=_source(df))
 
 
@@ -528,25 +801,41 @@ def mask_families(df: pd.DataFrame) -> Table:
     title = "Mask families: throughput, redundant communication and balance"
     if m.empty or not (m["mask_name"] != "").any():
         return Table("mask_families", title, pd.DataFrame(), {})
-    data = pd.DataFrame({
-        "series": m["series"], "shape": m["shape"], "P": m["world_size"], "pass": m["pass"],
-        "seq_len": m["seq_len"], "mask": m["family"], "mix": m["mix"], "pct_of_ideal": throughput_pct(df),
-        "redundant_mib": pd.to_numeric(m[M.REDUNDANT_BYTES], errors="coerce") / 2**20,
-        "imbalance": pd.to_numeric(m[M.IMBALANCE], errors="coerce"),
-        "gini": pd.to_numeric(m[M.AREA_GINI], errors="coerce"),
-        "sim_error_pct": pd.to_numeric(m[M.SIM_ERROR_PCT], errors="coerce"),
-    })
+    data = pd.DataFrame(
+        {
+            "series": m["series"],
+            "shape": m["shape"],
+            "P": m["world_size"],
+            "pass": m["pass"],
+            "seq_len": m["seq_len"],
+            "mask": m["family"],
+            "mix": m["mix"],
+            "pct_of_ideal": throughput_pct(df),
+            "redundant_mib": pd.to_numeric(m[M.REDUNDANT_BYTES], errors="coerce") / 2**20,
+            "imbalance": pd.to_numeric(m[M.IMBALANCE], errors="coerce"),
+            "gini": pd.to_numeric(m[M.AREA_GINI], errors="coerce"),
+            "sim_error_pct": pd.to_numeric(m[M.SIM_ERROR_PCT], errors="coerce"),
+        }
+    )
     data = data[data["P"] > 1].sort_values(["shape", "pass", "P", "seq_len", "mix", "mask", "series"])
     data = data.reset_index(drop=True)
-    cols = {**_shape_cols(_p_header(df)), "seq_len": Col("S (tokens)", "int", const="S = {}"),
-            "mix": Col("Length mix", "text"), "series": Col("Method", "text"),
-            "pct_of_ideal": Col("% of ideal", "pct"), "redundant_mib": Col("Redundant K/V (MiB per rank)"),
-            "imbalance": Col("Area max/mean", "ratio"), "gini": Col("Area Gini", "ratio")}
+    cols = {
+        **_shape_cols(_p_header(df)),
+        "seq_len": Col("S (tokens)", "int", const="S = {}"),
+        "mix": Col("Length mix", "text"),
+        "series": Col("Method", "text"),
+        "pct_of_ideal": Col("% of ideal", "pct"),
+        "redundant_mib": Col("Redundant K/V (MiB per rank)"),
+        "imbalance": Col("Area max/mean", "ratio"),
+        "gini": Col("Area Gini", "ratio"),
+    }
     cols = {k: v for k, v in cols.items() if v.const or data[k].notna().any()}
-    what = ("Percent of ideal (the single-device reference time of the same problem and mask / P over the "
-            "method's median time); K/V bytes a rank received that none of its queries attends (max over ranks); "
-            "the ranks' visible (query, key) pairs: busiest over mean, and their Gini coefficient (0 = equal). "
-            "Simulated rows carry their error band in the throughput table")
+    what = (
+        "Percent of ideal (the single-device reference time of the same problem and mask / P over the "
+        "method's median time); K/V bytes a rank received that none of its queries attends (max over ranks); "
+        "the ranks' visible (query, key) pairs: busiest over mean, and their Gini coefficient (0 = equal). "
+        "Simulated rows carry their error band in the throughput table"
+    )
     return Table("mask_families", title, data, cols, what=what, section="balance", source=_source(df))
 
 
@@ -564,10 +853,21 @@ def build_tables(df: pd.DataFrame, baseline: str) -> dict[str, Table]:
     """All tables of a report, by file stem (empty ones are left out by the writer). Attention
     tables use the attention rows; the perplexity table the model-level rows."""
     att = attention_rows(df)
-    tables = [status_counts(df), correctness_matrix(att), throughput(att), throughput_pivot(att),
-              speedup(att, baseline), communication(att), balance(att), packed_vs_uniform(att), mask_families(att),
-              memory(att),
-              perplexity(df), sim_vs_measured(att), problems(df)]
+    tables = [
+        status_counts(df),
+        correctness_matrix(att),
+        throughput(att),
+        throughput_pivot(att),
+        speedup(att, baseline),
+        communication(att),
+        balance(att),
+        packed_vs_uniform(att),
+        mask_families(att),
+        memory(att),
+        perplexity(df),
+        sim_vs_measured(att),
+        problems(df),
+    ]
     return {t.name: t for t in tables}
 
 
@@ -639,6 +939,7 @@ def formatted(table: Table) -> tuple[pd.DataFrame, dict[str, Col]]:
         if col.kind == "precise" and col.group:
             vals = [v for n, c in cols.items() if c.group == col.group for v in data[n]]
             groups[col.group] = precise_digits(vals)
-    text = pd.DataFrame({name: format_column(data[name], col, groups.get(col.group)) for name, col in cols.items()},
-                        index=data.index)
+    text = pd.DataFrame(
+        {name: format_column(data[name], col, groups.get(col.group)) for name, col in cols.items()}, index=data.index
+    )
     return text, cols

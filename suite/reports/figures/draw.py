@@ -144,6 +144,7 @@ def _points(data, palette, *, rows, cols, xlabel, ylabel, title, auto_log=False,
                 ax.plot(x, pts["y"], color=st.colour, marker=st.marker, markersize=5,
                         linestyle=st.linestyle if len(pts) > 1 and lines else "none", markeredgecolor="white",
                         markeredgewidth=0.5, zorder=3)
+                _mark_busy(ax, pts, x, pts["y"])
             _categorical_x(ax, xs, last_row=i == len(rows) - 1, xlabel=xlabel)
             ax.set_title(f"{r}, {c}" if r != c else r)
             if j == 0:
@@ -153,6 +154,28 @@ def _points(data, palette, *, rows, cols, xlabel, ylabel, title, auto_log=False,
     _title(fig, title, fig.get_figheight())
     _legend(fig, palette, series)
     return fig
+
+
+BUSY_COLOUR = "#D62728"
+
+
+def _mark_busy(ax, pts: pd.DataFrame, x: list, y) -> None:
+    """A red ring at the points whose timing was flagged busy (plan: `busy`, said in the caption)."""
+    if "busy" not in pts:
+        return
+    flag = pts["busy"].fillna(False).astype(bool).to_numpy()
+    if flag.any():
+        ax.plot(
+            np.asarray(x)[flag],
+            np.asarray(y, dtype=float)[flag],
+            linestyle="none",
+            marker="o",
+            markersize=11,
+            markerfacecolor="none",
+            markeredgecolor=BUSY_COLOUR,
+            markeredgewidth=1.4,
+            zorder=4,
+        )
 
 
 def _room_for_slanted(fig, xs: list) -> None:
@@ -188,8 +211,9 @@ def _row_y(axes_row, d: pd.DataFrame, log: bool, ref=None):
 def _nice_ticks(lo: float, hi: float) -> list[float]:
     """1-2-5 ticks from the largest one at or below `lo` to the smallest one at or above `hi`: the
     axis ends on labelled ticks, so it always shows at least two labels."""
-    ticks = [m * 10.0**e for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 2)
-             for m in (1, 2, 5)]
+    ticks = [
+        m * 10.0**e for e in range(math.floor(math.log10(lo)) - 1, math.ceil(math.log10(hi)) + 2) for m in (1, 2, 5)
+    ]
     start = max(t for t in ticks if t <= lo * (1 + 1e-9))
     end = min(t for t in ticks if t >= hi * (1 - 1e-9))
     inside = [t for t in ticks if start <= t <= end]
@@ -239,9 +263,18 @@ def _bars(data, palette, *, rows, cols, xlabel, ylabel, title, ref=1.0):
                 st = palette.style(s)
                 x = [pos[v] + off[s] for v in pts["x"]]
                 ax.bar(x, pts["y"], width=width * 0.92, color=st.colour, zorder=2)
+                _mark_busy(ax, pts, x, pts["hi"].where(pts["hi"] > pts["y"], pts["y"]))
                 if (pts["hi"] - pts["lo"]).abs().max() > 0:  # a single sample (simulated) has no spread
-                    ax.errorbar(x, pts["y"], yerr=[pts["y"] - pts["lo"], pts["hi"] - pts["y"]], fmt="none",
-                                ecolor="#333333", elinewidth=0.8, capsize=1.5, zorder=3)
+                    ax.errorbar(
+                        x,
+                        pts["y"],
+                        yerr=[pts["y"] - pts["lo"], pts["hi"] - pts["y"]],
+                        fmt="none",
+                        ecolor="#333333",
+                        elinewidth=0.8,
+                        capsize=1.5,
+                        zorder=3,
+                    )
             ax.axhline(ref, ls="--", c="grey", lw=1, zorder=1)
             _categorical_x(ax, xs, last_row=i == len(rows) - 1, xlabel=xlabel)
             ax.set_title(f"{r}, {c}")
@@ -257,8 +290,17 @@ def _split(data, palette, *, rows, cols, xlabel, title):
     series = palette.sort(data["series"])
     longest = max(len(s) for s in series)
     left = 0.3 + 0.074 * longest
-    fig, axes = _grid(rows, cols, _legend_width(list(SPLIT), "time in"), title, sharey=True, sharex="row",
-                      panel_h=max(1.2, 0.26 * len(series) + 0.5), left=left, hspace_in=0.7)
+    fig, axes = _grid(
+        rows,
+        cols,
+        _legend_width(list(SPLIT), "time in"),
+        title,
+        sharey=True,
+        sharex="row",
+        panel_h=max(1.2, 0.26 * len(series) + 0.5),
+        left=left,
+        hspace_in=0.7,
+    )
     ypos = {s: k for k, s in enumerate(series)}
     for i, r in enumerate(rows):
         for j, c in enumerate(cols):
@@ -279,8 +321,13 @@ def _split(data, palette, *, rows, cols, xlabel, title):
         axes[i][0].set_xlim(0, row_total * 1.05)
     _title(fig, title, fig.get_figheight())
     handles = [Patch(facecolor=c, label=lab) for lab, c in zip(SPLIT, SPLIT_COLOURS)]
-    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(fig.subplotpars.right + 0.01, fig.subplotpars.top),
-               title="time in", alignment="left")
+    fig.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(fig.subplotpars.right + 0.01, fig.subplotpars.top),
+        title="time in",
+        alignment="left",
+    )
     return fig
 
 
@@ -298,10 +345,27 @@ def _scatter(data, palette, *, xlabel, ylabel, title):
         pts = data[data["label"] == lab]
         st = palette.style(pts["series"].iloc[0])
         colour = palette.method_colours.get(method_of[lab], st.colour)
-        ax.errorbar(pts["x"], pts["y"], xerr=[pts["x"] - pts["lo"], pts["hi"] - pts["x"]], fmt="none",
-                    ecolor=colour, elinewidth=0.8, capsize=1.5, alpha=0.8, zorder=2)
-        ax.plot(pts["x"], pts["y"], linestyle="none", marker=st.marker, color=colour, markeredgecolor="white",
-                markeredgewidth=0.5, zorder=3)
+        ax.errorbar(
+            pts["x"],
+            pts["y"],
+            xerr=[pts["x"] - pts["lo"], pts["hi"] - pts["x"]],
+            fmt="none",
+            ecolor=colour,
+            elinewidth=0.8,
+            capsize=1.5,
+            alpha=0.8,
+            zorder=2,
+        )
+        ax.plot(
+            pts["x"],
+            pts["y"],
+            linestyle="none",
+            marker=st.marker,
+            color=colour,
+            markeredgecolor="white",
+            markeredgewidth=0.5,
+            zorder=3,
+        )
         handles.append(Line2D([], [], color=colour, marker=st.marker, linestyle="none", label=lab))
     vals = data[["x", "y", "lo", "hi"]].to_numpy(dtype=float).ravel()
     vals = vals[np.isfinite(vals) & (vals > 0)]
@@ -312,8 +376,13 @@ def _scatter(data, palette, *, xlabel, ylabel, title):
     ax.plot([a, b], [a, b], ls="--", c="grey", lw=1, zorder=1)
     ax.set(xlabel=xlabel, ylabel=ylabel)
     _title(fig, title, fig.get_figheight())
-    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(fig.subplotpars.right + 0.01, fig.subplotpars.top),
-               title="method", alignment="left")
+    fig.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(fig.subplotpars.right + 0.01, fig.subplotpars.top),
+        title="method",
+        alignment="left",
+    )
     return fig
 
 
@@ -321,8 +390,7 @@ def _loss(data, palette, *, title, eps=None, dtype=""):
     series = palette.sort(data["series"])
     labels = {s: f"{s} P={int(data.loc[data['series'] == s, 'P'].iloc[0])}" for s in series}
     legend_w = _legend_width(list(labels.values()))
-    fig, axes = _grid(["loss"], ["loss", "diff"], legend_w, title, sharey=False, panel_w=3.0, panel_h=2.3,
-                      left=0.75)
+    fig, axes = _grid(["loss"], ["loss", "diff"], legend_w, title, sharey=False, panel_w=3.0, panel_h=2.3, left=0.75)
     ax_l, ax_d = axes[0]
     handles = []
     every = max(1, int(data["step"].max()) // 8)
@@ -330,13 +398,22 @@ def _loss(data, palette, *, title, eps=None, dtype=""):
         pts = data[data["series"] == s]
         st = palette.style(s)
         if pts["baseline"].iloc[0]:
-            h, = ax_l.plot(pts["step"], pts["loss"], color="black", lw=2.6, alpha=0.3, label=labels[s], zorder=1)
+            (h,) = ax_l.plot(pts["step"], pts["loss"], color="black", lw=2.6, alpha=0.3, label=labels[s], zorder=1)
             handles.append(h)
             continue
         ax_l.plot(pts["step"], pts["loss"], color=st.colour, lw=1.0, linestyle=st.linestyle, zorder=2)
         # markers of different series at different steps: curves that coincide still show every marker
-        ax_d.plot(pts["step"], pts["diff"], color=st.colour, marker=st.marker, markevery=(k % every, every),
-                  ms=4, lw=1.0, linestyle=st.linestyle, zorder=2)
+        ax_d.plot(
+            pts["step"],
+            pts["diff"],
+            color=st.colour,
+            marker=st.marker,
+            markevery=(k % every, every),
+            ms=4,
+            lw=1.0,
+            linestyle=st.linestyle,
+            zorder=2,
+        )
         handles.append(Line2D([], [], color=st.colour, marker=st.marker, linestyle=st.linestyle, label=labels[s]))
     diffs = data["diff"].to_numpy(dtype=float)
     diffs = diffs[np.isfinite(diffs) & (diffs > 0)]
@@ -344,18 +421,32 @@ def _loss(data, palette, *, title, eps=None, dtype=""):
         lo, hi = diffs.min(), diffs.max()
         if eps is not None:
             ax_d.axhline(eps, ls=":", color="grey", lw=1)
-            ax_d.annotate(f"{dtype} machine epsilon", (0.02, eps), xycoords=("axes fraction", "data"),
-                          xytext=(0, 3), textcoords="offset points", fontsize=7, color="grey")
+            ax_d.annotate(
+                f"{dtype} machine epsilon",
+                (0.02, eps),
+                xycoords=("axes fraction", "data"),
+                xytext=(0, 3),
+                textcoords="offset points",
+                fontsize=7,
+                color="grey",
+            )
             lo, hi = min(lo, eps), max(hi, eps)
         _readable_log(ax_d, lo, hi, "y")
     ax_l.set(xlabel="training step", ylabel="training loss (nats per byte)", title="training loss")
-    ax_d.set(xlabel="training step", ylabel="max so far of |loss - baseline| / baseline",
-             title="difference to the single-device baseline")
+    ax_d.set(
+        xlabel="training step",
+        ylabel="max so far of |loss - baseline| / baseline",
+        title="difference to the single-device baseline",
+    )
     _title(fig, title, fig.get_figheight())
-    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(fig.subplotpars.right + 0.01, fig.subplotpars.top),
-               title="method", alignment="left")
+    fig.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(fig.subplotpars.right + 0.01, fig.subplotpars.top),
+        title="method",
+        alignment="left",
+    )
     return fig
 
 
-_DRAWERS: dict[str, Callable] = {"points": _points, "bars": _bars, "split": _split, "scatter": _scatter,
-                                 "loss": _loss}
+_DRAWERS: dict[str, Callable] = {"points": _points, "bars": _bars, "split": _split, "scatter": _scatter, "loss": _loss}

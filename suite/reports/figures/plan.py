@@ -3,14 +3,18 @@
 `plan_figures` returns one `FigureJob` per figure file, holding exactly the tidy rows it draws (no
 matplotlib here). What the numbers keep to:
 - a point is the median of the stored timed samples, its bar the spread of those samples
-  (`INTERVAL`: percentiles 0 and 100, i.e. min to max, seaborn's errorbar=("pi", 100));
+  (`INTERVAL`: percentiles 0 and 100, i.e. min to max, seaborn's errorbar=("pi", 100)); a
+  simulated point is a prediction, its bar the simulator's validated error band where the row
+  has one, and its figure's title and caption say predicted;
+- a point whose slowest timed repeat is more than `BUSY_SPREAD` x its median is marked (the
+  machine may have been busy while it was timed);
 - numbers of different problem shapes are never drawn as one point: one figure per shape;
 - x is the swept axis (sequence length when several were run, else world size);
 - labels name the device: GPUs, or CPU ranks for CPU processes.
 """
+
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -22,10 +26,14 @@ from suite import metrics as M
 from suite.metrics import method_label
 from suite.reports import style as S
 from suite.reports.tables import (
+    BUSY_SPREAD,
+    SPEEDUP_INTERVAL,
     _options,
     attention_rows,
+    busy,
     measured,
     perplexity_rows,
+    samples,
     sim_band_caption,
     sim_pairs,
     speedup_rows,
@@ -72,26 +80,18 @@ def _per_shape(df: pd.DataFrame):
         yield "_" + _slug(shape), shape, df[df["shape"] == shape]
 
 
-def _samples(row) -> np.ndarray:
-    s = row.get(M.TIME_MS_SAMPLES)
-    if isinstance(s, str):
-        s = json.loads(s)
-    if s is None or len(s) == 0:
-        s = [row[M.TIME_MS_MEDIAN]]
-    return np.asarray(s, dtype=float)
-
-
-def _rate_points(m: pd.DataFrame, value: str) -> pd.DataFrame:
-    """A rate (value proportional to 1 / time, e.g. TFLOP/s) per row at the median time, with the
-    interval of the rate over the row's timed samples."""
+def _rate_points(m: pd.DataFrame, value: str, scale: float = 1.0) -> pd.DataFrame:
+    """A rate (value proportional to 1 / time, e.g. TFLOP/s) per row at the median time, times
+    `scale` (a unit), with the interval of the rate over the row's timed samples and the row's
+    busy flag."""
     y, lo, hi = [], [], []
     for _, r in m.iterrows():
-        k = r[value] * r[M.TIME_MS_MEDIAN]
-        t_lo, t_hi = np.percentile(_samples(r), INTERVAL)
-        y.append(r[value])
+        k = r[value] * scale * r[M.TIME_MS_MEDIAN]
+        t_lo, t_hi = np.percentile(samples(r), INTERVAL)
+        y.append(r[value] * scale)
         lo.append(k / t_hi)
         hi.append(k / t_lo)
-    return _with_band(m.assign(y=y, lo=lo, hi=hi))
+    return _with_band(m.assign(y=y, lo=lo, hi=hi, busy=busy(m)))
 
 
 def _with_band(d: pd.DataFrame) -> pd.DataFrame:
@@ -108,9 +108,35 @@ def _with_band(d: pd.DataFrame) -> pd.DataFrame:
     return d
 
 
-def _band_note(part: pd.DataFrame) -> str:
-    note = sim_band_caption(part)
-    return f" Simulated points: {note.removeprefix('simulated series are ')}; their bars span that band." if note else ""
+def _is_sim(part: pd.DataFrame) -> pd.Series:
+    return part["executor"] == "sim"
+
+
+def _titled(title: str, part: pd.DataFrame) -> str:
+    """A figure's title that says predicted where its rows are simulated: "Predicted attention
+    throughput ... (±12 %)" when all are (with their error band, where the rows carry one), "...
+    (measured and predicted)" when some are."""
+    sim = _is_sim(part)
+    if not sim.any():
+        return title
+    if not sim.all():
+        return f"{title} (measured and predicted)"
+    bands = pd.to_numeric(part[M.SIM_ERROR_PCT], errors="coerce").dropna() if M.SIM_ERROR_PCT in part else []
+    band = ""
+    if len(bands):
+        lo, hi = bands.min(), bands.max()
+        band = f" (±{lo:.0f} %)" if round(lo) == round(hi) else f" (±{lo:.0f}-{hi:.0f} %)"
+    return f"Predicted {title[0].lower()}{title[1:]}{band}"
+
+
+def _busy_note(d: pd.DataFrame) -> str:
+    flags = d["busy"].fillna(False).astype(bool) if "busy" in d else busy(d)
+    if not flags.any():
+        return ""
+    return (
+        f" Points circled in red had a slowest timed repeat over {BUSY_SPREAD:g}x their median: the machine may "
+        "have been busy while they were timed; rerun them before trusting them."
+    )
 
 
 def _facet(d: pd.DataFrame, x: str) -> tuple[pd.DataFrame, list, list, str]:
@@ -142,17 +168,37 @@ def _x_label(d: pd.DataFrame, x: str) -> str:
 
 def _tidy(d: pd.DataFrame, x: str, cols=("y", "lo", "hi")) -> pd.DataFrame:
     """Only what a figure draws, one row per series and point (rows of one series at one point,
-    e.g. the same sweep run twice, are pooled by the median)."""
+    e.g. the same sweep run twice, are pooled by the median; a point is busy if any of them is)."""
     keep = ["series", "row", "col", x] + [c for c in cols if c in d]
     out = d[keep].rename(columns={x: "x"}).groupby(["series", "row", "col", "x"], as_index=False).median()
+    if "busy" in d and d["busy"].fillna(False).astype(bool).any():
+        flag = d.assign(busy=d["busy"].fillna(False).astype(bool))[["series", "row", "col", x, "busy"]]
+        flag = flag.rename(columns={x: "x"}).groupby(["series", "row", "col", "x"], as_index=False)["busy"].max()
+        out = out.merge(flag, on=["series", "row", "col", "x"], how="left")
     return out.sort_values(["row", "col", "x", "series"]).reset_index(drop=True)
 
 
 def _interval_note(d: pd.DataFrame) -> str:
-    reps = d[M.REPEATS].dropna().unique() if M.REPEATS in d else []
-    n = f"{int(reps[0])} " if len(reps) == 1 else ""
-    return (f"Points are medians of the {n}timed repeats, bars span their minimum to maximum; series sharing a "
-            "value are shifted sideways")
+    """What a point and its bar are: medians of the timed repeats for measured rows; predictions
+    (with their error band, where the rows carry one) for simulated rows, which have no repeats."""
+    sim = _is_sim(d)
+    meas = d[~sim]
+    notes = []
+    if not meas.empty:
+        reps = meas[M.REPEATS].dropna().unique() if M.REPEATS in meas else []
+        n = f"{int(reps[0])} " if len(reps) == 1 else ""
+        who = "Measured points" if sim.any() else "Points"
+        notes.append(f"{who} are medians of the {n}timed repeats, bars span their minimum to maximum.")
+    if sim.any():
+        band = sim_band_caption(d[sim])
+        if band:
+            notes.append(
+                f"Simulated points are {band.removeprefix('simulated series are ')}; their bars span that band."
+            )
+        else:
+            notes.append("Simulated points are the simulator's predictions (one value per trial, no repeats).")
+    notes.append("Series sharing a value are shifted sideways.")
+    return " ".join(notes) + _busy_note(d)
 
 
 # -- planning ----------------------------------------------------------------------------------------
@@ -192,15 +238,27 @@ def _plan_throughput(df, _baseline) -> list[FigureJob]:
     m = measured(df)
     for slug, shape, part in _per_shape(m):
         x = _x_axis(part)
-        d, rows, cols, _ = _facet(_rate_points(part, M.TFLOPS_PER_GPU), x)
+        unit = S.flop_unit(part)
+        d, rows, cols, _ = _facet(_rate_points(part, M.TFLOPS_PER_GPU, unit.scale), x)
         word = S.rank_word(part)
-        jobs.append(FigureJob(
-            f"throughput{slug}", "points", _tidy(d, x),
-            dict(rows=rows, cols=cols, xlabel=_x_label(part, x), ylabel=f"TFLOP/s per {word}",
-                 title=f"Attention throughput per {word}, {shape}" + _fixed_s(part, x), auto_log=True),
-            section="throughput", shape=shape,
-            caption="FLOP count of the flash-attention convention / time / P. " + _interval_note(part)
-            + _band_note(part)))
+        jobs.append(
+            FigureJob(
+                f"throughput{slug}",
+                "points",
+                _tidy(d, x),
+                dict(
+                    rows=rows,
+                    cols=cols,
+                    xlabel=_x_label(part, x),
+                    ylabel=f"{unit.label} per {word}",
+                    title=_titled(f"Attention throughput per {word}, {shape}" + _fixed_s(part, x), part),
+                    auto_log=True,
+                ),
+                section="throughput",
+                shape=shape,
+                caption="FLOP count of the flash-attention convention / time / P. " + _interval_note(part),
+            )
+        )
     return jobs
 
 
@@ -218,13 +276,25 @@ def _plan_scaling(df, _baseline) -> list[FigureJob]:
         s = part["seq_len"].max()
         part = part[part["seq_len"] == s]
         d, rows, cols, _ = _facet(_rate_points(part, M.TOKENS_PER_S), "world_size")
-        jobs.append(FigureJob(
-            f"scaling{slug}", "points", _tidy(d, "world_size"),
-            dict(rows=rows, cols=cols, xlabel=S.ranks_label(part), ylabel="tokens per second",
-                 title=f"Scaling with {S.rank_word(part, True)}, {shape}, S = {size_label(s)}", auto_log=True),
-            section="scaling", shape=shape,
-            caption=f"Tokens per second against the number of {S.rank_word(part, True)} at the longest sequence. "
-                    + _interval_note(part) + _band_note(part)))
+        jobs.append(
+            FigureJob(
+                f"scaling{slug}",
+                "points",
+                _tidy(d, "world_size"),
+                dict(
+                    rows=rows,
+                    cols=cols,
+                    xlabel=S.ranks_label(part),
+                    ylabel="tokens per second",
+                    title=_titled(f"Scaling with {S.rank_word(part, True)}, {shape}, S = {size_label(s)}", part),
+                    auto_log=True,
+                ),
+                section="scaling",
+                shape=shape,
+                caption=f"Tokens per second against the number of {S.rank_word(part, True)} at the longest sequence. "
+                + _interval_note(part),
+            )
+        )
     return jobs
 
 
@@ -241,15 +311,46 @@ def _plan_speedup(df, baseline) -> list[FigureJob]:
         d, rows, cols, _ = _facet(
             _with_band(part.rename(columns={"speedup": "y", "speedup_lo": "lo", "speedup_hi": "hi"})), x
         )
-        jobs.append(FigureJob(
-            f"speedup{slug}", "bars", _tidy(d, x),
-            dict(rows=rows, cols=cols, xlabel=_x_label(part, x), ylabel=f"speedup over {baseline} (x)",
-                 title=f"Speedup over {baseline}, {shape}" + _fixed_s(part, x), ref=1.0),
-            section="speedup", shape=shape,
-            caption=f"{baseline} median time / method median time, same hardware, executor and problem; bars span "
-                    f"{baseline} min / method max to {baseline} max / method min over the timed repeats. Rows that "
-                    "failed the float64 check have no bar." + _band_note(part)))
+        jobs.append(
+            FigureJob(
+                f"speedup{slug}",
+                "bars",
+                _tidy(d.assign(busy=busy(d)), x),
+                dict(
+                    rows=rows,
+                    cols=cols,
+                    xlabel=_x_label(part, x),
+                    ylabel=f"speedup over {baseline} (x)",
+                    title=_titled(f"Speedup over {baseline}, {shape}" + _fixed_s(part, x), part),
+                    ref=1.0,
+                ),
+                section="speedup",
+                shape=shape,
+                caption=f"{baseline} median time / method median time, same hardware, executor and problem. "
+                + _speedup_note(part, baseline)
+                + " Rows that failed the float64 check have no bar."
+                + _busy_note(part),
+            )
+        )
     return jobs
+
+
+def _speedup_note(part: pd.DataFrame, baseline: str) -> str:
+    lo, hi = SPEEDUP_INTERVAL
+    notes = []
+    if not _is_sim(part).all():
+        notes.append(
+            f"Whiskers span the {lo}th to {hi}th percentile of the speedups of every {baseline} timed "
+            "repeat over every timed repeat of the method (the middle half of the possible ratios)."
+        )
+    if _is_sim(part).any():
+        band = sim_band_caption(part[_is_sim(part)])
+        notes.append(
+            f"Simulated bars are {band.removeprefix('simulated series are ')}; their whiskers span that band."
+            if band
+            else "Simulated bars are the simulator's predictions (no repeats, no interval)."
+        )
+    return " ".join(notes)
 
 
 def _plan_time_split(df, _baseline) -> list[FigureJob]:
@@ -260,19 +361,44 @@ def _plan_time_split(df, _baseline) -> list[FigureJob]:
         m = m[m["world_size"] == p]
         s = m["seq_len"].max()
         m = m[m["seq_len"] == s]
-        d = m.assign(row=m["pass"].astype(str), col=m["mask"].astype(str), x=0,
-                     kernels=m[M.KERNEL_MS], comm=m[M.COMM_WAIT_MS],
-                     other=(m[M.TIME_MS_MEDIAN] - m[M.KERNEL_MS] - m[M.COMM_WAIT_MS]).clip(lower=0))
-        tidy = d[["series", "row", "col", "kernels", "comm", "other"]].groupby(["series", "row", "col"],
-                                                                              as_index=False).median()
-        jobs.append(FigureJob(
-            f"time_split{slug}", "split", tidy,
-            dict(rows=sorted(tidy["row"].unique(), key=_row_key), cols=sorted(tidy["col"].unique()),
-                 xlabel="time per iteration (ms)",
-                 title=f"Time split, P = {p}, S = {size_label(s)}, {shape}"),
-            section="communication", shape=shape,
-            caption="Median iteration split into time in attention kernels, time blocked in communication (exposed), "
-                    f"and the rest, at the largest world size ({p}) and sequence length ({s}); means over ranks."))
+        # the rest of the same instrumented iteration: its total is overhead_ratio x (kernels + waits)
+        # (docs/DESIGN.md section 7); the median timed repeat is another iteration, and subtracting
+        # one iteration's parts from another's total gave tens of ms of "other" to a ratio of 1.05
+        ratio = pd.to_numeric(m[M.OVERHEAD_RATIO], errors="coerce")
+        parts = m[M.KERNEL_MS] + m[M.COMM_WAIT_MS]
+        d = m.assign(
+            row=m["pass"].astype(str),
+            col=m["mask"].astype(str),
+            x=0,
+            kernels=m[M.KERNEL_MS],
+            comm=m[M.COMM_WAIT_MS],
+            other=((ratio - 1) * parts).clip(lower=0).fillna(0.0),
+        )
+        tidy = (
+            d[["series", "row", "col", "kernels", "comm", "other"]]
+            .groupby(["series", "row", "col"], as_index=False)
+            .median()
+        )
+        jobs.append(
+            FigureJob(
+                f"time_split{slug}",
+                "split",
+                tidy,
+                dict(
+                    rows=sorted(tidy["row"].unique(), key=_row_key),
+                    cols=sorted(tidy["col"].unique()),
+                    xlabel="time per iteration (ms)",
+                    title=_titled(f"Time split, P = {p}, S = {size_label(s)}, {shape}", m),
+                ),
+                section="communication",
+                shape=shape,
+                caption="One instrumented iteration (timers around every kernel and communication wait; of those run "
+                "after the timed repeats, the one with the median total) split into time in attention kernels, "
+                "time blocked in communication (exposed), and the rest of that same iteration ((overhead ratio - "
+                f"1) x (kernels + waits)), at the largest world size ({p}) and sequence length ({s}); means over "
+                "ranks. Its total can differ from the median timed repeat, which ran without the timers.",
+            )
+        )
     return jobs
 
 
@@ -280,15 +406,27 @@ def _plan_bytes(df, _baseline) -> list[FigureJob]:
     m = measured(df)
     m = m[m["world_size"] > 1].assign(y=lambda d: d[M.BYTES_SENT] / 2**20)
     m = m[m["y"] > 0]
-    return _plan_plain(m, "bytes", "communication", "MiB sent per {word}", "Communication volume per {word}",
-                       "Bytes one iteration sends per {word} (counted, not estimated).")
+    return _plan_plain(
+        m,
+        "bytes",
+        "communication",
+        "MiB sent per {word}",
+        "Communication volume per {word}",
+        "Bytes one iteration sends per {word} (counted, not estimated).",
+    )
 
 
 def _plan_memory(df, _baseline) -> list[FigureJob]:
     m = measured(df).dropna(subset=[M.PEAK_MEM])
     m = m.assign(y=m[M.PEAK_MEM] / 2**20)
-    return _plan_plain(m, "memory", "memory", "peak memory per {word} (MiB)", "Peak memory per {word}",
-                       "Memory one iteration allocates per {word} beyond what was alive before it (max over ranks).")
+    return _plan_plain(
+        m,
+        "memory",
+        "memory",
+        "peak memory per {word} (MiB)",
+        "Peak memory per {word}",
+        "Memory one iteration allocates per {word} beyond what was alive before it (max over ranks).",
+    )
 
 
 def _plan_plain(m, name, section, ylabel, title, caption) -> list[FigureJob]:
@@ -298,11 +436,24 @@ def _plan_plain(m, name, section, ylabel, title, caption) -> list[FigureJob]:
         x = _x_axis(part)
         d, rows, cols, _ = _facet(_merge_equal_masks(part), x)
         word = S.rank_word(part)
-        jobs.append(FigureJob(
-            f"{name}{slug}", "points", _tidy(d, x, ("y",)),
-            dict(rows=rows, cols=cols, xlabel=_x_label(part, x), ylabel=ylabel.format(word=word),
-                 title=title.format(word=word) + f", {shape}" + _fixed_s(part, x), auto_log=True),
-            section=section, shape=shape, caption=caption.format(word=word)))
+        jobs.append(
+            FigureJob(
+                f"{name}{slug}",
+                "points",
+                _tidy(d, x, ("y",)),
+                dict(
+                    rows=rows,
+                    cols=cols,
+                    xlabel=_x_label(part, x),
+                    ylabel=ylabel.format(word=word),
+                    title=_titled(title.format(word=word) + f", {shape}" + _fixed_s(part, x), part),
+                    auto_log=True,
+                ),
+                section=section,
+                shape=shape,
+                caption=caption.format(word=word),
+            )
+        )
     return jobs
 
 
@@ -312,8 +463,9 @@ def _merge_equal_masks(part: pd.DataFrame) -> pd.DataFrame:
     masks = sorted(part["mask"].unique())
     if len(masks) < 2:
         return part
-    wide = part.pivot_table(index=["series", "world_size", "seq_len", "pass"], columns="mask", values="y",
-                            aggfunc="median")
+    wide = part.pivot_table(
+        index=["series", "world_size", "seq_len", "pass"], columns="mask", values="y", aggfunc="median"
+    )
     if not wide.notna().all(axis=None) or not (wide.nunique(axis=1) == 1).all():
         return part
     return part[part["mask"] == masks[0]].assign(mask=" = ".join(masks))
@@ -325,20 +477,43 @@ def _plan_sim(df, _baseline) -> list[FigureJob]:
         return []
     lo, hi = [], []
     for _, r in pair.iterrows():
-        t = _samples({M.TIME_MS_SAMPLES: r[f"{M.TIME_MS_SAMPLES}_dist"],
-                      M.TIME_MS_MEDIAN: r[f"{M.TIME_MS_MEDIAN}_dist"]})
+        t = samples(
+            {M.TIME_MS_SAMPLES: r[f"{M.TIME_MS_SAMPLES}_dist"], M.TIME_MS_MEDIAN: r[f"{M.TIME_MS_MEDIAN}_dist"]}
+        )
         a, b = np.percentile(t, INTERVAL)
         lo.append(a)
         hi.append(b)
     labels = [method_label(m, _options(o)) for m, o in zip(pair["method"], pair["options"])]
-    data = pd.DataFrame({"series": pair["series_dist"], "method": pair["method"], "label": labels,
-                         "x": pair[f"{M.TIME_MS_MEDIAN}_dist"], "lo": lo, "hi": hi,
-                         "y": pair[f"{M.TIME_MS_MEDIAN}_sim"]}).sort_values(["series", "x"]).reset_index(drop=True)
-    return [FigureJob("sim_vs_measured", "scatter", data,
-                      dict(xlabel="measured time (ms, executor dist)", ylabel="simulated time (ms, executor sim)",
-                           title="Simulated vs measured"),
-                      section="sim", caption="Each trial's simulated time against its measured median (bars: min to "
-                                             "max of the timed repeats); the dashed line is a perfect prediction.")]
+    data = (
+        pd.DataFrame(
+            {
+                "series": pair["series_dist"],
+                "method": pair["method"],
+                "label": labels,
+                "x": pair[f"{M.TIME_MS_MEDIAN}_dist"],
+                "lo": lo,
+                "hi": hi,
+                "y": pair[f"{M.TIME_MS_MEDIAN}_sim"],
+            }
+        )
+        .sort_values(["series", "x"])
+        .reset_index(drop=True)
+    )
+    return [
+        FigureJob(
+            "sim_vs_measured",
+            "scatter",
+            data,
+            dict(
+                xlabel="measured time (ms, executor dist)",
+                ylabel="simulated time (ms, executor sim)",
+                title="Simulated vs measured",
+            ),
+            section="sim",
+            caption="Each trial's simulated time against its measured median (bars: min to "
+            "max of the timed repeats); the dashed line is a perfect prediction.",
+        )
+    ]
 
 
 def _plan_loss(df, _baseline) -> list[FigureJob]:
@@ -363,14 +538,23 @@ def _plan_loss(df, _baseline) -> list[FigureJob]:
                 rows.append((r["series"], int(r["world_size"]), r["method"] == "baseline", step, float(loss), diff))
         data = pd.DataFrame(rows, columns=["series", "P", "baseline", "step", "loss", "diff"])
         slug = "_" + _slug(f"{shape}-S{s}") if len(groups) > 1 else ""
-        jobs.append(FigureJob(
-            f"loss_curves{slug}", "loss", data,
-            dict(title=f"Model-level check, {shape}, S = {size_label(s)}", eps=_EPS.get(str(part["dtype"].iloc[0])),
-                 dtype=str(part["dtype"].iloc[0])),
-            section="perplexity", shape=shape,
-            caption="Training loss per step with each method over the single-device baseline (left), and the largest "
-                    "relative difference to the baseline so far (right, log scale; the dotted line is the dtype's "
-                    "machine epsilon)."))
+        jobs.append(
+            FigureJob(
+                f"loss_curves{slug}",
+                "loss",
+                data,
+                dict(
+                    title=f"Model-level check, {shape}, S = {size_label(s)}",
+                    eps=_EPS.get(str(part["dtype"].iloc[0])),
+                    dtype=str(part["dtype"].iloc[0]),
+                ),
+                section="perplexity",
+                shape=shape,
+                caption="Training loss per step with each method over the single-device baseline (left), and the "
+                "largest relative difference to the baseline so far (right, log scale; the dotted line is the dtype's "
+                "machine epsilon).",
+            )
+        )
     return jobs
 
 
@@ -386,29 +570,47 @@ def _plan_balance(df, _baseline) -> list[FigureJob]:
     for slug, shape, part in _per_shape(m):
         s = part["seq_len"].max()
         causal = bool(part["causal"].any())  # the document-causal mask is where balance is at stake
-        part = part[(part["seq_len"] == s) & (part["pass"] == sorted(part["pass"].unique())[0])
-                    & (part["causal"] == causal)]
+        part = part[
+            (part["seq_len"] == s) & (part["pass"] == sorted(part["pass"].unique())[0]) & (part["causal"] == causal)
+        ]
         word = S.rank_word(part)
         col = "P = " + part["world_size"].astype(str)
         base = part.assign(col=col)
-        imb = base.assign(row="imbalance (pairs max/mean)", y=base[M.IMBALANCE], lo=base[M.IMBALANCE],
-                          hi=base[M.IMBALANCE])
-        rate = _rate_points(base, M.TFLOPS_PER_GPU).assign(row=f"TFLOP/s per {word}")
+        imb = base.assign(
+            row="imbalance (pairs max/mean)", y=base[M.IMBALANCE], lo=base[M.IMBALANCE], hi=base[M.IMBALANCE]
+        )
+        unit = S.flop_unit(part)
+        rate = _rate_points(base, M.TFLOPS_PER_GPU, unit.scale).assign(row=f"{unit.label} per {word}")
         d = pd.concat([imb, rate])
         d["x"] = d["mix"]
         cols = ["P = " + str(p) for p in sorted(part["world_size"].unique())]
         p_pass = part["pass"].iloc[0]
-        jobs.append(FigureJob(
-            f"balance{slug}", "points", _tidy(d, "x"),
-            dict(rows=["imbalance (pairs max/mean)", f"TFLOP/s per {word}"], cols=cols, xlabel="length mix",
-                 ylabel="", title=f"Load balance and throughput by length mix, {shape}, S = {size_label(s)}, "
-                                  f"{'causal' if causal else 'full'}, {p_pass}",
-                 x_order=["uniform"] + sorted(x for x in d["mix"].unique() if x != "uniform"), lines=False),
-            section="balance", shape=shape,
-            caption="Top: visible (query, key) pairs of the busiest rank's kernels over the mean rank's (1 = "
-                    "balanced). Bottom: throughput (FLOPs of the exact document-causal pairs / time / P). "
-                    "uniform: one document per sequence; docs:<name>: documents drawn from that distribution, packed. "
-                    + _interval_note(part)))
+        jobs.append(
+            FigureJob(
+                f"balance{slug}",
+                "points",
+                _tidy(d, "x"),
+                dict(
+                    rows=["imbalance (pairs max/mean)", f"{unit.label} per {word}"],
+                    cols=cols,
+                    xlabel="length mix",
+                    ylabel="",
+                    title=_titled(
+                        f"Load balance and throughput by length mix, {shape}, S = "
+                        f"{size_label(s)}, {'causal' if causal else 'full'}, {p_pass}",
+                        part,
+                    ),
+                    x_order=["uniform"] + sorted(x for x in d["mix"].unique() if x != "uniform"),
+                    lines=False,
+                ),
+                section="balance",
+                shape=shape,
+                caption="Top: visible (query, key) pairs of the busiest rank's kernels over the mean rank's (1 = "
+                "balanced). Bottom: throughput (FLOPs of the exact document-causal pairs / time / P). "
+                "uniform: one document per sequence; docs:<name>: documents drawn from that distribution, packed. "
+                + _interval_note(part),
+            )
+        )
     return jobs
 
 
@@ -430,10 +632,11 @@ def _plan_masks(df, _baseline) -> list[FigureJob]:
             one = one[(one["seq_len"] == s) & (one["pass"] == p_pass)]
             base = one.assign(col="P = " + one["world_size"].astype(str), x=one["family"])
             rows = []
-            for label, values in (("% of ideal", base["pct"]),
-                                  ("redundant K/V (MiB per rank)",
-                                   pd.to_numeric(base[M.REDUNDANT_BYTES], errors="coerce") / 2**20),
-                                  ("area max/mean", pd.to_numeric(base[M.IMBALANCE], errors="coerce"))):
+            for label, values in (
+                ("% of ideal", base["pct"]),
+                ("redundant K/V (MiB per rank)", pd.to_numeric(base[M.REDUNDANT_BYTES], errors="coerce") / 2**20),
+                ("area max/mean", pd.to_numeric(base[M.IMBALANCE], errors="coerce")),
+            ):
                 if values.notna().any():
                     rows.append(base.assign(row=label, y=values, lo=values, hi=values))
             if not rows:
@@ -443,23 +646,42 @@ def _plan_masks(df, _baseline) -> list[FigureJob]:
             cols = ["P = " + str(p) for p in sorted(one["world_size"].unique())]
             tag = "" if mix == "uniform" else f", {mix}"
             sim = (one["executor"] == "sim").any()
-            jobs.append(FigureJob(
-                f"masks{slug}{'' if mix == 'uniform' else '_' + mix.replace(':', '_')}", "points", _tidy(d, "x"),
-                dict(rows=names, cols=cols, xlabel="mask", ylabel="",
-                     title=("Simulated: " if sim else "") + f"mask families, {shape}, S = {size_label(s)}{tag}, {p_pass}",
-                     x_order=sorted(d["x"].unique()), lines=False),
-                section="balance", shape=shape,
-                caption="Per method and mask family: percent of ideal (the single-device time of the same mask / P "
-                        "over the method's time), K/V bytes a rank received that none of its queries attends, and "
-                        "the busiest rank's visible (query, key) pairs over the mean rank's (1 = balanced)."
-                        + (" Simulated rows (executor sim) are predictions, not measurements." if sim else "")))
+            jobs.append(
+                FigureJob(
+                    f"masks{slug}{'' if mix == 'uniform' else '_' + mix.replace(':', '_')}",
+                    "points",
+                    _tidy(d, "x"),
+                    dict(
+                        rows=names,
+                        cols=cols,
+                        xlabel="mask",
+                        ylabel="",
+                        title=_titled(f"Mask families, {shape}, S = {size_label(s)}{tag}, {p_pass}", one),
+                        x_order=sorted(d["x"].unique()),
+                        lines=False,
+                    ),
+                    section="balance",
+                    shape=shape,
+                    caption="Per method and mask family: percent of ideal (the single-device time of the same mask / P "
+                    "over the method's time), K/V bytes a rank received that none of its queries attends, and "
+                    "the busiest rank's visible (query, key) pairs over the mean rank's (1 = balanced)."
+                    + (" Simulated rows (executor sim) are predictions, not measurements." if sim else ""),
+                )
+            )
     return jobs
 
 
 _PLANNERS: dict[str, Callable] = {
-    "throughput": _plan_throughput, "speedup": _plan_speedup, "scaling": _plan_scaling, "bytes": _plan_bytes,
-    "time_split": _plan_time_split, "memory": _plan_memory, "sim_vs_measured": _plan_sim,
-    "loss_curves": _plan_loss, "balance": _plan_balance, "masks": _plan_masks,
+    "throughput": _plan_throughput,
+    "speedup": _plan_speedup,
+    "scaling": _plan_scaling,
+    "bytes": _plan_bytes,
+    "time_split": _plan_time_split,
+    "memory": _plan_memory,
+    "sim_vs_measured": _plan_sim,
+    "loss_curves": _plan_loss,
+    "balance": _plan_balance,
+    "masks": _plan_masks,
 }
 _WHY_NOT = {
     "throughput": "throughput: no measured rows",
@@ -473,4 +695,3 @@ _WHY_NOT = {
     "balance": "load balance by length mix: no measured rows with the balance columns",
     "masks": "mask families: fewer than two families with multi-rank rows",
 }
-
