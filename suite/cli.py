@@ -295,7 +295,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _calibrate(args)
     if args.command == "relog":
         from suite.env import redact_uri
-        from suite.tracking import relog
+        from suite.tracking import relog, run_link
 
         def progress(line: str) -> None:  # on stderr, so that stdout stays the summary below
             print(f"relog: {line}", file=sys.stderr, flush=True)
@@ -318,6 +318,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{c['killed']} stale runs ended KILLED, {c['retagged']} given their display tags"
         )
         print(f"runs: {tracker.link} (serve it with `python -m suite ui`)")
+        print(f"the sweep's run: {run_link(tracker.uri, tracker.experiment_id, tracker.parent_run_id)}")
         return 0
     return 2
 

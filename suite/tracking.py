@@ -107,6 +107,13 @@ def runs_link(uri: str, experiment_id: str, ui_url: str = UI_URL) -> str:
     )
 
 
+def run_link(uri: str, experiment_id: str, run_id: str, ui_url: str = UI_URL) -> str:
+    """The browser link to one run's page in the machine-learning view (MLflow 3 opens a run page
+    whose link does not name the view in its GenAI pages, whatever the experiment's kind)."""
+    base = redact_uri(uri) if uri.startswith(("http://", "https://")) else ui_url
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
+
+
 # ---------------------------------------------------------------------------------------------
 # What a row becomes in MLflow (pure functions)
 # ---------------------------------------------------------------------------------------------

@@ -76,6 +76,12 @@ def test_runs_open_on_the_answer(stored, tmp_path):
     assert (
         f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=trials" in tracker.link
     )
+    from suite.tracking import run_link
+
+    # a run page opens in the training view too (without workflowType MLflow 3 shows its GenAI pages)
+    assert run_link(f"sqlite:///{db}", exp.experiment_id, "abc", "http://h:1") == (
+        f"http://h:1/#/experiments/{exp.experiment_id}/runs/abc?workflowType=machine_learning"
+    )
     view = json.loads(exp.tags["mlflow.sharedViewState.trials"])  # the saved view the link opens
     # no filter in the search box; ordered by a metric, MLflow shows the trials as flat rows
     assert "searchFilter" not in view and view["orderByKey"].startswith("metrics.")
