@@ -16,19 +16,27 @@ UV_FLAGS   := $(foreach d,$(FIND_LINKS),--find-links $(d))
 
 install: $(VENV)/.installed
 
+# Each step says what it does, and pip and uv print what they fetch and install (a quiet install
+# of torch looks hung for minutes on a slow link).
 $(VENV)/.installed: pyproject.toml
+	@echo "== install 1/3: virtual environment $(VENV) ($(PYTHON))"
 	$(PYTHON) -m venv $(VENV)
 ifeq ($(INSTALLER),uv)
-	$(PY) -m pip install --quiet uv
-	$(VENV)/bin/uv pip install --quiet --python $(PY) $(UV_FLAGS) "$(TORCH)"
-	$(VENV)/bin/uv pip install --quiet --python $(PY) $(UV_FLAGS) -e ".[test]"
+	@echo "== install 2/3: uv, then $(TORCH) (the largest download: minutes on a slow link)"
+	$(PY) -m pip install uv
+	$(VENV)/bin/uv pip install --python $(PY) $(UV_FLAGS) "$(TORCH)"
+	@echo "== install 3/3: the suite and its test dependencies (pyproject.toml [test])"
+	$(VENV)/bin/uv pip install --python $(PY) $(UV_FLAGS) -e ".[test]"
 else ifeq ($(INSTALLER),pip)
-	$(PY) -m pip install --quiet "$(TORCH)"
-	$(PY) -m pip install --quiet -e ".[test]"
+	@echo "== install 2/3: $(TORCH) (the largest download: minutes on a slow link)"
+	$(PY) -m pip install "$(TORCH)"
+	@echo "== install 3/3: the suite and its test dependencies (pyproject.toml [test])"
+	$(PY) -m pip install -e ".[test]"
 else
 	@echo "INSTALLER must be pip or uv, got $(INSTALLER)" >&2; exit 2
 endif
 	touch $@
+	@echo "== installed: $(VENV); next: make quickstart (or make test)"
 
 quickstart: install
 	$(PY) -m suite run configs/quickstart.yaml

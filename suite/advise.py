@@ -960,7 +960,12 @@ def run_command(args) -> int:
         )
         if args.compare and not Path(args.compare).exists():
             raise AdviceError("--compare", f"no such folder: {args.compare}")
-        advice = advise(q, results_root=args.results_root, mlflow=not args.no_mlflow)
+        advice = advise(
+            q,
+            results_root=args.results_root,
+            mlflow=not args.no_mlflow,
+            progress=not getattr(args, "no_progress", False),
+        )
     except AdviceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

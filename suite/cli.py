@@ -140,6 +140,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     adv.add_argument("--results-root", default="results")
     adv.add_argument("--no-mlflow", action="store_true", help="do not log the simulated sweep to MLflow")
+    adv.add_argument("--no-progress", action="store_true", help="no progress bar (on stderr)")
 
     val = sub.add_parser(
         "validate",
@@ -185,6 +186,9 @@ def _parser() -> argparse.ArgumentParser:
         "the node's name when the UI is opened through it",
     )
     ui.add_argument("--results-root", default="results", help="folder holding mlflow.db (default: results)")
+    ui.add_argument(
+        "--verbose", action="store_true", help="show the server's own console (access lines, warnings) here"
+    )
     ui.add_argument(
         "--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///<results-root>/mlflow.db)"
     )
@@ -291,9 +295,19 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _calibrate(args)
     if args.command == "relog":
         from suite.env import redact_uri
-        from suite.tracking import relog
+        from suite.tracking import relog, run_link
 
-        tracker = relog(args.run_dir, args.uri, args.experiment)
+        def progress(line: str) -> None:  # on stderr, so that stdout stays the summary below
+            print(f"relog: {line}", file=sys.stderr, flush=True)
+
+        from suite.results import StoreError
+
+        progress(f"reading {args.run_dir}")
+        try:
+            tracker = relog(args.run_dir, args.uri, args.experiment, progress=progress)
+        except (FileNotFoundError, StoreError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         if not tracker.enabled:
             print(f"relog failed: {tracker.disabled_reason}", file=sys.stderr)
             return 1
@@ -301,9 +315,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(
             f"logged {args.run_dir} to {redact_uri(tracker.uri)} (parent run {tracker.parent_run_id}): "
             f"{c['logged']} child runs added, {c['completed']} completed, {c['deleted']} duplicates deleted, "
-            f"{c['killed']} stale runs ended KILLED"
+            f"{c['killed']} stale runs ended KILLED, {c['retagged']} given their display tags"
         )
         print(f"runs: {tracker.link} (serve it with `python -m suite ui`)")
+        print(f"the sweep's run: {run_link(tracker.uri, tracker.experiment_id, tracker.parent_run_id)}")
         return 0
     return 2
 
@@ -561,15 +576,8 @@ def _list() -> int:
     return 0
 
 
-def _ui(args) -> int:
-    """Serve the MLflow UI until Ctrl-C, SIGTERM or SIGHUP. The server (MLflow's CLI, which starts
-    uvicorn or gunicorn and their workers) runs in its own process group, and every way of stopping
-    this command stops that whole group, so no server or worker outlives it."""
-
-    from suite.env import redact_uri
-    from suite.tracking import default_uri
-
-    uri = args.uri or default_uri(args.results_root)
+def _ui_command(uri: str, args) -> list[str]:
+    """The MLflow server's command line."""
     cmd = [
         sys.executable,
         "-m",
@@ -586,22 +594,91 @@ def _ui(args) -> int:
         cmd += ["--workers", str(args.workers)]
     if args.allowed_hosts:
         cmd += ["--allowed-hosts", args.allowed_hosts]
-    shown = args.host if args.host not in ("0.0.0.0", "::") else "<this host's name>"
+    return cmd
+
+
+_UI_POLL_S = 0.25  # how often `suite ui` asks the starting server whether it answers
+_UI_NOTE_S = 20.0  # how often it says it is still waiting
+
+
+def _ui(args) -> int:
+    """Serve the MLflow UI until Ctrl-C, SIGTERM or SIGHUP. The server (MLflow's CLI, which starts
+    uvicorn or gunicorn and their workers) runs in its own process group, and every way of stopping
+    this command stops that whole group, so no server or worker outlives it. The link is printed once
+    the server answers (MLflow takes a minute or more to start on a busy machine); the server's own
+    console (access lines, warnings, its workers' restarts) goes to a temporary file unless
+    --verbose, and its last lines are shown if it stops by itself."""
+    import tempfile
+
+    from suite.env import redact_uri
+    from suite.tracking import default_uri
+
+    uri = args.uri or default_uri(args.results_root)
+    wildcard = args.host in ("0.0.0.0", "::")
+    shown = "<this host's name>" if wildcard else args.host
     base = f"http://{shown}:{args.port}"
-    print(f"MLflow UI on {base} (store {redact_uri(uri)}); Ctrl-C to stop", flush=True)
-    for line in _experiment_links(uri, base):
-        print(f"  {line}", flush=True)
+    probe_host = {"0.0.0.0": "127.0.0.1", "::": "[::1]"}.get(args.host, args.host)
+    if ":" in probe_host and not probe_host.startswith("["):
+        probe_host = f"[{probe_host}]"
+    print(f"starting the MLflow UI on {base} (store {redact_uri(uri)}); waiting until it answers", flush=True)
     env = dict(os.environ, MLFLOW_DISABLE_TELEMETRY=os.environ.get("MLFLOW_DISABLE_TELEMETRY", "true"))
-    server = subprocess.Popen(cmd, start_new_session=True, env=env)
+    log = None if args.verbose else tempfile.TemporaryFile()
+    server = subprocess.Popen(
+        _ui_command(uri, args),
+        start_new_session=True,
+        env=env,
+        stdout=log,
+        stderr=None if log is None else subprocess.STDOUT,
+    )
     code = 0
     try:
         with _signals_interrupt():
+            if _wait_ready(f"http://{probe_host}:{args.port}/health", server):
+                print(f"MLflow UI ready on {base}; Ctrl-C to stop", flush=True)
+                for line in _experiment_links(uri, base):  # after the server has opened (migrated) the store
+                    print(f"  {line}", flush=True)
+            else:
+                tail = ""
+                if log is not None:
+                    log.seek(0)
+                    lines = log.read().decode(errors="replace").splitlines()[-15:]
+                    tail = "; its last lines:\n" + "\n".join(f"  {line}" for line in lines)
+                print(
+                    f"error: the MLflow server stopped (exit code {server.returncode}) before it answered{tail}",
+                    file=sys.stderr,
+                )
+                return server.returncode or 1
             code = server.wait()
     except KeyboardInterrupt as exc:
         code = 128 + getattr(exc, "signum", signal.SIGINT)
     finally:
         _stop_group(server)
+        if log is not None:
+            log.close()
     return code if code != 128 + signal.SIGINT else 0
+
+
+def _wait_ready(url: str, server: subprocess.Popen) -> bool:
+    """True once `url` answers 200, False if the server process ended first; says every
+    _UI_NOTE_S seconds that it is still waiting."""
+    import urllib.error
+    import urllib.request
+
+    t0 = noted = time.monotonic()
+    while server.poll() is None:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return True
+        except urllib.error.HTTPError:  # it answers, if not this path (a host name it refuses)
+            return True
+        except OSError:  # not listening yet (refused, reset, timed out)
+            pass
+        if time.monotonic() - noted >= _UI_NOTE_S:
+            noted = time.monotonic()
+            print(f"  still starting ({noted - t0:.0f}s)", flush=True)
+        time.sleep(_UI_POLL_S)
+    return False
 
 
 def _stop_group(server: subprocess.Popen) -> None:

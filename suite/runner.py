@@ -326,6 +326,8 @@ def _drive_locked(
     finally:
         bar.close()
         _compact(store)
+        if progress and tracker.enabled:  # importing MLflow and logging what is queued take seconds
+            print("MLflow: logging the trials still queued and the store's files ...", file=sys.stderr, flush=True)
         tracker.finish(store, status)
     wall = time.perf_counter() - t_start
     records, duplicates = store.latest_rows()

@@ -30,7 +30,7 @@ import time
 import warnings
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from suite import metrics as M
 from suite.env import redact_uri
@@ -47,24 +47,41 @@ UI_URL = "http://127.0.0.1:5000"  # where `python -m suite ui` serves by default
 # MLflow 3 opens an experiment without this tag on its GenAI (traces) pages; this kind opens the
 # classic machine-learning runs table.
 _EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+# The numbers as a person reads them, as tags beside the exact metrics: MLflow's runs table cuts a
+# metric to its first digits and drops the exponent (4.28e-07 shows as "4.28336514..."), and shows
+# bytes raw. Tags are text, so the table shows them as written. Keys hold a space, so that no tag of
+# a row (status, reason, ...) and no metric name can be one of them.
+RUN_FOLDER = "run folder"  # <sweep>/<timestamp> of the row's run folder: which run a row comes from
+SHOWN = {  # tag -> (metric, how it is written)
+    "time ms": (M.TIME_MS_MEDIAN, "sig3"),
+    "TFLOP/s per GPU": (M.TFLOPS_PER_GPU, "sig3"),
+    "sent per rank": (M.BYTES_SENT, "bytes"),
+    "peak memory": (M.PEAK_MEM, "bytes"),
+    "err out": (M.ERR["out"], "err"),
+    "ppl rel diff": (M.PPL_REL_DIFF, "signed"),
+}
 # A saved view of the runs table (MLflow's "shared view": an experiment tag the page reads when the
-# link names it): the trials as flat rows (the filter leaves out the parent runs, under which the
-# children are otherwise collapsed) with their identity, status and headline numbers as columns.
+# link names it; MLflow 3 chooses the columns of its runs table only from a view the browser saved
+# or a shared one, whose banner it always shows): the trials with their identity, their run folder,
+# status and the headline numbers (the tags above) as columns. Ordered by a metric, the children are
+# flat rows; ordered by start time, MLflow nests them under their parent run.
 VIEW = "trials"
-_VIEW_COLUMNS = [
-    "params.`method`",
-    "params.`world_size`",
-    "params.`seq_len`",
-    "params.`heads`",
-    "params.`kv_heads`",
-    "params.`causal`",
-    "params.`pass`",
-    "tags.`status`",
-] + [f"metrics.`{m}`" for m in (M.TIME_MS_MEDIAN, M.TFLOPS_PER_GPU, M.BYTES_SENT, M.ERR["out"], M.PPL_REL_DIFF)]
-# Ordered by a metric: ordered by start time, MLflow nests the children under their parent again.
+_VIEW_COLUMNS = (
+    [
+        "params.`method`",
+        "params.`world_size`",
+        "params.`seq_len`",
+        "params.`heads`",
+        "params.`kv_heads`",
+        "params.`causal`",
+        "params.`pass`",
+        f"tags.`{M.STATUS}`",
+    ]
+    + [f"tags.`{k}`" for k in SHOWN]
+    + [f"tags.`{RUN_FOLDER}`"]
+)
 _VIEW_STATE = json.dumps(
     {
-        "searchFilter": f"tags.{M.STATUS} LIKE '%'",
         "orderByKey": f"metrics.`{M.TFLOPS_PER_GPU}`",
         "orderByAsc": False,
         "selectedColumns": _VIEW_COLUMNS,
@@ -88,6 +105,13 @@ def runs_link(uri: str, experiment_id: str, ui_url: str = UI_URL) -> str:
     return (
         f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs?workflowType=machine_learning&viewStateShareKey={VIEW}"
     )
+
+
+def run_link(uri: str, experiment_id: str, run_id: str, ui_url: str = UI_URL) -> str:
+    """The browser link to one run's page in the machine-learning view (MLflow 3 opens a run page
+    whose link does not name the view in its GenAI pages, whatever the experiment's kind)."""
+    base = redact_uri(uri) if uri.startswith(("http://", "https://")) else ui_url
+    return f"{base.rstrip('/')}/#/experiments/{experiment_id}/runs/{run_id}?workflowType=machine_learning"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -181,10 +205,34 @@ def child_values(record: dict) -> tuple[dict, dict, dict, dict]:
         "options": record.get("options") or "{}",
         "workload": record.get("workload") or "",
     }
+    tags.update(shown_tags(metrics))
     steps = {SAMPLES: record[M.TIME_MS_SAMPLES]} if record.get(M.TIME_MS_SAMPLES) else {}
     if record.get(M.LOSS_CURVE):
         steps[TRAIN_LOSS] = record[M.LOSS_CURVE]
     return params, metrics, tags, steps
+
+
+def shown(value: float, how: str) -> str:
+    """A number as the runs table shows it: 3 significant digits ("sig3"), 2 with the exponent kept
+    for an error ("err": 4.3e-07), a signed relative difference ("signed": +1.2e-03), or bytes in
+    binary units ("bytes": 1.5 MiB)."""
+    if how == "bytes":
+        size, unit = float(value), "B"
+        for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+            if abs(size) < 1024 or unit == "TiB":
+                break
+            size /= 1024
+        return f"{size:.0f} B" if unit == "B" else f"{size:.3g} {unit}"
+    if how == "err":
+        return f"{value:.1e}"
+    if how == "signed":
+        return f"{value:+.1e}"
+    return f"{value:.3g}"
+
+
+def shown_tags(metrics: dict) -> dict[str, str]:
+    """The SHOWN tags of a trial's metrics (those it has)."""
+    return {tag: shown(metrics[m], how) for tag, (m, how) in SHOWN.items() if m in metrics}
 
 
 def run_status(record: dict) -> str:
@@ -320,8 +368,10 @@ class MlflowTracker:
         self.parent_run_id: Optional[str] = None
         self.experiment_id: Optional[str] = None
         self.cpu_seconds = 0.0  # CPU time of the logging thread in MLflow calls
-        self.counts = {"logged": 0, "completed": 0, "deleted": 0, "killed": 0}
+        self.counts = {"logged": 0, "completed": 0, "deleted": 0, "killed": 0, "retagged": 0}
+        self.say: Optional[Callable[[str], None]] = None  # told each step (relog's progress), if set
         self._client = None
+        self._run_folder = ""  # RUN_FOLDER of this store, set on start
         self._children: dict[str, tuple[str, str]] = {}  # key -> (child run id, its status)
         self._queue: queue.Queue = queue.Queue()
         self._thread: Optional[threading.Thread] = None
@@ -364,6 +414,10 @@ class MlflowTracker:
             if self.enabled:
                 fn(*args, **kwargs)
 
+    def _say(self, line: str) -> None:
+        if self.say is not None:
+            self.say(line)
+
     def _disable(self, what: str, exc: BaseException) -> None:
         text = redact_uri(self.uri) or ""
         msg = str(exc).splitlines()[0][:300] if str(exc) else ""
@@ -392,6 +446,8 @@ class MlflowTracker:
         started_ms: Optional[int] = None,
     ) -> None:
         try:
+            self._run_folder = f"{store.run_dir.parent.name}/{store.run_dir.name}"
+            self._say(f"opening {redact_uri(self.uri)} (importing MLflow takes a few seconds)")
             self._client, self.experiment_id = open_client(self.uri, self.experiment, self.results_root)
             parent = self._find_parent(store) if resume else None
             if parent is None:
@@ -413,6 +469,7 @@ class MlflowTracker:
             have = parent.data.params
             # a param cannot change: a setting changed on --resume (e.g. a method added) is a tag
             changed = {f"resumed_with.{k}": v for k, v in params.items() if k in have and have[k] != str(v)}
+            changed[RUN_FOLDER] = self._run_folder
             self._log_missing(self.parent_run_id, params=params, tags=changed, existing=have)
             store.write_json(
                 MLFLOW,
@@ -467,10 +524,26 @@ class MlflowTracker:
                     self.counts["killed"] += 1
                 continue
             self._children[key] = (keep.info.run_id, keep.info.status)
-        for key, record in stored.items():
-            known = self._children.get(key)
-            if known is None or known[1] == "RUNNING":
-                self._log_record(record)
+            if keep.info.status != "RUNNING":  # logged before: add the display tags it lacks
+                want = self._display_tags(stored[key])
+                stale = {k: v for k, v in want.items() if keep.data.tags.get(k) != v}
+                if stale:
+                    self._log_missing(keep.info.run_id, tags=stale)
+                    self.counts["retagged"] += 1
+        todo = [r for k, r in stored.items() if self._children.get(k, ("", "RUNNING"))[1] == "RUNNING"]
+        self._say(f"{len(stored)} stored rows, {len(by_key)} child runs found: {len(todo)} to log")
+        shown_at = time.monotonic()
+        for i, record in enumerate(todo, 1):
+            self._log_record(record)
+            if time.monotonic() - shown_at > 2.0 or i == len(todo):
+                self._say(f"logged {i}/{len(todo)} child runs")
+                shown_at = time.monotonic()
+
+    def _display_tags(self, record: dict) -> dict[str, str]:
+        """The tags of a child run that only show its row (numbers as text, its run folder)."""
+        tags = shown_tags(child_values(record)[1])
+        tags[RUN_FOLDER] = self._run_folder
+        return tags
 
     def _log_missing(
         self, run_id: str, *, params=None, metrics=None, tags=None, steps=None, timestamp=None, existing=None
@@ -494,6 +567,7 @@ class MlflowTracker:
 
     def _log_record(self, record: dict) -> None:
         params, metrics, tags, steps = child_values(record)
+        tags.update(self._display_tags(record))
         start, end = trial_times(record)
         known = self._children.get(record[M.KEY])
         if known is None:
@@ -530,6 +604,7 @@ class MlflowTracker:
         if self.parent_run_id is None:
             return
         try:
+            self._say("attaching the store's files and the trials table to the parent run")
             for name in (CONFIG, ENVIRONMENT, TRIALS, PARQUET):
                 path = store.run_dir / name
                 if path.exists():
@@ -582,9 +657,15 @@ def make_tracker(enabled: bool, uri: Optional[str], experiment: str, results_roo
     return MlflowTracker(uri or default_uri(results_root), experiment, results_root)
 
 
-def relog(run_dir: str | Path, uri: Optional[str] = None, experiment: Optional[str] = None) -> MlflowTracker:
+def relog(
+    run_dir: str | Path,
+    uri: Optional[str] = None,
+    experiment: Optional[str] = None,
+    progress: Optional[Callable[[str], None]] = None,
+) -> MlflowTracker:
     """Reconcile MLflow with a stored sweep (results folder): its existing parent run (a new one if
-    this store has none) gets every stored row as a child run, each once."""
+    this store has none) gets every stored row as a child run, each once. progress: told each step
+    (from the logging thread)."""
     from omegaconf import OmegaConf
 
     store = ResultsStore.open(run_dir)
@@ -595,6 +676,7 @@ def relog(run_dir: str | Path, uri: Optional[str] = None, experiment: Optional[s
     tracker = MlflowTracker(
         uri or tracking.get("uri") or default_uri(root), experiment or tracking.get("experiment") or name, root
     )
+    tracker.say = progress
     env = store.read_json(ENVIRONMENT) or {}
     tracker.start(
         store,

@@ -56,3 +56,70 @@ def test_overrides_before_or_after_options(write_config, tmp_path, capsys):
     assert "ulysses P=3" in out and "ring" not in out
     with pytest.raises(SystemExit):
         main(["run", str(path), "--dry-run", "--bogus"])
+
+
+# A stand-in for MLflow's server: prints what uvicorn prints (access lines, a deprecation warning),
+# answers one request and exits; or exits at once without listening.
+FAKE_SERVER = """
+import http.server, sys
+print("INFO:     Uvicorn running (fake)", flush=True)
+print("DeprecationWarning: fake", file=sys.stderr, flush=True)
+if {fail}:
+    sys.exit(3)
+class Health(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):  # logs an access line on stderr, as a server does
+        self.send_response(200)
+        self.end_headers()
+        self.wfile.write(b"OK")
+http.server.HTTPServer(("127.0.0.1", {port}), Health).handle_request()
+"""
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("verbose", [False, True])
+def test_ui_prints_its_link_once_the_server_answers_and_keeps_its_console_quiet(tmp_path, monkeypatch, capfd, verbose):
+    import suite.cli
+
+    port = _free_port()
+    monkeypatch.setattr(suite.cli, "_UI_POLL_S", 0.05)
+    monkeypatch.setattr(
+        suite.cli, "_ui_command", lambda uri, args: [sys.executable, "-c", FAKE_SERVER.format(fail=False, port=port)]
+    )
+    argv = ["ui", "--results-root", str(tmp_path), "--port", str(port)] + (["--verbose"] if verbose else [])
+    assert main(argv) == 0
+    out, err = capfd.readouterr()
+    ours = [line for line in out.splitlines() if "MLflow UI" in line]
+    assert ours[0].startswith(f"starting the MLflow UI on http://127.0.0.1:{port}") and "ready" not in ours[0]
+    assert ours[1].startswith(f"MLflow UI ready on http://127.0.0.1:{port}")
+    noise = ("Uvicorn running", "DeprecationWarning", "GET /health")
+    # the server's console reaches this one only with --verbose
+    assert all((n in out + err) == verbose for n in noise), (out, err)
+
+
+def test_ui_whose_server_stops_before_answering_prints_no_link_but_its_last_lines(tmp_path, monkeypatch, capfd):
+    import suite.cli
+
+    port = _free_port()
+    monkeypatch.setattr(suite.cli, "_UI_POLL_S", 0.05)
+    monkeypatch.setattr(
+        suite.cli, "_ui_command", lambda uri, args: [sys.executable, "-c", FAKE_SERVER.format(fail=True, port=port)]
+    )
+    assert main(["ui", "--results-root", str(tmp_path), "--port", str(port)]) == 3
+    out, err = capfd.readouterr()
+    assert "ready" not in out
+    assert "error: the MLflow server stopped (exit code 3) before it answered" in err
+    assert "Uvicorn running" in err and "DeprecationWarning" in err  # what it said, shown once it failed
+
+
+def test_relog_of_a_folder_that_is_no_run_is_one_line(tmp_path, capsys):
+    assert main(["relog", str(tmp_path / "nothing")]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == f"error: {tmp_path / 'nothing'} is not a results folder (no trials.jsonl)"
+    assert "Traceback" not in err

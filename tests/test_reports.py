@@ -273,10 +273,14 @@ def test_perplexity_digits_show_the_differences_the_check_is_about(tmp_path):
 
 
 # -- the report as a whole ---------------------------------------------------------------------------
-def test_report_writes_every_table_figure_and_a_self_contained_page(tmp_path, sweep_rows):
+def test_report_writes_every_table_figure_and_a_self_contained_page(tmp_path, sweep_rows, monkeypatch):
+    import suite.reports
+
     run = write_run(tmp_path / "results", "syn", sweep_rows)
+    (run / "mlflow.json").write_text("{}")  # logged to MLflow: the page is attached to its run (not here)
+    monkeypatch.setattr(suite.reports, "_log_html", lambda html, sources, pngs: [f"{len(sources)}:{len(pngs)}"])
     lines = []
-    rep = build_report([str(run)], out=tmp_path / "rep", log_to_mlflow=False, progress=lines.append)
+    rep = build_report([str(run)], out=tmp_path / "rep", progress=lines.append)
     names = {Path(f).name for f in rep.figures}
     # seq_len and world size both swept: throughput against S with a column per P, scaling against P
     for stem in ("throughput", "speedup", "time_split", "bytes", "scaling", "memory"):
@@ -296,6 +300,10 @@ def test_report_writes_every_table_figure_and_a_self_contained_page(tmp_path, sw
     assert all(h[1:] in ids for h in hrefs if h.startswith("#"))
     # progress: each step and each figure
     assert lines[0].startswith("read ") and any(line.startswith("figures 6/6") for line in lines)
+    # the MLflow step (seconds: MLflow's import) says so before it starts and when it is done
+    assert rep.logged_to == ["1:6"]
+    assert lines[-2].startswith("attaching the page and 6 figures to 1 MLflow run(s)")
+    assert lines[-1].startswith("attached to MLflow")
 
 
 def test_mixed_executors_are_labelled_and_compared(tmp_path):

@@ -76,9 +76,19 @@ def test_runs_open_on_the_answer(stored, tmp_path):
     assert (
         f"#/experiments/{exp.experiment_id}/runs?workflowType=machine_learning&viewStateShareKey=trials" in tracker.link
     )
+    from suite.tracking import run_link
+
+    # a run page opens in the training view too (without workflowType MLflow 3 shows its GenAI pages)
+    assert run_link(f"sqlite:///{db}", exp.experiment_id, "abc", "http://h:1") == (
+        f"http://h:1/#/experiments/{exp.experiment_id}/runs/abc?workflowType=machine_learning"
+    )
     view = json.loads(exp.tags["mlflow.sharedViewState.trials"])  # the saved view the link opens
-    assert "metrics.`time_ms_median`" in view["selectedColumns"]
-    assert len(client.search_runs([exp.experiment_id], view["searchFilter"])) == 4  # the trials, not the parent
+    # no filter in the search box; ordered by a metric, MLflow shows the trials as flat rows
+    assert "searchFilter" not in view and view["orderByKey"].startswith("metrics.")
+    # the columns the view selects are tags every trial carries (the numbers written to be read)
+    shown = {c[len("tags.`") : -1] for c in view["selectedColumns"] if c.startswith("tags.")}
+    assert {"time ms", "err out", "peak memory", "run folder"} <= shown
+    assert parents[0].data.tags["run folder"] == f"{stored.parent.name}/{stored.name}"
     assert len({c.info.run_name for c in children}) == 4
     for child in children:
         rec = records[child.data.tags[M.KEY]]
@@ -91,6 +101,14 @@ def test_runs_open_on_the_answer(stored, tmp_path):
         assert "key" not in child.data.params
         # summary metrics under their own names; the samples are a separate step series
         assert child.data.metrics[M.TIME_MS_MEDIAN] == rec[M.TIME_MS_MEDIAN] and "time_ms" not in child.data.metrics
+        # which run folder it comes from (an experiment holds every run of its sweep), and its numbers as text
+        # the runs table shows whole (a metric column cuts 4.28e-07 to "4.28336514..."); the metrics stay exact
+        assert child.data.tags["run folder"] == f"{stored.parent.name}/{stored.name}"
+        assert (
+            child.data.tags["err out"] == f"{rec[M.ERR['out']]:.1e}"
+            and child.data.metrics[M.ERR["out"]] == rec[M.ERR["out"]]
+        )
+        assert float(child.data.tags["time ms"]) == pytest.approx(rec[M.TIME_MS_MEDIAN], rel=5e-3)
         history = client.get_metric_history(child.info.run_id, "samples/time_ms")
         assert [h.value for h in sorted(history, key=lambda h: h.step)] == rec[M.TIME_MS_SAMPLES]
         if rec["method"] == "usp":
@@ -105,6 +123,12 @@ def test_runs_open_on_the_answer(stored, tmp_path):
         Path(client.download_artifacts(parent.info.run_id, "trials_table.json", str(tmp_path))).read_text()
     )
     assert sorted(row[table["columns"].index("key")] for row in table["data"]) == sorted(records)
+    # a report read back from MLflow gets the rows, not the tags that only show them
+    from suite.reports.load import load_mlflow
+    from suite.tracking import RUN_FOLDER, SHOWN
+
+    frame = load_mlflow("trk", f"sqlite:///{db}").frame
+    assert len(frame) == 4 and not (set(SHOWN) | {RUN_FOLDER}) & set(frame.columns)
 
 
 def test_relog_updates_the_existing_parent_and_logging_twice_adds_nothing(stored, tmp_path):
@@ -138,6 +162,9 @@ def test_reconcile_logs_missing_completes_half_logged_removes_duplicates_and_kil
     missing, half, dup_of = children[0], children[1], children[2]
     client.delete_run(missing.info.run_id)  # never logged
     client.update_run(half.info.run_id, status="RUNNING")  # killed while logging
+    old = children[3]  # logged by a suite before the display tags: relog adds them
+    client.delete_tag(old.info.run_id, "err out")
+    client.delete_tag(old.info.run_id, "run folder")
     dup = client.create_run(
         exp.experiment_id,
         run_name="dup",
@@ -156,7 +183,7 @@ def test_reconcile_logs_missing_completes_half_logged_removes_duplicates_and_kil
     )
     client.update_run(first.parent_run_id, status="RUNNING")
     tracker = relog(stored, uri=f"sqlite:///{db}")
-    assert tracker.counts == {"logged": 1, "completed": 1, "deleted": 1, "killed": 1}
+    assert tracker.counts == {"logged": 1, "completed": 1, "deleted": 1, "killed": 1, "retagged": 1}
     _, parents, children = _runs(client)
     assert len(parents) == 1 and parents[0].info.status == "FINISHED"
     live = [c for c in children if c.data.tags[M.KEY] != "0" * 16]
@@ -164,6 +191,9 @@ def test_reconcile_logs_missing_completes_half_logged_removes_duplicates_and_kil
     assert sorted(c.data.tags[M.KEY] for c in live) == sorted(keys)
     assert all(c.info.status == "FINISHED" for c in live)
     assert client.get_run(stale.info.run_id).info.status == "KILLED"
+    assert {k: client.get_run(old.info.run_id).data.tags[k] for k in ("err out", "run folder")} == {
+        k: old.data.tags[k] for k in ("err out", "run folder")
+    }
     assert client.get_run(dup.info.run_id).info.lifecycle_stage == "deleted"
 
 
@@ -374,3 +404,16 @@ def test_progress_bar_names_the_running_trial(write_config, capsys):
     label = next(f for f in frames if f.startswith(first["method"]))
     # the first trial's name is on the bar while nothing has finished yet (0 of 2)
     assert any(f.startswith(label.split(":")[0]) and " 0/2 " in f for f in frames), frames
+
+
+def test_numbers_shown_as_tags_keep_their_exponent_and_units():
+    from suite.tracking import shown
+
+    assert shown(4.28336514e-07, "err") == "4.3e-07"
+    assert shown(0.0, "err") == "0.0e+00"
+    assert shown(12.3456789, "sig3") == "12.3" and shown(123456.0, "sig3") == "1.23e+05"
+    assert shown(-0.0123, "signed") == "-1.2e-02" and shown(0.0123, "signed") == "+1.2e-02"
+    assert shown(512, "bytes") == "512 B"
+    assert shown(3 * 1024**2 / 2, "bytes") == "1.5 MiB"
+    assert shown(80 * 1024**3, "bytes") == "80 GiB"
+    assert shown(5 * 1024**5, "bytes") == "5.12e+03 TiB"

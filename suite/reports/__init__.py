@@ -109,8 +109,13 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
     )
     say(f"wrote {html} ({time.perf_counter() - t0:.1f}s)")
     report = Report(out_dir, html, written, figures, notes, len(df), redrawn=drawn, read_notes=list(data.notes))
-    if log_to_mlflow:
-        report.logged_to = _log_html(html, data.sources, [Path(p) for p in figures if str(p).endswith(".png")])
+    logged = [s for s in data.sources if (Path(s.run_dir) / "mlflow.json").exists()] if log_to_mlflow else []
+    if logged:
+        pngs = [Path(p) for p in figures if str(p).endswith(".png")]
+        say(f"attaching the page and {len(pngs)} figures to {len(logged)} MLflow run(s) "
+            f"(importing MLflow takes a few seconds)")
+        report.logged_to = _log_html(html, logged, pngs)
+        say(f"attached to MLflow ({time.perf_counter() - t0:.1f}s)")
     report.seconds = time.perf_counter() - t0
     return report
 

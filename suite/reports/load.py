@@ -126,6 +126,9 @@ def load_mlflow(experiment: str, uri: Optional[str] = None) -> ResultSet:
     metrics, status and reason from tags)."""
     from mlflow.tracking import MlflowClient
 
+    from suite.tracking import RUN_FOLDER, SHOWN
+
+    DISPLAY_ONLY = set(SHOWN) | {RUN_FOLDER}  # tags that only show a row's numbers and folder in the UI
     client = MlflowClient(uri) if uri else MlflowClient()
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
@@ -137,7 +140,7 @@ def load_mlflow(experiment: str, uri: Optional[str] = None) -> ResultSet:
             continue
         row = dict(run.data.params)
         row.update(run.data.metrics)
-        row.update({k: v for k, v in tags.items() if not k.startswith("mlflow.")})
+        row.update({k: v for k, v in tags.items() if not k.startswith("mlflow.") and k not in DISPLAY_ONLY})
         rows.append(row)
     out = pd.DataFrame(rows)
     if out.empty:
