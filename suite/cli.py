@@ -293,7 +293,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         from suite.env import redact_uri
         from suite.tracking import relog
 
-        tracker = relog(args.run_dir, args.uri, args.experiment)
+        try:
+            tracker = relog(args.run_dir, args.uri, args.experiment)
+        except (FileNotFoundError, ValueError) as exc:  # not a results folder; a stored URI it cannot use
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
         if not tracker.enabled:
             print(f"relog failed: {tracker.disabled_reason}", file=sys.stderr)
             return 1
