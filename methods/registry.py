@@ -94,5 +94,6 @@ def load_plugins(modules: Iterable[str]) -> None:
     for mod in modules:
         try:
             importlib.import_module(mod)
-        except ImportError as exc:
-            raise ImportError(f"plugin module {mod!r} could not be imported: {exc}") from exc
+        except Exception as exc:  # a plugin is user code: its own error, its syntax, a duplicate name
+            first = str(exc).splitlines()[0] if str(exc) else ""
+            raise ImportError(f"plugin module {mod!r} could not be imported: {type(exc).__name__}: {first}") from exc

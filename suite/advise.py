@@ -37,6 +37,7 @@ from methods.masks import parse as parse_mask
 from suite import metrics as M
 from suite.bundled import DOCUMENTS, MODELS
 from suite.config import PASSES, DocumentsConfig, SuiteConfig
+from suite.config.schema import MAX_SEQ_LEN
 from suite.lengths import Distribution, LengthsError, histogram_path
 from suite.sim.compute import ComputeModel
 from suite.sim.memory import MemoryEstimate, estimate
@@ -299,8 +300,12 @@ def make_question(
         raise AdviceError("--gpus", why)
     if seq_len is None:
         seq_len = 131072
-    if seq_len < 1:
-        raise AdviceError("--seq-len", f"must be a positive number of tokens, got {seq_len}")
+    if not 1 <= seq_len <= MAX_SEQ_LEN:
+        raise AdviceError(
+            "--seq-len",
+            f"must be a positive number of tokens, at most {MAX_SEQ_LEN} (2**31 - 1, as sweep.seq_len: the simulator's "
+            f"arrays grow with the length), got {seq_len}",
+        )
     if batch < 1:
         raise AdviceError("--batch", f"must be >= 1, got {batch}")
     if memory_gb is not None and not memory_gb > 0:
@@ -935,6 +940,20 @@ def compare(advice: Advice, measured_dir: Path) -> tuple[str, dict[str, Any]]:
 
 
 # -- command line -----------------------------------------------------------------------------------
+def _check_writable(option: str, path: Path, *, folder: bool) -> None:
+    """Raise AdviceError when `path` (a folder to create, or a file to write) cannot be made: it or
+    one of its parents is a file (or a folder where a file is asked for)."""
+    if folder and path.exists() and not path.is_dir():
+        raise AdviceError(option, f"{path} is a file; name a folder")
+    if not folder and path.is_dir():
+        raise AdviceError(option, f"{path} is a folder; name a YAML file to write")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise AdviceError(option, f"{parent} is a file, so nothing can be written under it: {path}")
+            break
+
+
 def run_command(args) -> int:
     import time
 
@@ -960,6 +979,10 @@ def run_command(args) -> int:
         )
         if args.compare and not Path(args.compare).exists():
             raise AdviceError("--compare", f"no such folder: {args.compare}")
+        # where the outputs go, checked before the simulation rather than failing after it
+        _check_writable("--out", Path(args.out or f"reports/{sweep_name(q)}_{q.seq_len}"), folder=True)
+        if args.emit_config:
+            _check_writable("--emit-config", Path(args.emit_config), folder=False)
         advice = advise(
             q,
             results_root=args.results_root,

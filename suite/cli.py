@@ -305,7 +305,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         progress(f"reading {args.run_dir}")
         try:
             tracker = relog(args.run_dir, args.uri, args.experiment, progress=progress)
-        except (FileNotFoundError, StoreError) as exc:
+        except (FileNotFoundError, StoreError, ValueError) as exc:  # not a results folder; a stored URI it cannot use
             print(f"error: {exc}", file=sys.stderr)
             return 2
         if not tracker.enabled:

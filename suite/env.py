@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -76,11 +77,13 @@ _URI_VARS = ("MLFLOW_TRACKING_URI",)
 
 
 def redact_uri(uri: Optional[str]) -> Optional[str]:
-    """`uri` without the user info (user:password@) of its network location, and without a
-    query (tokens travel there too): what may be printed or stored. Other strings pass unchanged.
+    """`uri` as it may be printed or stored: a URI with a network location (http, https,
+    postgresql, ...) loses its user info (user:password@ becomes ***@), its path (a token travels
+    there too: /api/<token>/; a non-empty one becomes /***), its query and its fragment; a local
+    store (sqlite:///path, file:///path) keeps its path. Other strings pass unchanged.
 
     >>> redact_uri("https://alice:s3cret@mlflow.example.org:5000/x?token=1")
-    'https://***@mlflow.example.org:5000/x'
+    'https://***@mlflow.example.org:5000/***'
     """
     if not uri or "://" not in uri:
         return uri
@@ -88,14 +91,37 @@ def redact_uri(uri: Optional[str]) -> Optional[str]:
         parts = urlsplit(uri)
     except ValueError:
         return "<unparseable URI>"
-    netloc, query = parts.netloc, parts.query
-    if "@" not in netloc and (not query or parts.scheme.startswith("sqlite")):
-        return uri  # nothing to hide (and urlunsplit would drop the empty authority of sqlite:////path)
-    if "@" in netloc:
-        netloc = "***@" + netloc.rsplit("@", 1)[1]
-    if query and not parts.scheme.startswith("sqlite"):
-        query = ""
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    if not parts.netloc or parts.scheme.startswith(("sqlite", "file")):
+        return uri  # a local store: its path is a file (and urlunsplit would drop sqlite:////path's authority)
+    netloc = "***@" + parts.netloc.rsplit("@", 1)[1] if "@" in parts.netloc else parts.netloc
+    path = "/***" if parts.path.strip("/") else parts.path
+    return urlunsplit((parts.scheme, netloc, path, "", ""))
+
+
+def uri_secrets(uri: Optional[str]) -> list[str]:
+    """The pieces of `uri` that redact_uri hides (user info, path, query, fragment), longest first."""
+    if not uri or "://" not in uri or redact_uri(uri) == uri:
+        return []
+    parts = urlsplit(uri)
+    userinfo = parts.netloc.rsplit("@", 1)[0] if "@" in parts.netloc else ""
+    whole = [userinfo, parts.path.strip("/"), parts.query, parts.fragment]
+    # each password, path segment and query value alone too; short ones (a path's "x") would blot
+    # out letters of every word, and are inside the whole pieces above anyway
+    alone = userinfo.split(":") + parts.path.split("/") + [v for kv in parts.query.split("&") for v in kv.split("=")]
+    return sorted({p for p in whole if p} | {p for p in alone if len(p) >= 4}, key=len, reverse=True)
+
+
+_URI_RE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^\s'\"<>]+")
+
+
+def redact_text(text: str, uri: Optional[str] = None) -> str:
+    """`text` (an error message, an override as typed) with every URI in it redacted (redact_uri),
+    and every secret piece of `uri` replaced by *** wherever it appears (a library's message may
+    repeat the path or query alone: "Max retries exceeded with url: /<token>/api/...")."""
+    text = _URI_RE.sub(lambda m: redact_uri(m.group(0)) or "", text)
+    for piece in uri_secrets(uri):
+        text = text.replace(piece, "***")
+    return text
 
 
 def env_vars() -> dict[str, str]:

@@ -121,12 +121,20 @@ class Distribution:
             x = rng.lognormal(math.log(s["median"]), s["sigma"], n)
         elif self.distribution == "powerlaw":
             # inverse CDF of a Pareto tail above `min` (then clipped to `max`)
-            x = s["min"] * (1.0 - rng.random(n)) ** (-1.0 / (s["alpha"] - 1.0))
+            with np.errstate(over="ignore"):  # inf past the float range: capped below
+                x = s["min"] * (1.0 - rng.random(n)) ** (-1.0 / (s["alpha"] - 1.0))
         else:
             lows, highs, weights = (np.array(c, dtype=float) for c in zip(*s["bins"]))
             pick = rng.choice(len(weights), size=n, p=weights / weights.sum())
             x = lows[pick] + rng.random(n) * (highs[pick] - lows[pick])
+        # A wide lognormal (sigma 1000) or a tail barely normalisable (alpha 1 + 1e-7) draws lengths
+        # past any float (inf): cap them at LONGEST, far beyond any sequence, where packing cuts
+        # them to the sequence anyway, so the packed documents are the same as for the true draw.
+        x = np.minimum(np.nan_to_num(x, nan=1.0, posinf=LONGEST), LONGEST)
         return [int(max(1, round(v))) for v in x]
+
+
+LONGEST = float(2**62)  # a drawn length beyond every sequence (config: sweep.seq_len <= 2**31 - 1)
 
 
 def _clip(lengths: list[int], s: dict[str, Any]) -> list[int]:
@@ -162,8 +170,12 @@ def _read_histogram(path: Path, key: str) -> tuple[tuple[int, int, float], ...]:
             f"{path} does not parse as a histogram ({type(exc).__name__}: {exc}); "
             f"expected `bins: [[low, high, weight], ...]`",
         ) from None
-    if not bins or any(lo < 1 or hi < lo or w < 0 for lo, hi, w in bins) or sum(w for *_, w in bins) <= 0:
-        raise LengthsError(key, f"{path}: bins need 1 <= low <= high and weights >= 0, not all 0")
+    if (
+        not bins
+        or any(lo < 1 or hi < lo or not (0 <= w < math.inf) for lo, hi, w in bins)
+        or not 0 < sum(w for *_, w in bins) < math.inf
+    ):
+        raise LengthsError(key, f"{path}: bins need 1 <= low <= high and finite weights >= 0, not all 0")
     return bins
 
 

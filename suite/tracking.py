@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Optional
 
 from suite import metrics as M
-from suite.env import redact_uri
+from suite.env import redact_text, redact_uri
 from suite.env import tags as env_tags
 from suite.metrics import IDENTITY
 from suite.results import CONFIG, ENVIRONMENT, MLFLOW, PARQUET, TRIALS, ResultsStore
@@ -419,10 +419,7 @@ class MlflowTracker:
             self.say(line)
 
     def _disable(self, what: str, exc: BaseException) -> None:
-        text = redact_uri(self.uri) or ""
-        msg = str(exc).splitlines()[0][:300] if str(exc) else ""
-        if self.uri and self.uri != text:
-            msg = msg.replace(self.uri, text)
+        msg = redact_text(str(exc).splitlines()[0] if str(exc) else "", self.uri)[:300]
         self.disabled_reason = f"{what}: {type(exc).__name__}: {msg}"
         self.enabled = False
         warnings.warn(
@@ -673,9 +670,16 @@ def relog(
     name = str(cfg.get("name"))
     root = (cfg.get("results") or {}).get("root", "results")
     tracking = cfg.get("tracking") or {}
-    tracker = MlflowTracker(
-        uri or tracking.get("uri") or default_uri(root), experiment or tracking.get("experiment") or name, root
-    )
+    stored = tracking.get("uri")
+    if not uri and stored and "***" in str(stored):
+        # the folder's config holds the URI redacted (its credentials are never stored)
+        if not os.environ.get("MLFLOW_TRACKING_URI"):
+            raise ValueError(
+                f"{store.run_dir} was logged to {stored} (stored without its credentials); give the URI "
+                f"with --uri or set MLFLOW_TRACKING_URI"
+            )
+        stored = None
+    tracker = MlflowTracker(uri or stored or default_uri(root), experiment or tracking.get("experiment") or name, root)
     tracker.say = progress
     env = store.read_json(ENVIRONMENT) or {}
     tracker.start(

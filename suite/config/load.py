@@ -27,7 +27,20 @@ def load_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -
     cfg = _merge_schema(raw, str(path))
     for text in overrides:
         _apply_override(cfg, text)
+    _anchor_files(cfg, path.resolve().parent)
     return _finish(cfg, str(path))
+
+
+def _anchor_files(cfg: DictConfig, folder: Path) -> None:
+    """A histogram `file` given as a relative path names a file beside the config (as Hydra reads a
+    config's `defaults:`), not one under whatever folder the command runs from: where that file
+    exists it becomes the absolute path, so every later reader (validation, planning, the saved
+    config) finds the same file. Otherwise it stays as written (the current folder, then the
+    histograms that ship with the suite, suite/lengths.py `histogram_path`)."""
+    for entry in (cfg.get("documents") or {}).values():
+        file = entry.get("file") if hasattr(entry, "get") else None
+        if isinstance(file, str) and file and not Path(file).is_absolute() and (folder / file).is_file():
+            entry["file"] = str(folder / file)
 
 
 def bundled_configs() -> list[str]:
@@ -67,7 +80,17 @@ def _finish(cfg: DictConfig, source: str) -> tuple[SuiteConfig, str]:
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc, source=source)) from None
     validate(obj)
-    return obj, OmegaConf.to_yaml(OmegaConf.structured(obj), resolve=True)
+    return obj, config_yaml(obj)
+
+
+def config_yaml(cfg: SuiteConfig) -> str:
+    """The resolved config as saved with a run (config.yaml, an MLflow artifact): the tracking URI
+    redacted (suite.env.redact_uri), whichever way it was given, so no credential is ever stored."""
+    from suite.env import redact_uri
+
+    node = OmegaConf.structured(cfg)
+    node.tracking.uri = redact_uri(cfg.tracking.uri)
+    return OmegaConf.to_yaml(node, resolve=True)
 
 
 # YAML aliases repeat a node without copying it, so a few hundred bytes can stand for billions of
@@ -180,11 +203,17 @@ def _apply_override(cfg: DictConfig, text: str) -> None:
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
+    from suite.env import redact_text  # an override may carry a tracking URI's credentials
+
     try:
         (ov,) = OverridesParser.create().parse_overrides([text])
     except HydraException as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
         raise ConfigError(
-            f"bad override {text!r}: {exc}. Use key=value, e.g. run.repeats=3 or sweep.seq_len=[512,1024]"
+            redact_text(
+                f"bad override {text!r}: {reason}. Use key=value, e.g. run.repeats=3 or sweep.seq_len=[512,1024] "
+                f"(quote a value with '=' or '?' in it: tracking.uri='http://host/?a=b')"
+            )
         ) from None
     key = ov.key_or_group
     exists = OmegaConf.select(cfg, key, default=_MISSING_KEY) is not _MISSING_KEY
@@ -208,7 +237,7 @@ def _apply_override(cfg: DictConfig, text: str) -> None:
     try:
         OmegaConf.update(cfg, key, value, merge=False, force_add=not exists and _in_dict_section(key))
     except OmegaConfBaseException as exc:
-        raise ConfigError(f"override {text!r}: {_explain(exc)}") from None
+        raise ConfigError(redact_text(f"override {text!r}: {_explain(exc)}")) from None
 
 
 def _in_dict_section(key: str) -> bool:

@@ -42,6 +42,19 @@ class ConfigError(ValueError):
 
 MAX_NAME = 100  # a sweep name is a folder name and an MLflow experiment name
 MAX_TIMEOUT_S = 7 * 86400  # a week: longer waits are a typo (and inf overflows the waits)
+# A global sequence of at most 2**31 - 1 tokens: flash-attn's varlen kernels index a packed
+# sequence with int32 offsets (cu_seqlens), and the float64 check, the document draws and the
+# simulator's per-block arrays all grow with the length (2**62 tokens would need petabytes).
+MAX_SEQ_LEN = 2**31 - 1
+# Timed and warm-up iterations per trial: every sample is stored with its row, and 10,000 pin a
+# median far below run-to-run noise; more is a typo that would run for days.
+MAX_REPEATS = 10_000
+# Seeds of numpy's and torch's generators: non-negative (numpy refuses negative seeds) and 64-bit.
+MAX_SEED = 2**63 - 1
+# executor=threads runs every virtual rank as a thread of this one process, each with its own
+# shards, buffers and (on CPU) intra-op thread pool: past 64 ranks the process's threads and memory
+# outgrow a host (the OS kills it) and the ring's P steps of P threads take minutes for a tiny problem.
+MAX_THREAD_RANKS = 64
 
 
 @dataclass

@@ -15,6 +15,10 @@ from suite.config.schema import (
     EXECUTORS,
     KINDS,
     MAX_NAME,
+    MAX_REPEATS,
+    MAX_SEED,
+    MAX_SEQ_LEN,
+    MAX_THREAD_RANKS,
     MAX_TIMEOUT_S,
     PASSES,
     ConfigError,
@@ -79,6 +83,13 @@ def validate(cfg: SuiteConfig) -> None:
     for axis in ("world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim"):
         for v in getattr(s, axis):
             _require(v >= 1, f"sweep.{axis}", f"values must be >= 1, got {v}")
+    for v in s.seq_len:
+        _require(
+            v <= MAX_SEQ_LEN,
+            "sweep.seq_len",
+            f"{v} tokens is more than {MAX_SEQ_LEN} (2**31 - 1: flash-attn indexes a sequence with int32 "
+            f"offsets, and the check and simulator grow with the length); use a shorter sequence",
+        )
     for d in s.dtype:
         _choice(d, "sweep.dtype", tuple(DTYPES))
     for p in s.passes:
@@ -120,8 +131,26 @@ def validate(cfg: SuiteConfig) -> None:
     _choice(r.device, "run.device", DEVICES)
     _choice(r.backend, "run.backend", BACKENDS)
     _choice(r.kernel, "run.kernel", KERNEL_CHOICES)
-    _require(r.warmup >= 0, "run.warmup", f"must be >= 0, got {r.warmup}")
-    _require(r.repeats >= 1, "run.repeats", f"must be >= 1, got {r.repeats}")
+    _require(0 <= r.warmup <= MAX_REPEATS, "run.warmup", f"must be between 0 and {MAX_REPEATS}, got {r.warmup}")
+    _require(
+        1 <= r.repeats <= MAX_REPEATS,
+        "run.repeats",
+        f"must be between 1 and {MAX_REPEATS} (every sample is stored with its row), got {r.repeats}",
+    )
+    _require(
+        0 <= r.seed <= MAX_SEED,
+        "run.seed",
+        f"must be between 0 and 2**63 - 1 (numpy's generators take no negative seed), got {r.seed}",
+    )
+    if r.executor == "threads":
+        big = [p for p in s.world_size if p > MAX_THREAD_RANKS]
+        _require(
+            not big,
+            "sweep.world_size",
+            f"{big[0] if big else 0} virtual ranks with run.executor=threads; at most {MAX_THREAD_RANKS} (every "
+            f"rank is a thread of one process, with its own tensors and CPU thread pool): use run.executor=dist "
+            f"or sim for more ranks",
+        )
     _require(r.check_max_seq_len >= 1, "run.check_max_seq_len", "must be >= 1")
     for k in ("timeout_s", "startup_timeout_s", "prepare_timeout_s", "fail_grace_s"):
         v = getattr(r, k)  # inf or NaN would overflow the waits (OverflowError) or never time out

@@ -56,6 +56,11 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
 
     say = progress or (lambda _line: None)
     t0 = time.perf_counter()
+    if out is not None and Path(out).exists() and not Path(out).is_dir():
+        raise ReportError(f"--out: {out} is a file; name a folder for the report")
+    for parent in Path(out or ".").parents:
+        if parent.exists() and not parent.is_dir():
+            raise ReportError(f"--out: {parent} is a file, so the report folder {out} cannot be made under it")
     sets: list[ResultSet] = []
     selection: list[str] = []  # what choosing the runs left out
     if paths or not mlflow_experiment:
@@ -63,6 +68,9 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
     if mlflow_experiment:
         sets.append(load_mlflow(mlflow_experiment, mlflow_uri))
     data = combine(sets)
+    if not data.sources and data.notes:  # every folder named was skipped: nothing to report on
+        raise ReportError(f"no readable results: {data.notes[0]}" + (f" (and {len(data.notes) - 1} more)"
+                                                                      if len(data.notes) > 1 else ""))
     data.notes[:0] = selection
     df = with_series(data.frame)
     say(f"read {len(df)} rows from {len(data.sources)} run(s) in {time.perf_counter() - t0:.1f}s")

@@ -106,6 +106,10 @@ def load_runs(run_dirs: list[Path]) -> ResultSet:
             notes.append(f"{run_dir}: skipped, it cannot be read ({type(exc).__name__}: {exc})")
             continue
         notes.extend(store.damaged)
+        problem = row_problem(rows)
+        if problem:
+            notes.append(f"{run_dir}: skipped, its rows are not trial rows ({problem})")
+            continue
         if duplicates:
             notes.append(
                 f"{run_dir}: {duplicates} row(s) of keys recorded twice were dropped (the latest row of "
@@ -119,6 +123,40 @@ def load_runs(run_dirs: list[Path]) -> ResultSet:
             frames.append(df)
     frame = pd.concat(frames, ignore_index=True) if frames else pd.DataFrame()
     return ResultSet(normalise(frame), sources, notes)
+
+
+# What every stored row has had since the first version, with its type: a report groups and
+# divides by these, so a row without them (or with text where a number belongs) is not a trial row.
+REQUIRED_COLUMNS = {
+    "method": str,
+    "world_size": int,
+    "batch": int,
+    "seq_len": int,
+    "heads": int,
+    "kv_heads": int,
+    "head_dim": int,
+    "dtype": str,
+    "pass": str,
+    M.STATUS: str,
+}
+
+
+def row_problem(rows: list[dict]) -> str:
+    """The first column of `rows` that a report cannot use (missing, or of the wrong type), said in
+    words naming the row's key and the column; "" when every row is usable."""
+    for row in rows:
+        where = f"row {str(row.get(M.KEY, '?'))[:16]}"
+        for col, kind in REQUIRED_COLUMNS.items():
+            value = row.get(col)
+            if value is None:
+                return f"{where} has no column {col!r}"
+            if not isinstance(value, kind) or isinstance(value, bool):
+                return f"{where}: column {col!r} is {value!r}, not {'an integer' if kind is int else 'text'}"
+        for col in M.NUMERIC_METRICS:
+            value = row.get(col)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+                return f"{where}: column {col!r} is {value!r}, not a number"
+    return ""
 
 
 def load_mlflow(experiment: str, uri: Optional[str] = None) -> ResultSet:

@@ -1,0 +1,166 @@
+"""Bad input from a newcomer or a fault run: each is refused before anything starts with one line
+naming the key or option (exit 2, no traceback), and no credential of a tracking URI reaches a
+file or the console, whichever way the URI was given."""
+
+import json
+import textwrap
+
+import pytest
+
+from suite.cli import main
+
+SWEEP = """
+name: bad
+sweep: {methods: [ring], world_size: [2], seq_len: [64], heads: [2], kv_heads: [2], head_dim: [8],
+        causal: [true], passes: [fwd], workload: [docs]}
+run: {executor: threads, device: cpu, warmup: 0, repeats: 1}
+tracking: {mlflow: false}
+documents:
+  docs: {distribution: lognormal, median: 16, sigma: 1}
+"""
+
+PLUGIN_ERRORS = {
+    "raises": "raise RuntimeError('plugin broke')\n",
+    "syntax": "def broken(:\n",
+    "duplicate": "from methods.registry import register\nfrom methods.ring import Ring\n\n"
+    "@register\nclass Again(Ring):\n    name = 'ring'\n",
+}
+
+
+def _setup(tmp_path, monkeypatch):
+    """A sweep config, a histogram with a NaN weight beside it, a plain file, a folder of rows
+    with a missing or a mistyped column, and plugin modules that fail."""
+    (tmp_path / "sweep.yaml").write_text(SWEEP + f"results: {{root: {tmp_path / 'results'}}}\n")
+    (tmp_path / "nan.yaml").write_text("bins:\n  - [1, 10, .nan]\n  - [11, 20, 1]\n")
+    (tmp_path / "afile").write_text("")
+    row = {"key": "k1", "method": "ring", "world_size": 2, "batch": 1, "seq_len": 64, "heads": 2, "kv_heads": 2}
+    row.update(head_dim=8, dtype="float32", causal=True, status="ok", time_ms_median=1.0, executor="threads")
+    row["pass"] = "fwd"
+    for name, change in (("missing", {"method": None}), ("typed", {"seq_len": "abc"})):
+        run = tmp_path / "rows" / name / "20260101-000000"
+        run.mkdir(parents=True)
+        bad = {k: v for k, v in {**row, **change}.items() if v is not None}
+        (run / "trials.jsonl").write_text(json.dumps(bad) + "\n")
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    for name, text in PLUGIN_ERRORS.items():
+        (plugins / f"bad_plugin_{name}.py").write_text(textwrap.dedent(text))
+    monkeypatch.syspath_prepend(str(plugins))
+    monkeypatch.chdir(tmp_path)
+
+
+RUN = ["run", "sweep.yaml"]
+ADVISE = ["advise", "--model", "llama3_8b", "--topology", "h100_sxm", "--no-mlflow", "--results-root", "results"]
+
+
+@pytest.mark.parametrize(
+    "argv,key",
+    [
+        # item 12: the config
+        (RUN + ["documents.docs.distribution=histogram", "documents.docs.file=nan.yaml"], "documents.docs.file"),
+        (RUN + ["run.seed=-1"], "run.seed"),
+        (RUN + ["run.repeats=100000000000"], "run.repeats"),
+        (RUN + ["run.warmup=100000000000"], "run.warmup"),
+        (RUN + ["sweep.seq_len=[100000000000000000000]"], "sweep.seq_len"),
+        (RUN + ["sweep.world_size=[256]"], "sweep.world_size"),
+        # item 13: reports, relog, advise, plugins
+        (["report", "rows/missing", "--no-mlflow", "--out", "rep"], "'method'"),
+        (["report", "rows/typed", "--no-mlflow", "--out", "rep"], "'seq_len'"),
+        (["report", "rows/typed", "--no-mlflow", "--out", "afile"], "--out"),
+        (["relog", "rows"], "not a results folder"),
+        (ADVISE + ["--seq-len", str(2**62)], "--seq-len"),
+        (ADVISE + ["--seq-len", "4096", "--emit-config", "afile/top.yaml"], "--emit-config"),
+        (ADVISE + ["--seq-len", "4096", "--out", "afile/advice"], "--out"),
+        (RUN + ["run.plugins=[bad_plugin_raises]"], "run.plugins"),
+        (RUN + ["run.plugins=[bad_plugin_syntax]"], "run.plugins"),
+        (RUN + ["run.plugins=[bad_plugin_duplicate]"], "run.plugins"),
+    ],
+)
+def test_bad_input_is_one_line_exit_2_before_anything_runs(argv, key, tmp_path, monkeypatch, capsys):
+    _setup(tmp_path, monkeypatch)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert key in lines[0] and "Traceback" not in err
+    assert not (tmp_path / "results").exists()  # no trial started (nor a simulated one)
+    assert not (tmp_path / "rep").exists()
+
+
+@pytest.mark.parametrize(
+    "override", ["documents.docs.sigma=1000", "documents.docs.distribution=powerlaw documents.docs.alpha=1.0000001"]
+)
+def test_lengths_past_any_float_are_drawn_and_cut_to_the_sequence(override, tmp_path, monkeypatch, capsys):
+    """A lognormal sigma that overflows and a power-law tail barely normalisable draw infinite
+    lengths; they are capped, and packing cuts them to the sequence."""
+    from suite.config import load_config
+    from suite.lengths import Distribution
+
+    _setup(tmp_path, monkeypatch)
+    cfg, _ = load_config("sweep.yaml", override.split())
+    import dataclasses
+
+    dist = Distribution.from_config("docs", dataclasses.asdict(cfg.documents["docs"]))
+    for seq in dist.draw(64, 3, 0):
+        assert sum(seq) == 64 and all(n >= 1 for n in seq)
+
+
+def test_a_relative_histogram_path_is_read_beside_the_config(tmp_path, monkeypatch):
+    from suite.config import load_config
+
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / "cfg" / "sweep.yaml").write_text(
+        SWEEP.replace("lognormal, median: 16, sigma: 1", "histogram, file: h.yaml")
+    )
+    (tmp_path / "cfg" / "h.yaml").write_text("bins:\n  - [4, 8, 1]\n")
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # no h.yaml here
+    cfg, _ = load_config("../cfg/sweep.yaml")
+    assert cfg.documents["docs"].file == str(tmp_path / "cfg" / "h.yaml")
+
+
+SECRETS = ("SECRETUSER", "SECRETPASS", "SECRETPATH", "SECRETQUERY")
+URI = "http://SECRETUSER:SECRETPASS@127.0.0.1:9/SECRETPATH/mlflow?token=SECRETQUERY"
+
+
+@pytest.mark.parametrize("way", ["config file", "override", "environment", "relog --uri"])
+def test_no_credential_of_the_tracking_uri_is_written_or_printed(way, tmp_path, monkeypatch, capsys):
+    """Port 9 refuses the connection: MLflow fails at once (no retries) and says so, with the URL
+    in its message; the sweep still writes its folder."""
+    _setup(tmp_path, monkeypatch)
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    text = (tmp_path / "sweep.yaml").read_text().replace("mlflow: false", "mlflow: true")
+    if way == "config file":
+        text = text.replace("mlflow: true}", f"mlflow: true, uri: '{URI}'}}")
+    (tmp_path / "sweep.yaml").write_text(text)
+    argv = RUN + ["sweep.workload=[uniform]", "--no-progress"]
+    if way == "override":
+        argv.append(f"tracking.uri='{URI}'")
+    if way == "environment":
+        monkeypatch.setenv("MLFLOW_TRACKING_URI", URI)
+    with pytest.warns(RuntimeWarning) as warned:  # MLflow disabled, said in a warning
+        assert main(argv) == 0
+        if way == "relog --uri":
+            (run_dir,) = (tmp_path / "results" / "bad").iterdir()
+            assert main(["relog", str(run_dir), "--uri", URI]) == 1
+    out = capsys.readouterr()
+    console = out.out + out.err + "".join(str(w.message) for w in warned)
+    assert "MLflow" in console and "127.0.0.1" in console  # the failure is said, the host shown
+    files = [p for p in (tmp_path / "results").rglob("*") if p.is_file()]
+    assert any(p.name == "config.yaml" for p in files)
+    for secret in SECRETS:
+        assert secret not in console
+        for p in files:
+            assert secret.encode() not in p.read_bytes(), p
+
+
+def test_redact_uri_keeps_local_stores_and_hides_every_secret_piece():
+    from suite.env import redact_text, redact_uri
+
+    assert redact_uri("sqlite:////tmp/x/mlflow.db") == "sqlite:////tmp/x/mlflow.db"
+    assert redact_uri("file:///tmp/mlruns") == "file:///tmp/mlruns"
+    assert redact_uri("http://host:5000") == "http://host:5000"
+    assert redact_uri(URI) == "http://***@127.0.0.1:9/***"
+    said = redact_text(f"url: /SECRETPATH/mlflow?token=SECRETQUERY/api failed for {URI}", URI)
+    assert not any(s in said for s in SECRETS) and "127.0.0.1:9" in said
