@@ -302,8 +302,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         from suite.results import StoreError
 
-        progress(f"reading {args.run_dir}")
-        try:
+        try:  # the folder is checked before any progress line: a bad one is one error line
             tracker = relog(args.run_dir, args.uri, args.experiment, progress=progress)
         except (FileNotFoundError, StoreError, ValueError) as exc:  # not a results folder; a stored URI it cannot use
             print(f"error: {exc}", file=sys.stderr)
