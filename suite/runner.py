@@ -18,11 +18,11 @@ from typing import Optional, TextIO
 import methods
 from suite import metrics as M
 from suite.config import SuiteConfig, to_dict
-from suite.env import fingerprint, redact_uri
+from suite.env import busy_note, fingerprint, machine_load, redact_uri
 from suite.executors import Executor, make_executor
 from suite.plan import RunSettings, TrialSpec, expand
 from suite.records import RowContext, skipped_row
-from suite.results import CONFIG, ResultsStore, StoreError
+from suite.results import CONFIG, ENVIRONMENT, ResultsStore, StoreError
 from suite.summary import summary_table
 from suite.tracking import config_params, make_tracker
 from suite.workloads import Workload, make_workload
@@ -207,6 +207,8 @@ def _drive_locked(
     from tqdm import tqdm
 
     started_ms = int(time.time() * 1000)
+    if resumed:  # a new sweep's fingerprint holds its start sample already
+        _record_load(store, "start")
     done = store.completed_keys()
     todo = [s for s in plan if s.key not in done]
     tracker = make_tracker(cfg.tracking.mlflow, cfg.tracking.uri, cfg.tracking.experiment or cfg.name, cfg.results.root)
@@ -214,7 +216,7 @@ def _drive_locked(
         store,
         sweep=cfg.name,
         params=sweep_params(cfg),
-        environment=store.read_json("environment.json"),
+        environment=_environment(store),
         description=cfg.description,
         resume=resumed,
         started_ms=started_ms,
@@ -265,6 +267,7 @@ def _drive_locked(
         raise
     finally:
         bar.close()
+        _record_load(store, "end")  # before MLflow takes environment.json as an artifact
         _compact(store)
         tracker.finish(store, status)
     wall = time.perf_counter() - t_start
@@ -282,7 +285,32 @@ def _drive_locked(
     todo_keys = {s.key for s in todo}
     this_run = [r for r in records if r[M.KEY] in todo_keys] + workload.added_rows()
     _print_footer(records, this_run, wall, store, tracker, out, executor.startup_s, executor.groups_started)
+    load = busy_note(((_environment(store) or {}).get("load") or [])[-2:])  # this run's start and end
+    if load:
+        print(load, file=out)
     return SweepResult(store.run_dir, records, wall, tracker.uri, tracker.disabled_reason)
+
+
+def _environment(store: ResultsStore) -> Optional[dict]:
+    """The folder's environment.json, or None when it is missing or damaged (never stops a sweep)."""
+    try:
+        env = store.read_json(ENVIRONMENT)
+    except (OSError, ValueError):
+        return None
+    return env if isinstance(env, dict) else None
+
+
+def _record_load(store: ResultsStore, at: str) -> None:
+    """Add a sample of the machine's load (suite/env.py: machine_load) to environment.json's `load`
+    list: a noisy trial can then be read against how busy the machine was. Best effort."""
+    env = _environment(store)
+    if env is None:
+        return
+    env["load"] = list(env.get("load") or []) + [machine_load(at)]
+    try:
+        store.write_json(ENVIRONMENT, env)
+    except OSError:
+        pass
 
 
 def _compact(store: ResultsStore) -> None:
