@@ -15,7 +15,7 @@ EPILOG = """examples:
   python -m suite run configs/quickstart.yaml
   python -m suite run configs/quickstart.yaml run.repeats=3 sweep.seq_len=[256,512]
   python -m suite run configs/quickstart.yaml --resume            # continue the latest run of this sweep
-  python -m suite run configs/h100_sweep.yaml --dry-run           # print the planned trials
+  python -m suite run configs/h100_sweep.yaml --dry-run           # the planned trials: counts, first 40
   python -m suite run configs/simulate_tasp.yaml                   # predicted on topology models (executor sim)
   python -m suite calibrate configs/sim_check_cpu.yaml             # kernel/link times for the simulator
   python -m suite advise --model llama3_8b --topology h100_sxm --nodes 2 --seq-len 262144
@@ -66,7 +66,13 @@ def _parser() -> argparse.ArgumentParser:
         "run.check, run.seed, ...) or the sweep name differs from the folder's; the change is "
         "recorded in the folder's resumes.jsonl",
     )
-    run.add_argument("--dry-run", action="store_true", help="print the planned trials and whether each can run here")
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the planned trials (the first 40) and whether each can run here, then counts by method and "
+        "by skip reason",
+    )
+    run.add_argument("-v", "--verbose", action="store_true", help="with --dry-run: list every planned trial")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     adv = sub.add_parser(
@@ -348,17 +354,33 @@ def _run(args) -> int:
     if args.force and not args.resume:
         print("error: --force only applies to --resume", file=sys.stderr)
         return 2
+    if args.verbose and not args.dry_run:
+        print("error: --verbose only applies to --dry-run (it lists every planned trial)", file=sys.stderr)
+        return 2
     loaded = _load_config(args)
     if loaded is None:
         return 2
     cfg, yaml_text = loaded
     return sweep_exit_code(
-        cfg, yaml_text, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress, force=args.force
+        cfg,
+        yaml_text,
+        resume=args.resume,
+        dry_run=args.dry_run,
+        progress=not args.no_progress,
+        force=args.force,
+        list_all=args.verbose,
     )
 
 
 def sweep_exit_code(
-    cfg, yaml_text: str, *, resume: Optional[str], dry_run: bool, progress: bool, force: bool = False
+    cfg,
+    yaml_text: str,
+    *,
+    resume: Optional[str],
+    dry_run: bool,
+    progress: bool,
+    force: bool = False,
+    list_all: bool = False,
 ) -> int:
     """Run a loaded sweep as a command does (`suite run`, the Hydra app): SIGTERM/SIGHUP stop it like
     Ctrl-C, and each way it can end is one line and an exit code."""
@@ -368,7 +390,7 @@ def sweep_exit_code(
 
     try:
         with _signals_interrupt():
-            run_sweep(cfg, yaml_text, resume=resume, dry_run=dry_run, progress=progress, force=force)
+            run_sweep(cfg, yaml_text, resume=resume, dry_run=dry_run, progress=progress, force=force, list_all=list_all)
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

@@ -75,9 +75,11 @@ def run_sweep(
     out: Optional[TextIO] = None,
     progress: bool = True,
     force: bool = False,
+    list_all: bool = False,
 ) -> Optional[SweepResult]:
     """Run (or, with `dry_run`, only plan) a sweep. `resume`: a run folder, or "latest"; `force`:
-    resume even where a setting that changes results differs from the folder's (recorded).
+    resume even where a setting that changes results differs from the folder's (recorded);
+    `list_all`: a dry run lists every planned trial, not only the first PLAN_LINES.
 
     Returns None for a dry run and on the ranks other than 0 of an external launch."""
     out = out or sys.stdout  # looked up now, not at import (pytest swaps sys.stdout)
@@ -97,7 +99,7 @@ def run_sweep(
                 "narrow the rules or widen the sweep axes"
             )
         if dry_run:
-            print_plan(plan, executor, workload, out)
+            print_plan(plan, executor, workload, out, list_all=list_all)
             return None
         return _drive(
             cfg, config_yaml, plan, executor, workload, resume=resume, out=out, progress=progress, force=force
@@ -360,9 +362,46 @@ def _print_footer(
         print(f"MLflow was disabled: {tracker.disabled_reason}", file=out)
 
 
-def print_plan(plan: list[TrialSpec], executor: Executor, workload: Workload, out: TextIO) -> None:
-    """The planned trials, one line each, with whether each can run here."""
+# A dry run lists at most this many trials unless asked for all (`--dry-run --verbose`): the main GPU
+# sweep plans thousands, and its summary (below the list) is what a reader needs first.
+PLAN_LINES = 40
+# ... and at most this many skip reasons, the most frequent first
+PLAN_REASONS = 12
+
+
+def print_plan(
+    plan: list[TrialSpec], executor: Executor, workload: Workload, out: TextIO, list_all: bool = False
+) -> dict:
+    """The planned trials, one line each with whether each can run here (the first PLAN_LINES of
+    them unless `list_all`), then a summary: trials by method and status (run or skip here) and
+    by skip reason. Returns the counts: {"method": {name: {status: n}}, "reason": {reason: n}}."""
+    from collections import Counter
+
+    from tabulate import tabulate
+
+    by_method: dict[str, Counter] = {}
+    reasons: Counter = Counter()
+    shown = len(plan) if list_all or len(plan) <= PLAN_LINES else PLAN_LINES
     print(f"{len(plan)} planned trials:", file=out)
-    for spec in plan:
+    for i, spec in enumerate(plan):
         ok, reason = check_supported(spec, executor, workload)
-        print(f"  {spec.key}  {spec.label():<80} {'run' if ok else 'skip: ' + reason}", file=out)
+        by_method.setdefault(spec.method, Counter())["run" if ok else "skip"] += 1
+        if not ok:
+            reasons[reason] += 1
+        if i < shown:
+            print(f"  {spec.key}  {spec.label():<80} {'run' if ok else 'skip: ' + reason}", file=out)
+    if shown < len(plan):
+        print(f"  ... {len(plan) - shown} more (--dry-run --verbose lists every trial)", file=out)
+    runs = sum(c["run"] for c in by_method.values())
+    print(f"\nsummary: {len(plan)} trials, {runs} run here, {len(plan) - runs} skipped here", file=out)
+    rows = [[m, c["run"], c["skip"], c["run"] + c["skip"]] for m, c in by_method.items()]
+    print(tabulate(rows, headers=["method", "run", "skip", "trials"], tablefmt="simple"), file=out)
+    if reasons:
+        print("\nskipped, by reason:", file=out)
+        top = reasons.most_common(PLAN_REASONS)
+        rows = [[n, r if len(r) <= 110 else r[:107] + "..."] for r, n in top]
+        print(tabulate(rows, headers=["trials", "reason"], tablefmt="simple"), file=out)
+        rest = reasons.most_common()[PLAN_REASONS:]
+        if rest:
+            print(f"and {len(rest)} other reasons ({sum(n for _, n in rest)} trials)", file=out)
+    return {"method": {m: dict(c) for m, c in by_method.items()}, "reason": dict(reasons)}
