@@ -17,6 +17,7 @@ here; only option *names* are known here (OPTION_VALUES), never method names.
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import math
 import re
@@ -378,10 +379,28 @@ OPTION_VALUES: dict[str, Callable[[Question], list[Any]]] = {
 }
 
 
+def _ranks_per_node_words(q: Question, value: int) -> str:
+    # a ring route splits in two levels only when ranks span nodes (methods/kv_ring.py: make_route)
+    return f"two-level ring, {value} ranks per node" if 0 < value < q.world_size else "one flat ring"
+
+
+# Plain words for option values whose raw form says little to a reader ("ranks_per_node=0"), by option
+# name as OPTION_VALUES; other options are shown as name=value.
+OPTION_WORDS: dict[str, Callable[[Question, Any], str]] = {"ranks_per_node": _ranks_per_node_words}
+
+
+def plain_name(q: Question, method: str, options: dict[str, Any]) -> str:
+    """A configuration's name for people: `burst (one flat ring)`, `usp(ulysses_degree=4)`."""
+    worded = [OPTION_WORDS[k](q, v) for k, v in options.items() if k in OPTION_WORDS]
+    name = M.method_label(method, {k: v for k, v in options.items() if k not in OPTION_WORDS})
+    return f"{name} ({', '.join(worded)})" if worded else name
+
+
 @dataclass
 class Candidate:
     method: str
     options: dict[str, Any]
+    name: str = ""  # for people (plain_name); `label` is the identity's label
     ulysses_degree: int = 0
     ring_degree: int = 0
     layout: str = ""
@@ -393,10 +412,17 @@ class Candidate:
     """The row it is ranked by: the simulated row of its one mask, or with a per-layer pattern the
     model's total over its layers (`total_row`)."""
     rows: dict[str, dict] = field(default_factory=dict)  # per layer mask (canonical name): its simulated row
+    same: list["Candidate"] = field(default_factory=list)
+    """Other configurations that run this very schedule (`merge_same_schedules`): listed with it."""
 
     @property
     def label(self) -> str:
         return M.method_label(self.method, self.options)
+
+    @property
+    def title(self) -> str:
+        """Its name, and the names of the configurations that are the same schedule: `a = b`."""
+        return " = ".join([self.name or self.label] + [c.name or c.label for c in self.same])
 
     @property
     def options_json(self) -> str:
@@ -416,7 +442,8 @@ def enumerate_candidates(q: Question) -> list[Candidate]:
     for name in candidate_methods():
         opts = [o for o in option_names(methods.method_class(name)) if o in OPTION_VALUES]
         for combo in itertools.product(*(OPTION_VALUES[o](q) for o in opts)):
-            out.append(Candidate(name, dict(zip(opts, combo))))
+            options = dict(zip(opts, combo))
+            out.append(Candidate(name, options, plain_name(q, name, options)))
     return out
 
 
@@ -543,6 +570,62 @@ def build_config(
     return cfg
 
 
+def _schedule_numbers(c: Candidate) -> tuple:
+    """What two configurations of one schedule predict alike: degrees, memory, time, its compute-only
+    and comm-only parts, bytes and collective calls."""
+    r = c.row
+    return (
+        c.ulysses_degree,
+        c.ring_degree,
+        c.memory_bytes,
+        r.get(M.TIME_MS_MEDIAN),
+        r.get(M.COMPUTE_ONLY_MS),
+        r.get(M.COMM_ONLY_MS),
+        r.get(M.BYTES_SENT),
+        r.get(M.BYTES_RECV),
+        str(r.get(M.COMM_OPS)),
+    )
+
+
+def _token_map(q: Question, c: Candidate) -> str:
+    """A digest of which tokens each rank holds (the method's layout of the run case, every layer mask)."""
+    m = methods.get_method(c.method, **c.options)
+    digest = hashlib.sha256()
+    for mask, _ in q.layer_masks():
+        layout = m.layout(_run_case(q, m, mask))
+        for rank in range(q.world_size):
+            digest.update(layout.positions(rank).numpy().tobytes())
+            digest.update(b"|")
+    return digest.hexdigest()
+
+
+def merge_same_schedules(q: Question, ranked: list[Candidate]) -> list[Candidate]:
+    """One entry per schedule. Some configurations are one schedule under two names: USP at Ulysses
+    degree 1 is the zigzag ring (no all-to-all, the same zigzag pairs) and at degree P it is Ulysses
+    (one ring step) - methods/usp.py. They are found, not listed: two configurations are the same
+    when they place every token on the same rank and their simulated traces (which run the methods'
+    own code) agree on time, its compute and communication parts, bytes, collective calls and
+    memory. The entry kept is the one with the fewest options; the others go to its `same`."""
+    groups: dict[tuple, list[list[Candidate]]] = {}
+    entries: list[list[Candidate]] = []
+    for c in ranked:
+        c.same = []
+        alike = groups.setdefault(_schedule_numbers(c), [])
+        for entry in alike:
+            if _token_map(q, entry[0]) == _token_map(q, c):
+                entry.append(c)
+                break
+        else:
+            alike.append([c])
+            entries.append(alike[-1])
+    out = []
+    for entry in entries:
+        first = min(entry, key=lambda c: len(c.options))  # ties keep the registry's order
+        first.same = [c for c in entry if c is not first]
+        out.append(first)
+    return out
+
+
 def ideal_ms(q: Question, mask: Optional[Mask] = None) -> float:
     """The problem on one device of the topology's compute model, divided by the GPUs (the
     percent-of-ideal convention of the reports: single-device time / P; on a host whose ranks share
@@ -658,7 +741,7 @@ class Advice:
             t = c.row[M.TIME_MS_MEDIAN]
             row = {
                 "rank": i,
-                "method": c.label,
+                "method": c.title,
                 "mask": _mask_label(q),
                 "degrees": f"{c.ulysses_degree}x{c.ring_degree}",
                 "layout": c.layout,
@@ -714,8 +797,9 @@ def tied_with_best(advice: Advice) -> list[Candidate]:
     return [best] + tied if tied else []
 
 
-def tie_line(advice: Advice, emit: str = "FILE.yaml") -> str:
-    """One line saying which configurations are tied and how to separate them ("" when none is)."""
+def tie_line(advice: Advice) -> str:
+    """One line saying which configurations are tied ("" when none is); `next_step` says how to
+    separate them."""
     tied = tied_with_best(advice)
     if not tied:
         return ""
@@ -723,11 +807,80 @@ def tie_line(advice: Advice, emit: str = "FILE.yaml") -> str:
     bands = sorted({_band(c) for c in tied})
     band = f"±{bands[0]:g} %" if len(bands) == 1 else f"±{bands[0]:g}-{bands[-1]:g} %"
     return (
-        f"Tied: ranks {', '.join(map(str, ranks))} ({', '.join(c.label for c in tied)}) lie within each other's "
+        f"Tied: ranks {', '.join(map(str, ranks))} ({', '.join(c.title for c in tied)}) lie within each other's "
         f"error band ({band}, the simulator's validated error, `python -m suite validate`), so the simulator "
-        f"cannot order them; measure them on your hardware: rerun with --top {max(ranks)} --emit-config {emit}, "
-        f"then `python -m suite run {emit}`."
+        f"cannot order them: measure them on your hardware (next step below)."
     )
+
+
+def _band_text(c: Candidate) -> str:
+    b = _band(c)
+    return f" ±{b:g} %" if b is not None else " (no validated error band)"
+
+
+def advice_sentence(advice: Advice) -> str:
+    """The answer in one sentence: the configuration to use, why, and how sure the simulator is."""
+    if not advice.ranked:
+        return "Advice: none; no configuration could be simulated (see 'Simulated but not ranked' below)."
+    best = advice.ranked[0]
+    t = best.row[M.TIME_MS_MEDIAN]
+    text = (
+        f"Advice: use {best.title} (Ulysses {best.ulysses_degree} x ring {best.ring_degree}), predicted "
+        f"{_ms(t)} ms{_band_text(best)}, {100 * advice.ideal_ms / t:.1f} % of ideal, "
+        f"{main_cost(best.row, advice.ideal_ms)}"
+    )
+    tied = tied_with_best(advice)
+    if tied:
+        return (
+            text + f"; {len(tied) - 1} more configuration(s) lie within its error band, so measure the top "
+            f"{len(tied)} on your hardware before choosing."
+        )
+    if len(advice.ranked) == 1:
+        return text + "; it is the only configuration that runs this question."
+    second = advice.ranked[1]
+    gap = 100 * (second.row[M.TIME_MS_MEDIAN] / t - 1)
+    if _band(best) is None or _band(second) is None:
+        return text + f"; {gap:.1f} % faster than the next, {second.title}, with no validated band to say it holds."
+    return text + f"; {gap:.1f} % faster than the next, {second.title}, beyond both error bands."
+
+
+def measure_count(advice: Advice) -> int:
+    """How many of the top configurations are worth measuring: the ones tied with the first, else 3."""
+    return len(tied_with_best(advice)) or min(3, len(advice.ranked))
+
+
+def next_step(advice: Advice, command: str, emitted: Optional[str] = None) -> str:
+    """The command that measures the top configurations on real hardware. `command`: this advise
+    command (without --top and --emit-config); `emitted`: the sweep file --emit-config wrote."""
+    if not advice.ranked:
+        return ""
+    if emitted:
+        measured = f"results/{sweep_name(advice.question)}_measured"
+        return (
+            f"Next: measure them on your hardware: `python -m suite run {emitted}`, then compare: "
+            f"`{command} --compare {measured}`."
+        )
+    n = measure_count(advice)
+    return (
+        f"Next: measure the top {n} on your hardware: `{command} --top {n} --emit-config measure.yaml`, "
+        f"then `python -m suite run measure.yaml`."
+    )
+
+
+def counts_line(advice: Advice, top: Optional[int]) -> str:
+    """What the table does not show, counted: hidden ranks beyond --top, configurations merged as
+    the same schedule, pruned and failed ones."""
+    n = len(advice.ranked)
+    shown = min(top, n) if top else n
+    parts = [f"{shown} of {n} ranked configuration(s) shown" + (f" (--top {n} shows all)" if shown < n else "")]
+    merged = sum(len(c.same) for c in advice.ranked)
+    if merged:
+        parts.append(f"{merged} more are the same schedule as one listed (named with it: a = b)")
+    if advice.pruned:
+        parts.append(f"{len(advice.pruned)} pruned before tracing")
+    if advice.failed:
+        parts.append(f"{len(advice.failed)} simulated but not ranked")
+    return "; ".join(parts) + "."
 
 
 def advise(
@@ -747,11 +900,11 @@ def advise(
             raise AdviceError(
                 "--memory-gb",
                 f"nothing fits {q.memory_gb:g} GB per GPU: the smallest configuration, "
-                f"{least.label}, needs ~{least.memory_bytes / GB:.1f} GB",
+                f"{least.title}, needs ~{least.memory_bytes / GB:.1f} GB",
             )
         raise AdviceError(
             "--model",
-            "no method can run this question: " + "; ".join(sorted({f"{c.label}: {c.pruned}" for c in pruned})[:5]),
+            "no method can run this question: " + "; ".join(sorted({f"{c.title}: {c.pruned}" for c in pruned})[:5]),
         )
     cfg = build_config(q, kept, results_root=results_root, mlflow=mlflow)
     from omegaconf import OmegaConf
@@ -777,17 +930,30 @@ def advise(
         else:
             c.row = next(iter(c.rows.values()))
     ranked = sorted((c for c in kept if c.row.get("status") == M.OK), key=lambda c: c.row[M.TIME_MS_MEDIAN])
+    ranked = merge_same_schedules(q, ranked)
     failed = [c for c in kept if c.row.get("status") != M.OK]
     return Advice(q, ranked, pruned, failed, model_ideal_ms(q), result.run_dir)
 
 
 # -- output ---------------------------------------------------------------------------------------
 def render(advice: Advice, top: Optional[int] = None, fmt: str = "simple") -> str:
+    """The ranked table; numeric columns right-aligned (in Markdown too: `fmt="pipe"` writes `---:`)."""
     from tabulate import tabulate
 
     rows = advice.table(top)
+    if not rows:
+        return ""
+    headers = list(rows[0])
+    numeric = [
+        all(r[h] is None or (isinstance(r[h], (int, float)) and not isinstance(r[h], bool)) for r in rows)
+        for h in headers
+    ]
     return tabulate(
-        [list(r.values()) for r in rows], headers=list(rows[0]) if rows else [], tablefmt=fmt, disable_numparse=True
+        [list(r.values()) for r in rows],
+        headers=headers,
+        tablefmt=fmt,
+        disable_numparse=True,
+        colalign=["right" if n else "left" for n in numeric],
     )
 
 
@@ -812,14 +978,17 @@ def header(advice: Advice) -> str:
     )
 
 
-def write_outputs(advice: Advice, out_dir: Path, top: Optional[int] = None) -> list[Path]:
+def write_outputs(advice: Advice, out_dir: Path, top: Optional[int] = None, next_line: str = "") -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     rows = advice.table(top)
     md = out_dir / "advice.md"
-    text = ["# suite advise\n", header(advice), "", render(advice, top, "github"), ""]
+    text = ["# suite advise\n", advice_sentence(advice), "", header(advice), "", render(advice, top, "pipe"), ""]
+    text += [counts_line(advice, top), ""]
     tie = tie_line(advice)
     if tie:
         text += [tie, ""]
+    if next_line:
+        text += [next_line, ""]
     text += pruned_lines(advice)
     md.write_text("\n".join(text) + "\n")
     cs = out_dir / "advice.csv"
@@ -834,10 +1003,10 @@ def pruned_lines(advice: Advice) -> list[str]:
     lines = []
     if advice.pruned:
         lines.append(f"Pruned before tracing ({len(advice.pruned)}):")
-        lines += [f"- {c.label}: {c.pruned}" for c in advice.pruned]
+        lines += [f"- {c.title}: {c.pruned}" for c in advice.pruned]
     if advice.failed:
         lines.append(f"Simulated but not ranked ({len(advice.failed)}):")
-        lines += [f"- {c.label}: {c.row.get('status')}: {c.row.get('reason')}" for c in advice.failed]
+        lines += [f"- {c.title}: {c.row.get('status')}: {c.row.get('reason')}" for c in advice.failed]
     return lines
 
 
@@ -905,7 +1074,12 @@ def compare(advice: Advice, measured_dir: Path) -> tuple[str, dict[str, Any]]:
     if store is None:
         raise AdviceError("--compare", f"no results under {measured_dir}")
     measured = {(r["method"], r["options"]): r for r in store.records() if r["status"] == M.OK}
-    pairs = [(c, measured[(c.method, c.options_json)]) for c in advice.ranked if (c.method, c.options_json) in measured]
+    # a configuration measured under another name of its schedule (c.same) counts as measured
+    pairs = [
+        (c, next(measured[(a.method, a.options_json)] for a in [c, *c.same] if (a.method, a.options_json) in measured))
+        for c in advice.ranked
+        if any((a.method, a.options_json) in measured for a in [c, *c.same])
+    ]
     if len(pairs) < 2:
         raise AdviceError("--compare", f"{measured_dir} holds {len(pairs)} of the advised configurations; need 2+")
     pred = [c.row[M.TIME_MS_MEDIAN] for c, _ in pairs]
@@ -913,14 +1087,14 @@ def compare(advice: Advice, measured_dir: Path) -> tuple[str, dict[str, Any]]:
     mrank = ranks_of(meas)
     adv_rank = {id(c): i for i, c in enumerate(advice.ranked, 1)}
     rows = [
-        [adv_rank[id(c)], int(mr) if mr == int(mr) else mr, c.label, f"{p:.3f}", f"{m:.3f}"]
+        [adv_rank[id(c)], int(mr) if mr == int(mr) else mr, c.title, f"{p:.3f}", f"{m:.3f}"]
         for (c, _), p, m, mr in zip(pairs, pred, meas, mrank)
     ]
     best = min(pairs, key=lambda cr: cr[1][M.TIME_MS_MEDIAN])[0]
     rho = spearman(pred, meas)
     facts = {
         "n": len(pairs),
-        "measured_best": best.label,
+        "measured_best": best.title,
         "best_advised_rank": adv_rank[id(best)],
         "best_in_top3": adv_rank[id(best)] <= 3,
         "spearman": rho,
@@ -932,7 +1106,7 @@ def compare(advice: Advice, measured_dir: Path) -> tuple[str, dict[str, Any]]:
         disable_numparse=True,
     )
     text += (
-        f"\nmeasured best: {best.label}, advised rank {adv_rank[id(best)]} "
+        f"\nmeasured best: {best.title}, advised rank {adv_rank[id(best)]} "
         f"({'in' if facts['best_in_top3'] else 'NOT in'} the advised top 3); Spearman rank correlation "
         f"predicted vs measured over {len(pairs)} configurations: {rho:+.3f} (measured: {store.run_dir})"
     )
@@ -952,6 +1126,32 @@ def _check_writable(option: str, path: Path, *, folder: bool) -> None:
             if not parent.is_dir():
                 raise AdviceError(option, f"{parent} is a file, so nothing can be written under it: {path}")
             break
+
+
+def command_line(args) -> str:
+    """This advise command as typed (the options that differ from their defaults), without --top,
+    --emit-config, --out and --compare: the start of the next command to run."""
+    import shlex
+
+    parts = ["python -m suite advise", "--model", args.model, "--topology", args.topology]
+    for flag, value, default in (
+        ("--nodes", args.nodes, None),
+        ("--gpus", args.gpus, None),
+        ("--seq-len", args.seq_len, None),
+        ("--workload", args.workload, None),
+        ("--batch", args.batch, 1),
+        ("--memory-gb", args.memory_gb, None),
+        ("--pass", args.pass_, "fwd_bwd"),
+        ("--dtype", args.dtype, "auto"),
+        ("--mask", getattr(args, "mask", None), None),
+        ("--results-root", args.results_root, "results"),
+    ):
+        if value != default:
+            parts += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+    for u in args.ulysses_degree or []:
+        parts += ["--ulysses-degree", str(u)]
+    parts += [flag for flag, on in (("--recompute", args.recompute), ("--no-causal", args.no_causal)) if on]
+    return " ".join(parts[:1] + [shlex.quote(p) for p in parts[1:]])
 
 
 def run_command(args) -> int:
@@ -992,20 +1192,27 @@ def run_command(args) -> int:
     except AdviceError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    emitted = None
+    if args.emit_config:
+        emitted = str(emit_config(advice, Path(args.emit_config), args.top))
+    step = next_step(advice, command_line(args), emitted)
+    print(advice_sentence(advice))
     print(header(advice))
     print(render(advice, args.top))
-    tie = tie_line(advice, args.emit_config or "FILE.yaml")
+    print(counts_line(advice, args.top))
+    tie = tie_line(advice)
     if tie:
         print(tie)
     for line in pruned_lines(advice):
         print(line)
-    files = write_outputs(advice, Path(args.out or f"reports/{sweep_name(q)}_{q.seq_len}"), args.top)
+    files = write_outputs(advice, Path(args.out or f"reports/{sweep_name(q)}_{q.seq_len}"), args.top, step)
     print(
-        f"{len(advice.ranked)} configurations simulated, {len(advice.pruned)} pruned, in "
+        f"{len(advice.ranked)} configurations ranked, {len(advice.pruned)} pruned, in "
         f"{time.perf_counter() - t0:.1f}s; rows in {advice.run_dir}; tables {', '.join(map(str, files))}"
     )
-    if args.emit_config:
-        print(f"sweep measuring the top {args.top}: {emit_config(advice, Path(args.emit_config), args.top)}")
+    if emitted:
+        print(f"sweep measuring the top {args.top}: {emitted}")
+    print(step)
     if args.compare:
         try:
             text, _ = compare(advice, Path(args.compare))

@@ -15,7 +15,7 @@ EPILOG = """examples:
   python -m suite run configs/quickstart.yaml
   python -m suite run configs/quickstart.yaml run.repeats=3 sweep.seq_len=[256,512]
   python -m suite run configs/quickstart.yaml --resume            # continue the newest run with this config
-  python -m suite run configs/h100_sweep.yaml --dry-run           # print the planned trials
+  python -m suite run configs/h100_sweep.yaml --dry-run           # the planned trials: counts, first 40
   python -m suite run configs/simulate_tasp.yaml                   # predicted on topology models (executor sim)
   python -m suite calibrate configs/sim_check_cpu.yaml             # kernel/link times for the simulator
   python -m suite advise --model llama3_8b --topology h100_sxm --nodes 2 --seq-len 262144
@@ -66,7 +66,13 @@ def _parser() -> argparse.ArgumentParser:
         "results (run.repeats, run.seed, ...) or the sweep name differs from the folder's; the "
         "change is recorded in the folder's resumes.jsonl",
     )
-    run.add_argument("--dry-run", action="store_true", help="print the planned trials and whether each can run here")
+    run.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the planned trials (the first 40) and whether each can run here, then counts by method and "
+        "by skip reason",
+    )
+    run.add_argument("-v", "--verbose", action="store_true", help="with --dry-run: list every planned trial")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     adv = sub.add_parser(
@@ -362,12 +368,21 @@ def _run(args) -> int:
     if args.force and not args.resume:
         print("error: --force only applies to --resume", file=sys.stderr)
         return 2
+    if args.verbose and not args.dry_run:
+        print("error: --verbose only applies to --dry-run (it lists every planned trial)", file=sys.stderr)
+        return 2
     loaded = _load_config(args)
     if loaded is None:
         return 2
     cfg, yaml_text = loaded
     return sweep_exit_code(
-        cfg, yaml_text, resume=args.resume, dry_run=args.dry_run, progress=not args.no_progress, force=args.force
+        cfg,
+        yaml_text,
+        resume=args.resume,
+        dry_run=args.dry_run,
+        progress=not args.no_progress,
+        force=args.force,
+        list_all=args.verbose,
     )
 
 
@@ -381,6 +396,7 @@ def sweep_exit_code(
     force: bool = False,
     out=None,
     err=None,
+    list_all: bool = False,
 ) -> int:
     """Run a loaded sweep as a command does (`suite run`, the Hydra app): SIGTERM/SIGHUP stop it like
     Ctrl-C, and each way it can end is one line and an exit code. `out`/`err`: where the sweep's
@@ -392,7 +408,16 @@ def sweep_exit_code(
     err = err or sys.stderr
     try:
         with _signals_interrupt():
-            run_sweep(cfg, yaml_text, resume=resume, dry_run=dry_run, progress=progress, force=force, out=out)
+            run_sweep(
+                cfg,
+                yaml_text,
+                resume=resume,
+                dry_run=dry_run,
+                progress=progress,
+                force=force,
+                out=out,
+                list_all=list_all,
+            )
     except ConfigError as exc:
         print(f"config error: {exc}", file=err)
         return 2

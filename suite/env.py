@@ -163,6 +163,71 @@ def git_info() -> dict:
     return {"commit": commit, "dirty": bool(dirty) if commit else None}
 
 
+# A machine whose 1-minute load average at a sweep's start reaches this share of its cores was
+# busy before the sweep began: other processes then take CPU time from the ranks and the launches.
+BUSY_LOAD_PER_CORE = 0.5
+
+
+def machine_load(at: str) -> dict:
+    """How busy this machine is now, for environment.json's `load` list (one sample at the start of
+    a sweep or resume, one at its end): the load averages (runnable processes over 1, 5 and 15
+    minutes, to read against `cpu_count`), the CPU clock (MHz over the cores: a throttled or
+    power-saving CPU shows here) and, with CUDA, each GPU's utilisation and SM clock. A busy
+    machine makes timings noisy (a trial's slowest repeat far above its median). Best effort:
+    what cannot be read is None."""
+    sample: dict = {
+        "at": at,
+        "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "cpu_count": os.cpu_count(),
+        "loadavg": None,
+        "cpu_mhz": None,
+    }
+    try:
+        sample["loadavg"] = [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):  # not Unix
+        pass
+    try:
+        import psutil
+
+        mhz = [f.current for f in psutil.cpu_freq(percpu=True) or [] if f.current]
+    except Exception:  # noqa: BLE001 - psutil has no frequency on some platforms and containers
+        mhz = []
+    if mhz:
+        sample["cpu_mhz"] = {"min": round(min(mhz)), "mean": round(sum(mhz) / len(mhz)), "max": round(max(mhz))}
+    if torch.cuda.is_available():
+        gpus = _run(["nvidia-smi", "--query-gpu=utilization.gpu,clocks.sm", "--format=csv,noheader,nounits"])
+        sample["gpus"] = [_gpu_load(line) for line in gpus.splitlines()] if gpus else None
+    return sample
+
+
+def _gpu_load(line: str) -> dict:
+    """One line of `nvidia-smi --query-gpu=utilization.gpu,clocks.sm` (nounits) as numbers."""
+    fields = [f.strip() for f in line.split(",")]
+    values = [float(f) if f.replace(".", "", 1).isdigit() else None for f in fields + [""] * (2 - len(fields))]
+    return {"utilization_pct": values[0], "sm_mhz": values[1]}
+
+
+def busy_note(samples: list[dict]) -> str:
+    """One line on the machine's load over a sweep from environment.json's `load` samples ("" when
+    there are none): the 1-minute load average at the start and end against the cores, flagged
+    when the start's (before any rank of the sweep ran) reaches half the cores."""
+    starts = [s for s in samples if s.get("at") == "start" and s.get("loadavg")]
+    ends = [s for s in samples if s.get("at") == "end" and s.get("loadavg")]
+    if not starts:
+        return ""
+    start, cores = starts[-1], starts[-1].get("cpu_count") or 1
+    text = f"machine load (1-minute average) {start['loadavg'][0]:g} at the start"
+    if ends:
+        text += f", {ends[-1]['loadavg'][0]:g} at the end (the sweep's own ranks count there)"
+    text += f", on {cores} cores"
+    if start.get("cpu_mhz"):
+        mhz = start["cpu_mhz"]
+        text += f"; CPU clock {mhz['min']}-{mhz['max']} MHz"
+    if start["loadavg"][0] >= BUSY_LOAD_PER_CORE * cores:
+        text += " - BUSY: other work shared the machine, timings are noisy (rerun on an idle machine)"
+    return text
+
+
 def fingerprint(device: str) -> dict:
     """Everything needed to interpret a number later. Cheap (< 1 s), best effort."""
     versions = {}
@@ -185,6 +250,7 @@ def fingerprint(device: str) -> dict:
         "packages": versions,
         "git": git_info(),
         "env_vars": env_vars(),
+        "load": [machine_load("start")],
     }
     if torch.cuda.is_available():
         env["gpus"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]

@@ -51,6 +51,10 @@ REASON = "reason"
 CHECKED = "checked"
 TIME_MS_MEDIAN, TIME_MS_MIN, TIME_MS_MAX = "time_ms_median", "time_ms_min", "time_ms_max"
 TIME_MS_SAMPLES = "time_ms_samples"
+# A trial whose slowest timed repeat takes more than this many times its median is noisy: something
+# else used the machine (or its clocks changed) while it ran, and its numbers are not to be trusted
+# (`time_spread`).
+NOISY_SPREAD = 1.5
 TFLOPS_PER_GPU = "tflops_per_gpu"
 TOKENS_PER_S = "tokens_per_s"
 BYTES_SENT = "bytes_sent_per_rank"
@@ -193,6 +197,14 @@ def tflops_per_gpu(flops: float, seconds: float, world_size: int) -> float:
 
 def tokens_per_s(batch: int, seq_len: int, seconds: float) -> float:
     return batch * seq_len / seconds
+
+
+def time_spread(row: dict) -> float | None:
+    """A row's slowest timed repeat over its median (1.0: every repeat alike); None without timings."""
+    median, slowest = row.get(TIME_MS_MEDIAN), row.get(TIME_MS_MAX)
+    if not median or slowest is None or median <= 0:
+        return None
+    return slowest / median
 
 
 def method_label(method: str, options: dict[str, Any]) -> str:

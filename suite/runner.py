@@ -19,11 +19,11 @@ from typing import Optional, TextIO
 import methods
 from suite import metrics as M
 from suite.config import SuiteConfig, to_dict
-from suite.env import fingerprint, redact_uri
+from suite.env import busy_note, fingerprint, machine_load, redact_uri
 from suite.executors import Executor, make_executor
 from suite.plan import RunSettings, TrialSpec, expand
 from suite.records import RowContext, skipped_row
-from suite.results import CONFIG, RESUMES, ResultsStore, StoreError
+from suite.results import CONFIG, ENVIRONMENT, RESUMES, ResultsStore, StoreError
 from suite.summary import summary_table
 from suite.tracking import config_params, make_tracker
 from suite.workloads import Workload, make_workload
@@ -76,10 +76,12 @@ def run_sweep(
     out: Optional[TextIO] = None,
     progress: bool = True,
     force: bool = False,
+    list_all: bool = False,
 ) -> Optional[SweepResult]:
     """Run (or, with `dry_run`, only plan) a sweep. `resume`: a run folder, or "latest" (the newest
     folder whose config matches); `force`: resume a named folder even where a setting that changes
     results differs from its config (recorded in its resumes.jsonl).
+    `list_all`: a dry run lists every planned trial, not only the first PLAN_LINES.
 
     Returns None for a dry run and on the ranks other than 0 of an external launch."""
     out = out or sys.stdout  # looked up now, not at import (pytest swaps sys.stdout)
@@ -99,7 +101,7 @@ def run_sweep(
                 "narrow the rules or widen the sweep axes"
             )
         if dry_run:
-            print_plan(plan, executor, workload, out)
+            print_plan(plan, executor, workload, out, list_all=list_all)
             return None
         return _drive(
             cfg, config_yaml, plan, executor, workload, resume=resume, out=out, progress=progress, force=force
@@ -267,6 +269,8 @@ def _drive_locked(
     from tqdm import tqdm
 
     started_ms = int(time.time() * 1000)
+    if resumed:  # a new sweep's fingerprint holds its start sample already
+        _record_load(store, "start")
     done = store.completed_keys()
     todo = [s for s in plan if s.key not in done]
     tracker = make_tracker(cfg.tracking.mlflow, cfg.tracking.uri, cfg.tracking.experiment or cfg.name, cfg.results.root)
@@ -274,7 +278,7 @@ def _drive_locked(
         store,
         sweep=cfg.name,
         params=sweep_params(cfg),
-        environment=store.read_json("environment.json"),
+        environment=_environment(store),
         description=cfg.description,
         resume=resumed,
         started_ms=started_ms,
@@ -325,6 +329,7 @@ def _drive_locked(
         raise
     finally:
         bar.close()
+        _record_load(store, "end")  # before MLflow takes environment.json as an artifact
         _compact(store)
         if progress and tracker.enabled:  # importing MLflow and logging what is queued take seconds
             print("MLflow: logging the trials still queued and the store's files ...", file=sys.stderr, flush=True)
@@ -344,7 +349,32 @@ def _drive_locked(
     todo_keys = {s.key for s in todo}
     this_run = [r for r in records if r[M.KEY] in todo_keys] + workload.added_rows()
     _print_footer(records, this_run, wall, store, tracker, out, executor.startup_s, executor.groups_started)
+    load = busy_note(((_environment(store) or {}).get("load") or [])[-2:])  # this run's start and end
+    if load:
+        print(load, file=out)
     return SweepResult(store.run_dir, records, wall, tracker.uri, tracker.disabled_reason)
+
+
+def _environment(store: ResultsStore) -> Optional[dict]:
+    """The folder's environment.json, or None when it is missing or damaged (never stops a sweep)."""
+    try:
+        env = store.read_json(ENVIRONMENT)
+    except (OSError, ValueError):
+        return None
+    return env if isinstance(env, dict) else None
+
+
+def _record_load(store: ResultsStore, at: str) -> None:
+    """Add a sample of the machine's load (suite/env.py: machine_load) to environment.json's `load`
+    list: a noisy trial can then be read against how busy the machine was. Best effort."""
+    env = _environment(store)
+    if env is None:
+        return
+    env["load"] = list(env.get("load") or []) + [machine_load(at)]
+    try:
+        store.write_json(ENVIRONMENT, env)
+    except OSError:
+        pass
 
 
 def _compact(store: ResultsStore) -> None:
@@ -394,9 +424,46 @@ def _print_footer(
         print(f"MLflow was disabled: {tracker.disabled_reason}", file=out)
 
 
-def print_plan(plan: list[TrialSpec], executor: Executor, workload: Workload, out: TextIO) -> None:
-    """The planned trials, one line each, with whether each can run here."""
+# A dry run lists at most this many trials unless asked for all (`--dry-run --verbose`): the main GPU
+# sweep plans thousands, and its summary (below the list) is what a reader needs first.
+PLAN_LINES = 40
+# ... and at most this many skip reasons, the most frequent first
+PLAN_REASONS = 12
+
+
+def print_plan(
+    plan: list[TrialSpec], executor: Executor, workload: Workload, out: TextIO, list_all: bool = False
+) -> dict:
+    """The planned trials, one line each with whether each can run here (the first PLAN_LINES of
+    them unless `list_all`), then a summary: trials by method and status (run or skip here) and
+    by skip reason. Returns the counts: {"method": {name: {status: n}}, "reason": {reason: n}}."""
+    from collections import Counter
+
+    from tabulate import tabulate
+
+    by_method: dict[str, Counter] = {}
+    reasons: Counter = Counter()
+    shown = len(plan) if list_all or len(plan) <= PLAN_LINES else PLAN_LINES
     print(f"{len(plan)} planned trials:", file=out)
-    for spec in plan:
+    for i, spec in enumerate(plan):
         ok, reason = check_supported(spec, executor, workload)
-        print(f"  {spec.key}  {spec.label():<80} {'run' if ok else 'skip: ' + reason}", file=out)
+        by_method.setdefault(spec.method, Counter())["run" if ok else "skip"] += 1
+        if not ok:
+            reasons[reason] += 1
+        if i < shown:
+            print(f"  {spec.key}  {spec.label():<80} {'run' if ok else 'skip: ' + reason}", file=out)
+    if shown < len(plan):
+        print(f"  ... {len(plan) - shown} more (--dry-run --verbose lists every trial)", file=out)
+    runs = sum(c["run"] for c in by_method.values())
+    print(f"\nsummary: {len(plan)} trials, {runs} run here, {len(plan) - runs} skipped here", file=out)
+    rows = [[m, c["run"], c["skip"], c["run"] + c["skip"]] for m, c in by_method.items()]
+    print(tabulate(rows, headers=["method", "run", "skip", "trials"], tablefmt="simple"), file=out)
+    if reasons:
+        print("\nskipped, by reason:", file=out)
+        top = reasons.most_common(PLAN_REASONS)
+        rows = [[n, r if len(r) <= 110 else r[:107] + "..."] for r, n in top]
+        print(tabulate(rows, headers=["trials", "reason"], tablefmt="simple"), file=out)
+        rest = reasons.most_common()[PLAN_REASONS:]
+        if rest:
+            print(f"and {len(rest)} other reasons ({sum(n for _, n in rest)} trials)", file=out)
+    return {"method": {m: dict(c) for m, c in by_method.items()}, "reason": dict(reasons)}

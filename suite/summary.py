@@ -19,7 +19,26 @@ def summary_table(records: list[dict]) -> str:
         return "(no trials)"
     train = [r for r in records if r["pass"] == "train"]
     attention = [r for r in records if r["pass"] != "train"]
-    return "\n\n".join(t for t in (_attention_table(attention), _perplexity_table(train)) if t)
+    text = "\n\n".join(t for t in (_attention_table(attention), _perplexity_table(train)) if t)
+    noisy = [r for r in attention if _noisy(r)]
+    if noisy:
+        text += (
+            f"\n{len(noisy)} trial(s) marked '!' have a slowest repeat over {M.NOISY_SPREAD:g}x their median "
+            f"(max/med): their timings are noisy (a busy machine? see the load line below); rerun them on "
+            f"an idle machine, with more run.repeats"
+        )
+    return text
+
+
+def _spread(r: dict) -> str:
+    """The max/median column: blank for simulated rows (one predicted value, no repeats)."""
+    spread = None if r["executor"] == "sim" else M.time_spread(r)
+    return "" if spread is None else f"{spread:.2f}" + (" !" if _noisy(r) else "")
+
+
+def _noisy(r: dict) -> bool:
+    spread = None if r["executor"] == "sim" else M.time_spread(r)
+    return spread is not None and spread > M.NOISY_SPREAD
 
 
 def _perplexity_table(records: list[dict]) -> str:
@@ -119,6 +138,7 @@ def _attention_table(records: list[dict]) -> str:
                 r["pass"],
                 status,
                 _fmt(r.get(M.TIME_MS_MEDIAN), ".3f"),
+                _spread(r),
                 _fmt(r.get(M.TFLOPS_PER_GPU), ".4f"),
                 _fmt(None if r.get(M.BYTES_SENT) is None else r[M.BYTES_SENT] / 2**20, ".2f"),
                 _short_reason(r),
@@ -138,6 +158,7 @@ def _attention_table(records: list[dict]) -> str:
             "pass",
             "status",
             "ms (median)",
+            "max/med",
             "TFLOP/s/rank",
             "MiB sent/rank",
             "note",

@@ -80,7 +80,8 @@ def test_small_question_prunes_before_tracing_and_ranks(monkeypatch, tmp_path):
     for name, options, _ in traced:
         assert name != "ulysses" and options.get("ulysses_degree", 1) in (1, 2), (name, options)
     # every registered own method is weighed (pruned or ranked): nothing is kept in a list here
-    weighed = {c.method for c in adv.ranked + adv.pruned + adv.failed}
+    merged = [s for c in adv.ranked for s in c.same]  # the same schedule under another name
+    weighed = {c.method for c in adv.ranked + merged + adv.pruned + adv.failed}
     assert weighed == set(candidate_methods())
     times = [c.row[M.TIME_MS_MEDIAN] for c in adv.ranked]
     assert len(times) >= 5 and times == sorted(times)
@@ -235,3 +236,110 @@ def test_a_bad_layer_pattern_is_refused_naming_the_model(tmp_path, extra, mentio
     with pytest.raises(AdviceError, match=mentions) as exc:
         load_model(str(path))
     assert exc.value.option == "--model"
+
+
+# -- the answer: one sentence, one entry per schedule, counts, the next command ------------------------
+def test_configurations_of_one_schedule_are_one_entry_and_named_plainly(tmp_path):
+    """USP at Ulysses degree P is Ulysses, at degree 1 the zigzag ring (methods/usp.py): one entry
+    each, found from the simulated traces and the token layout, never from method names."""
+    from suite.advise import advice_sentence, command_line, counts_line, next_step, write_outputs
+    from suite.cli import _parser
+
+    argv = ["advise", "--model", "8/8/64", "--topology", "h100_sxm", "--seq-len", "2048", "--pass", "fwd"]
+    args = _parser().parse_args([*argv, "--no-mlflow", "--results-root", str(tmp_path), "--top", "3"])
+    q = make_question(model="8/8/64", topology="h100_sxm", seq_len=2048, pass_="fwd")
+    adv = advise(q, results_root=str(tmp_path), mlflow=False)
+    titles = [c.title for c in adv.ranked]
+    assert "ulysses = usp(ulysses_degree=8)" in titles, titles
+    # forward only, burst's flat ring is the zigzag K/V ring too (methods/burst.py: only its backward differs)
+    usp1 = {"usp(ulysses_degree=1)", "zigzag_ring(sharding=sequence)"}
+    assert any(usp1 <= set(t.split(" = ")) <= usp1 | {"burst (one flat ring)"} for t in titles), titles
+    for c in adv.ranked:  # an entry's other names predict exactly what it does
+        assert all(s.row[M.TIME_MS_MEDIAN] == c.row[M.TIME_MS_MEDIAN] for s in c.same)
+    # same layout and bytes but another schedule (all-gather, not a ring): kept apart
+    assert "allgather_kv(sharding=sequence)" in titles
+    assert "burst (one flat ring)" in " = ".join(titles) and not any("ranks_per_node" in t for t in titles)
+    merged = sum(len(c.same) for c in adv.ranked)
+    assert merged >= 2
+    # the advice names the first entry; the counts say what the top 3 hide and what was merged
+    assert advice_sentence(adv).startswith(f"Advice: use {titles[0]} (Ulysses ")
+    n = len(adv.ranked)
+    assert counts_line(adv, 3).startswith(
+        f"3 of {n} ranked configuration(s) shown (--top {n} shows all); {merged} more are the same schedule"
+    )
+    # the next command parses, and asks the same question
+    step = next_step(adv, command_line(args))
+    assert step.startswith("Next: measure the top ") and "--emit-config measure.yaml" in step
+    command = step.split("`")[1].split()
+    assert command[:3] == ["python", "-m", "suite"]
+    again = _parser().parse_args(command[3:])
+    assert (again.model, again.topology, again.seq_len, again.pass_) == ("8/8/64", "h100_sxm", 2048, "fwd")
+    assert again.results_root == str(tmp_path) and again.emit_config == "measure.yaml"
+    md = write_outputs(adv, tmp_path / "out", 3, step)[0].read_text()
+    assert md.splitlines()[2] == advice_sentence(adv) and step in md
+
+
+def _fake(name: str, t: float, band, **kw):
+    from suite.advise import Candidate
+
+    c = Candidate(name, {}, name, ulysses_degree=1, ring_degree=8, memory_bytes=10**9, **kw)
+    c.row = {M.TIME_MS_MEDIAN: t, M.SIM_ERROR_PCT: band, M.COMPUTE_ONLY_MS: t, "status": M.OK}
+    return c
+
+
+def _advice(cands, pruned=()):
+    from suite.advise import Advice
+
+    q = make_question(model="8/8/64", topology="h100_sxm", seq_len=4096, pass_="fwd")
+    return Advice(q, list(cands), list(pruned), [], ideal_ms=50.0)
+
+
+def test_the_advice_sentence_names_the_choice_its_band_and_whether_it_holds():
+    from suite.advise import advice_sentence, measure_count
+
+    clear = _advice([_fake("a", 100.0, 5.0), _fake("b", 150.0, 5.0)])
+    text = advice_sentence(clear)
+    assert text.startswith("Advice: use a (Ulysses 1 x ring 8), predicted 100.0 ms ±5 %, 50.0 % of ideal")
+    assert "50.0 % faster than the next, b, beyond both error bands" in text and measure_count(clear) == 2
+    tied = _advice([_fake("a", 100.0, 5.0), _fake("b", 103.0, 5.0), _fake("c", 104.0, 5.0), _fake("d", 200.0, 5.0)])
+    assert "2 more configuration(s) lie within its error band, so measure the top 3" in advice_sentence(tied)
+    assert measure_count(tied) == 3
+    unbanded = _advice([_fake("a", 100.0, None), _fake("b", 101.0, None)])
+    text = advice_sentence(unbanded)
+    assert "(no validated error band)" in text and "no validated band to say it holds" in text
+
+
+def test_advice_tables_right_align_numbers_and_count_what_they_hide():
+    from suite.advise import counts_line, render
+
+    adv = _advice([_fake("a", 100.0, 5.0), _fake("b", 150.0, 5.0), _fake("c", 250.0, 5.0)], [_fake("p", 1.0, 5.0)])
+    adv.ranked[0].same = [_fake("a2", 100.0, 5.0)]
+    header, rule = render(adv, 2, "pipe").splitlines()[:2]
+    cells = dict(zip([h.strip() for h in header.strip("|").split("|")], rule.strip("|").split("|")))
+    for numeric in ("rank", "ranks/node", "predicted ms", "± %", "% of ideal", "memory GB/GPU"):
+        assert cells[numeric].endswith(":") and not cells[numeric].startswith(":"), (numeric, cells[numeric])
+    assert cells["method"].startswith(":") and not cells["method"].endswith(":")
+    assert "a = a2" in render(adv, 2, "pipe")
+    line = counts_line(adv, 2)
+    assert line.startswith("2 of 3 ranked configuration(s) shown (--top 3 shows all)")
+    assert "1 more are the same schedule" in line and "1 pruned before tracing" in line
+    assert counts_line(adv, 10).startswith("3 of 3 ranked configuration(s) shown;")
+
+
+def test_equal_predictions_merge_only_where_every_token_sits_on_the_same_rank():
+    from suite.advise import Candidate, merge_same_schedules
+
+    q = make_question(model="8/8/64", topology="h100_sxm", seq_len=2048, pass_="fwd")
+    row = {M.TIME_MS_MEDIAN: 1.0, M.BYTES_SENT: 10, M.COMM_OPS: '{"p2p": 7}', "status": M.OK}
+
+    def cand(method, **options):
+        return Candidate(method, options, method, ulysses_degree=1, ring_degree=8, row=dict(row))
+
+    kept = merge_same_schedules(q, [cand("usp", ulysses_degree=1), cand("stripe_ring"), cand("zigzag_ring")])
+    assert [c.title for c in kept] == ["zigzag_ring = usp", "stripe_ring"]  # stripe places tokens otherwise
+    # the entry with the fewest options leads (zigzag_ring above); among equals, the first ranked
+    kept = merge_same_schedules(q, [cand("usp", ulysses_degree=1), cand("zigzag_ring", sharding="sequence")])
+    assert [c.title for c in kept] == ["usp = zigzag_ring"]
+    different = dict(row, **{M.BYTES_SENT: 11})  # one number apart: two schedules
+    other = Candidate("zigzag_ring", {}, "zigzag_ring", ulysses_degree=1, ring_degree=8, row=different)
+    assert len(merge_same_schedules(q, [cand("usp", ulysses_degree=1), other])) == 2

@@ -43,6 +43,36 @@ def test_dry_run_prints_the_plan_with_skip_reasons(write_config, tmp_path, capsy
     assert not (tmp_path / "results").exists()
 
 
+def test_a_long_dry_run_lists_its_first_trials_then_counts_by_method_and_reason(
+    write_config, tmp_path, capsys, monkeypatch
+):
+    import suite.runner
+
+    monkeypatch.setattr(suite.runner, "PLAN_LINES", 3)
+    path = write_config(
+        "name: plan\nsweep: {methods: [ring, ulysses], world_size: [3], heads: [4], kv_heads: [4], seq_len: [48]}\n"
+    )
+    assert main(["run", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    trials = [line for line in out.splitlines() if line.endswith(" run") or " skip: " in line]
+    assert len(trials) == 3 and "... 5 more (--dry-run --verbose lists every trial)" in out
+    assert "summary: 8 trials, 4 run here, 4 skipped here" in out
+    counts = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith(("ring ", "ulysses "))}
+    assert counts == {"ring": ["4", "0", "4"], "ulysses": ["0", "4", "4"]}  # run, skip, trials
+    reason = next(
+        line for line in out.splitlines() if "divisible by the ulysses degree" in line and "skip:" not in line
+    )
+    assert reason.split()[0] == "4"
+    assert main(["run", str(path), "--dry-run", "--verbose"]) == 0
+    out = capsys.readouterr().out
+    assert len([line for line in out.splitlines() if line.endswith(" run") or " skip: " in line]) == 8
+    assert "more (--dry-run" not in out and "summary: 8 trials" in out
+    assert main(["run", str(path), "--verbose"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--verbose only applies to --dry-run" in err
+    assert not (tmp_path / "results").exists()
+
+
 def test_resume_without_an_earlier_run_is_a_clear_error(write_config, capsys):
     path = write_config("name: fresh\n")
     assert main(["run", str(path), "--resume"]) == 2

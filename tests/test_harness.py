@@ -209,6 +209,25 @@ def test_resume_without_a_folder_refuses_when_none_matches_naming_the_candidates
     assert len(list((tmp_path / "results" / "small").iterdir())) == 1  # nothing new either
 
 
+def test_environment_json_records_the_machine_load_at_each_start_and_end(write_config, tmp_path, capsys, monkeypatch):
+    """Load averages and CPU clock at the start and end of a sweep and of each resume; the console
+    says the machine was busy when the start's 1-minute load reaches half the cores."""
+    cores = os.cpu_count() or 1
+    monkeypatch.setattr(os, "getloadavg", lambda: (4.0 * cores, 2.0, 1.0))
+    rc, path, runs = _sweep(write_config, tmp_path)
+    out = capsys.readouterr().out
+    assert rc == 0 and f"machine load (1-minute average) {4.0 * cores:g} at the start" in out and "BUSY" in out
+    load = json.loads((runs[0] / "environment.json").read_text())["load"]
+    assert [s["at"] for s in load] == ["start", "end"]
+    assert all(s["loadavg"] == [4.0 * cores, 2.0, 1.0] and s["cpu_count"] == cores for s in load)
+    monkeypatch.setattr(os, "getloadavg", lambda: (0.0, 0.0, 0.0))  # an idle machine: no flag
+    assert main(["run", str(path), "--resume", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert "machine load (1-minute average) 0 at the start, 0 at the end" in out and "BUSY" not in out
+    load = json.loads((runs[0] / "environment.json").read_text())["load"]
+    assert [s["at"] for s in load] == ["start", "end", "start", "end"] and load[2]["loadavg"] == [0.0, 0.0, 0.0]
+
+
 def test_report_keeps_the_latest_row_of_a_key_and_says_so(write_config, tmp_path):
     from pathlib import Path
 

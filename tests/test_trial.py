@@ -135,3 +135,24 @@ def test_breakdown_columns():
     assert rec[M.COMPUTE_ONLY_MS] == 7.0 and rec[M.COMM_ONLY_MS] == 5.0  # median of per-iteration maxima
     assert rec[M.CCR] == pytest.approx(7 / 5)
     assert rec[M.OVERLAP_EFF] == pytest.approx((7 + 5 - 10) / 5)
+
+
+def test_the_summary_shows_each_trials_spread_and_flags_a_noisy_one():
+    """max/med = slowest repeat / median; over M.NOISY_SPREAD the row is marked and a note counts it."""
+    from suite.summary import summary_table
+
+    def row(samples, **kw):
+        r = RankReport(rank=0, checked=False, kernel_used="cpu_flash", samples_ms=samples, bytes_sent=0, bytes_recv=0)
+        return make_record(spec(**kw), Outcome("reported", [r, dataclasses.replace(r, rank=1)]))
+
+    steady = row([2.0, 2.0, 2.2], seq_len=32)  # 1.10
+    noisy = row([2.0, 2.0, 30.0], seq_len=64)  # 15.00: the loaded machine of the issue
+    assert M.time_spread(noisy) == pytest.approx(15.0) and M.time_spread(steady) == pytest.approx(1.1)
+    text = summary_table([steady, noisy])
+    lines = {line.split()[2]: line for line in text.splitlines() if line.startswith("ring ")}  # by seq
+    assert " 1.10 " in lines["32"] and "!" not in lines["32"]
+    assert "15.00 !" in lines["64"]
+    assert f"1 trial(s) marked '!' have a slowest repeat over {M.NOISY_SPREAD:g}x their median" in text
+    assert "marked '!'" not in summary_table([steady])
+    simulated = dict(noisy, executor="sim")  # one predicted value: no spread shown, none flagged
+    assert "!" not in summary_table([simulated])
