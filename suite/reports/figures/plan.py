@@ -392,11 +392,20 @@ def _plan_time_split(df, _baseline) -> list[FigureJob]:
                 ),
                 section="communication",
                 shape=shape,
-                caption="One instrumented iteration (timers around every kernel and communication wait; of those run "
-                "after the timed repeats, the one with the median total) split into time in attention kernels, "
-                "time blocked in communication (exposed), and the rest of that same iteration ((overhead ratio - "
-                f"1) x (kernels + waits)), at the largest world size ({p}) and sequence length ({s}); means over "
-                "ranks. Its total can differ from the median timed repeat, which ran without the timers.",
+                caption=(
+                    "The simulator's predicted iteration (its replay of the traced schedule, nothing timed) split "
+                    "into time in attention kernels, time a rank waits on communication (exposed), and the rest "
+                    f"(its own tensor work), at the largest world size ({p}) and sequence length ({s}); means over "
+                    "ranks."
+                    if _is_sim(m).all()
+                    else "One instrumented iteration (timers around every kernel and communication wait; of those "
+                    "run after the timed repeats, the one with the median total) split into time in attention "
+                    "kernels, time blocked in communication (exposed), and the rest of that same iteration "
+                    f"((overhead ratio - 1) x (kernels + waits)), at the largest world size ({p}) and sequence "
+                    f"length ({s}); means over ranks. Its total can differ from the median timed repeat, which ran "
+                    "without the timers."
+                    + (" Simulated series are the simulator's predictions of that split." if _is_sim(m).any() else "")
+                ),
             )
         )
     return jobs
