@@ -22,20 +22,8 @@ from suite.metrics import method_label
 from suite.reports.style import flop_unit, rank_word
 
 # Columns that, with the series, identify a comparable point (everything but the method).
-POINT = [
-    "hardware",
-    "executor",
-    "world_size",
-    "batch",
-    "seq_len",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "dtype",
-    "causal",
-    "pass",
-    "workload",
-]
+POINT = ["hardware", "executor", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
+         "causal", "pass", "workload"]
 PROBLEM = ["batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal", "pass", "workload", "mask_name"]
 
 _OPTION_LABELS = {"ulysses_degree": "U", "ranks_per_node": "per-node"}
@@ -87,7 +75,8 @@ TRAIN = "train"  # the pass of model-level (perplexity) rows
 
 # A measured row whose slowest timed repeat took more than this times its median is flagged: one
 # repeat that slow says something else ran on the machine, not that the method is that variable.
-BUSY_SPREAD = 1.5
+# The same threshold as the sweep's console summary (metrics.NOISY_SPREAD).
+BUSY_SPREAD = M.NOISY_SPREAD
 BUSY_NOTE = (
     f"* slowest timed repeat over {BUSY_SPREAD:g}x the median: the machine may have been busy while this "
     "trial was timed; rerun it before trusting it"
@@ -662,21 +651,8 @@ def perplexity(df: pd.DataFrame) -> Table:
     return Table("perplexity", title, data, cols, what=what, section="perplexity", source=_source(t))
 
 
-SIM_PAIR = [
-    "method",
-    "options",
-    "world_size",
-    "batch",
-    "seq_len",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "dtype",
-    "causal",
-    "pass",
-    "workload",
-    "mask_name",
-]
+SIM_PAIR = ["method", "options", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal",
+            "pass", "workload", "mask_name"]
 
 
 def sim_pairs(df: pd.DataFrame) -> pd.DataFrame:

@@ -68,9 +68,13 @@ def _legend(fig, palette: S.Palette, series: list[str], *, marker=True, title="m
             handles.append(Line2D([], [], color=st.colour, marker=st.marker, linestyle=st.linestyle, label=s))
         else:
             handles.append(Patch(facecolor=st.colour, label=s))
-    right = fig.subplotpars.right
-    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(right + 0.01, top or fig.subplotpars.top),
-               title=title, alignment="left", handlelength=2.2)
+    _legend_right(fig, handles, title, top=top, handlelength=2.2)
+
+
+def _legend_right(fig, handles: list, title: str, *, top=None, **kw) -> None:
+    """A figure legend right of the axes, its top at the axes' top (or `top`)."""
+    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(fig.subplotpars.right + 0.01,
+               top or fig.subplotpars.top), title=title, alignment="left", **kw)
 
 
 def _title(fig, text: str, height_in: float):
@@ -321,13 +325,7 @@ def _split(data, palette, *, rows, cols, xlabel, title):
         axes[i][0].set_xlim(0, row_total * 1.05)
     _title(fig, title, fig.get_figheight())
     handles = [Patch(facecolor=c, label=lab) for lab, c in zip(SPLIT, SPLIT_COLOURS)]
-    fig.legend(
-        handles=handles,
-        loc="upper left",
-        bbox_to_anchor=(fig.subplotpars.right + 0.01, fig.subplotpars.top),
-        title="time in",
-        alignment="left",
-    )
+    _legend_right(fig, handles, "time in")
     return fig
 
 
@@ -376,13 +374,7 @@ def _scatter(data, palette, *, xlabel, ylabel, title):
     ax.plot([a, b], [a, b], ls="--", c="grey", lw=1, zorder=1)
     ax.set(xlabel=xlabel, ylabel=ylabel)
     _title(fig, title, fig.get_figheight())
-    fig.legend(
-        handles=handles,
-        loc="upper left",
-        bbox_to_anchor=(fig.subplotpars.right + 0.01, fig.subplotpars.top),
-        title="method",
-        alignment="left",
-    )
+    _legend_right(fig, handles, "method")
     return fig
 
 
@@ -439,13 +431,7 @@ def _loss(data, palette, *, title, eps=None, dtype=""):
         title="difference to the single-device baseline",
     )
     _title(fig, title, fig.get_figheight())
-    fig.legend(
-        handles=handles,
-        loc="upper left",
-        bbox_to_anchor=(fig.subplotpars.right + 0.01, fig.subplotpars.top),
-        title="method",
-        alignment="left",
-    )
+    _legend_right(fig, handles, "method")
     return fig
 
 
