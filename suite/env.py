@@ -207,10 +207,11 @@ def _gpu_load(line: str) -> dict:
     return {"utilization_pct": values[0], "sm_mhz": values[1]}
 
 
-def busy_note(samples: list[dict]) -> str:
+def busy_note(samples: list[dict], *, measured: bool = True) -> str:
     """One line on the machine's load over a sweep from environment.json's `load` samples ("" when
     there are none): the 1-minute load average at the start and end against the cores, flagged
-    when the start's (before any rank of the sweep ran) reaches half the cores."""
+    when the start's (before any rank of the sweep ran) reaches half the cores, unless the sweep
+    measured nothing (`measured` False: simulated)."""
     starts = [s for s in samples if s.get("at") == "start" and s.get("loadavg")]
     ends = [s for s in samples if s.get("at") == "end" and s.get("loadavg")]
     if not starts:
@@ -223,7 +224,9 @@ def busy_note(samples: list[dict]) -> str:
     if start.get("cpu_mhz"):
         mhz = start["cpu_mhz"]
         text += f"; CPU clock {mhz['min']}-{mhz['max']} MHz"
-    if start["loadavg"][0] >= BUSY_LOAD_PER_CORE * cores:
+    if not measured:
+        text += " (a simulated sweep: its predictions do not depend on the load)"
+    elif start["loadavg"][0] >= BUSY_LOAD_PER_CORE * cores:
         text += " - BUSY: other work shared the machine, timings are noisy (rerun on an idle machine)"
     return text
 

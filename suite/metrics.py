@@ -244,3 +244,17 @@ def workload_label(workload) -> str:
     except (ValueError, AttributeError):
         return "uniform"
     return f"docs:{docs['name']}" if docs else "uniform"
+
+
+# Display-only MLflow tags (suite/tracking.py writes them; reading MLflow back, suite/reports skips
+# them): the run folder of a row, and headline numbers written for the runs table, where a metric
+# shows 14 digits and loses its exponent.
+MLFLOW_RUN_FOLDER = "run folder"  # <sweep>/<timestamp> of the row's run folder
+MLFLOW_SHOWN = {  # tag -> (metric, how it is written)
+    "time ms": (TIME_MS_MEDIAN, "sig3"),
+    "TFLOP/s per GPU": (TFLOPS_PER_GPU, "sig3"),
+    "sent per rank": (BYTES_SENT, "bytes"),
+    "peak memory": (PEAK_MEM, "bytes"),
+    "err out": (ERR["out"], "err"),
+    "ppl rel diff": (PPL_REL_DIFF, "signed"),
+}

@@ -350,7 +350,7 @@ def _drive_locked(
     this_run = [r for r in records if r[M.KEY] in todo_keys] + workload.added_rows()
     _print_footer(records, this_run, wall, store, tracker, out, executor.startup_s, executor.groups_started)
     # this run's start and end; a simulated sweep measures nothing the load could disturb
-    load = "" if cfg.run.executor == "sim" else busy_note(((_environment(store) or {}).get("load") or [])[-2:])
+    load = busy_note(((_environment(store) or {}).get("load") or [])[-2:], measured=cfg.run.executor != "sim")
     if load:
         print(load, file=out)
     return SweepResult(store.run_dir, records, wall, tracker.uri, tracker.disabled_reason)

@@ -51,15 +51,8 @@ _EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
 # metric to its first digits and drops the exponent (4.28e-07 shows as "4.28336514..."), and shows
 # bytes raw. Tags are text, so the table shows them as written. Keys hold a space, so that no tag of
 # a row (status, reason, ...) and no metric name can be one of them.
-RUN_FOLDER = "run folder"  # <sweep>/<timestamp> of the row's run folder: which run a row comes from
-SHOWN = {  # tag -> (metric, how it is written)
-    "time ms": (M.TIME_MS_MEDIAN, "sig3"),
-    "TFLOP/s per GPU": (M.TFLOPS_PER_GPU, "sig3"),
-    "sent per rank": (M.BYTES_SENT, "bytes"),
-    "peak memory": (M.PEAK_MEM, "bytes"),
-    "err out": (M.ERR["out"], "err"),
-    "ppl rel diff": (M.PPL_REL_DIFF, "signed"),
-}
+RUN_FOLDER = M.MLFLOW_RUN_FOLDER  # <sweep>/<timestamp> of the row's run folder: which run a row comes from
+SHOWN = M.MLFLOW_SHOWN  # tag -> (metric, how it is written)
 # A saved view of the runs table (MLflow's "shared view": an experiment tag the page reads when the
 # link names it; MLflow 3 chooses the columns of its runs table only from a view the browser saved
 # or a shared one, whose banner it always shows): the trials with their identity, their run folder,

@@ -10,6 +10,7 @@ import pytest
 from suite import metrics as M
 from suite import results
 from suite.cli import main
+from suite.env import busy_note
 from suite.results import ResultsStore
 
 SIM = """
@@ -216,7 +217,8 @@ def test_environment_json_records_the_machine_load_at_each_start_and_end(write_c
     monkeypatch.setattr(os, "getloadavg", lambda: (4.0 * cores, 2.0, 1.0))
     rc, path, runs = _sweep(write_config, tmp_path)
     out = capsys.readouterr().out
-    assert rc == 0 and f"machine load (1-minute average) {4.0 * cores:g} at the start" in out and "BUSY" in out
+    assert rc == 0 and f"machine load (1-minute average) {4.0 * cores:g} at the start" in out
+    assert "BUSY" not in out and "a simulated sweep" in out  # this sweep predicts: nothing the load disturbs
     load = json.loads((runs[0] / "environment.json").read_text())["load"]
     assert [s["at"] for s in load] == ["start", "end"]
     assert all(s["loadavg"] == [4.0 * cores, 2.0, 1.0] and s["cpu_count"] == cores for s in load)
@@ -226,6 +228,10 @@ def test_environment_json_records_the_machine_load_at_each_start_and_end(write_c
     assert "machine load (1-minute average) 0 at the start, 0 at the end" in out and "BUSY" not in out
     load = json.loads((runs[0] / "environment.json").read_text())["load"]
     assert [s["at"] for s in load] == ["start", "end", "start", "end"] and load[2]["loadavg"] == [0.0, 0.0, 0.0]
+    # a measured sweep on that busy machine is flagged, on the same samples
+    busy = [{**s, "loadavg": [4.0 * cores, 2.0, 1.0]} for s in load[:2]]
+    assert "BUSY" in busy_note(busy) and "BUSY" not in busy_note(busy, measured=False)
+    assert "BUSY" not in busy_note(load[2:])
 
 
 def test_report_keeps_the_latest_row_of_a_key_and_says_so(write_config, tmp_path):

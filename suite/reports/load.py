@@ -164,9 +164,7 @@ def load_mlflow(experiment: str, uri: Optional[str] = None) -> ResultSet:
     metrics, status and reason from tags)."""
     from mlflow.tracking import MlflowClient
 
-    from suite.tracking import RUN_FOLDER, SHOWN
-
-    DISPLAY_ONLY = set(SHOWN) | {RUN_FOLDER}  # tags that only show a row's numbers and folder in the UI
+    DISPLAY_ONLY = set(M.MLFLOW_SHOWN) | {M.MLFLOW_RUN_FOLDER}  # tags that only show a row's numbers and folder in the UI
     client = MlflowClient(uri) if uri else MlflowClient()
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
