@@ -608,11 +608,18 @@ def merge_same_schedules(q: Question, ranked: list[Candidate]) -> list[Candidate
     memory. The entry kept is the one with the fewest options; the others go to its `same`."""
     groups: dict[tuple, list[list[Candidate]]] = {}
     entries: list[list[Candidate]] = []
+    maps: dict[int, str] = {}  # id(candidate) -> its token map, built once and only when numbers agree
+
+    def token_map(c: Candidate) -> str:
+        if id(c) not in maps:
+            maps[id(c)] = _token_map(q, c)
+        return maps[id(c)]
+
     for c in ranked:
         c.same = []
         alike = groups.setdefault(_schedule_numbers(c), [])
         for entry in alike:
-            if _token_map(q, entry[0]) == _token_map(q, c):
+            if token_map(entry[0]) == token_map(c):
                 entry.append(c)
                 break
         else:

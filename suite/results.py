@@ -1,6 +1,6 @@
 """The results store: the source of truth of every sweep (docs/DESIGN.md section 8).
 
-    results/<sweep name>/<YYYYmmdd-HHMMSS>[-job<N>]/     (-job<N>: job N of a Hydra multirun)
+    results/<sweep name>/<YYYYmmdd-HHMMSS>[-<N>]/   (-<N>: the N-th run started in the same second)
         config.yaml        the resolved config
         environment.json   hardware and software fingerprint
         trials.jsonl       one JSON row per trial, appended and fsync'ed as each trial ends
@@ -97,14 +97,11 @@ class ResultsStore:
 
     # -- creating and reopening ------------------------------------------------------------------
     @classmethod
-    def create(
-        cls, root: str | Path, sweep: str, config_yaml: str, environment: dict, label: Optional[str] = None
-    ) -> "ResultsStore":
-        """A new run folder <root>/<sweep>/<time>[-<label>]: `label` tells apart the jobs of one Hydra
-        multirun (`job3`). Two processes starting in the same second get distinct folders (mkdir
-        is the claim: only one can create a name)."""
+    def create(cls, root: str | Path, sweep: str, config_yaml: str, environment: dict) -> "ResultsStore":
+        """A new run folder <root>/<sweep>/<time>[-<N>]. Two processes starting in the same second (the
+        jobs of a Hydra multirun) get distinct folders: mkdir is the claim, only one can create a name."""
         base = Path(root) / sweep
-        stamp = datetime.now().strftime("%Y%m%d-%H%M%S") + (f"-{label}" if label else "")
+        stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         run_dir, n = base / stamp, 1
         try:
             base.mkdir(parents=True, exist_ok=True)

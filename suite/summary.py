@@ -30,14 +30,19 @@ def summary_table(records: list[dict]) -> str:
     return text
 
 
+def _measured_spread(r: dict) -> float | None:
+    """max/median of a measured row; None for simulated rows (one predicted value, no repeats)."""
+    return None if r["executor"] == "sim" else M.time_spread(r)
+
+
 def _spread(r: dict) -> str:
-    """The max/median column: blank for simulated rows (one predicted value, no repeats)."""
-    spread = None if r["executor"] == "sim" else M.time_spread(r)
-    return "" if spread is None else f"{spread:.2f}" + (" !" if _noisy(r) else "")
+    """The max/median column, marked '!' over the threshold."""
+    spread = _measured_spread(r)
+    return "" if spread is None else f"{spread:.2f}" + (" !" if spread > M.NOISY_SPREAD else "")
 
 
 def _noisy(r: dict) -> bool:
-    spread = None if r["executor"] == "sim" else M.time_spread(r)
+    spread = _measured_spread(r)
     return spread is not None and spread > M.NOISY_SPREAD
 
 

@@ -515,7 +515,7 @@ class MlflowTracker:
                 continue
             self._children[key] = (keep.info.run_id, keep.info.status)
             if keep.info.status != "RUNNING":  # logged before: add the display tags it lacks
-                want = self._display_tags(stored[key])
+                want = self._display_tags(child_values(stored[key])[1])
                 stale = {k: v for k, v in want.items() if keep.data.tags.get(k) != v}
                 if stale:
                     self._log_missing(keep.info.run_id, tags=stale)
@@ -529,11 +529,9 @@ class MlflowTracker:
                 self._say(f"logged {i}/{len(todo)} child runs")
                 shown_at = time.monotonic()
 
-    def _display_tags(self, record: dict) -> dict[str, str]:
+    def _display_tags(self, metrics: dict) -> dict[str, str]:
         """The tags of a child run that only show its row (numbers as text, its run folder)."""
-        tags = shown_tags(child_values(record)[1])
-        tags[RUN_FOLDER] = self._run_folder
-        return tags
+        return {**shown_tags(metrics), RUN_FOLDER: self._run_folder}
 
     def _log_missing(
         self, run_id: str, *, params=None, metrics=None, tags=None, steps=None, timestamp=None, existing=None
@@ -556,8 +554,8 @@ class MlflowTracker:
             self._client.log_batch(run_id, metrics=bm, params=bp, tags=bt)
 
     def _log_record(self, record: dict) -> None:
-        params, metrics, tags, steps = child_values(record)
-        tags.update(self._display_tags(record))
+        params, metrics, tags, steps = child_values(record)  # the shown tags among them
+        tags[RUN_FOLDER] = self._run_folder
         start, end = trial_times(record)
         known = self._children.get(record[M.KEY])
         if known is None:
