@@ -421,6 +421,10 @@ def _print_footer(
             f"`python -m suite ui`, then open {tracker.link}",
             file=out,
         )
+        if tracker.caught_up:
+            print(f"MLflow stopped mid-sweep ({tracker.caught_up}); the rows since were logged at the end", file=out)
+        elif tracker.retries:
+            print(f"MLflow: {tracker.retries} write(s) retried after a transient database error", file=out)
     elif tracker.uri:
         print(f"MLflow was disabled: {tracker.disabled_reason}", file=out)
 

@@ -12,8 +12,12 @@ Only the parent process logs (concurrent sqlite writers corrupt the store), from
 thread, so that importing MLflow and writing runs overlap the trials. Identity goes to params
 (flattened: `option.ulysses_degree`, `workload.train.lr`), numbers to metrics (summary values
 under their row names, the raw samples as the step series `samples/time_ms`), status and
-environment to tags. MLflow failing never loses a result: the first error disables tracking with
-a warning and `relog` catches up later.
+environment to tags. MLflow failing never loses a result: a transient database error (sqlite's
+"disk I/O error" or "database is locked", a dropped connection) is retried with backoff (every write
+is idempotent: a child run is known by its key as soon as it exists, and an equal metric is dropped);
+an error that persists disables tracking with a warning, the sweep goes on, and at its end the
+tracker tries once to catch up as `relog` would (reconcile the store's rows with the child runs).
+Only if that fails too does the user run `relog` later.
 """
 
 from __future__ import annotations
@@ -318,6 +322,8 @@ class NullTracker:
     enabled = False
     uri: Optional[str] = None
     cpu_seconds = 0.0
+    retries = 0
+    caught_up: Optional[str] = None
     disabled_reason: Optional[str] = "tracking.mlflow is false"
     parent_run_id: Optional[str] = None
     experiment_id: Optional[str] = None
@@ -326,6 +332,22 @@ class NullTracker:
     def start(self, *args, **kwargs) -> None: ...
     def log_trial(self, record: dict) -> None: ...
     def finish(self, store: ResultsStore, status: str = "FINISHED") -> None: ...
+
+
+# Errors worth a retry: the database or server was briefly unavailable, not a wrong request. Seen in
+# CI: sqlite's "disk I/O error" on one commit of a 56-trial sweep lost its last 16 child runs.
+_TRANSIENT = ("disk i/o error", "database is locked", "database is busy", "unable to open database", "connection")
+RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)  # backoff between the attempts of one write (7.5 s at most)
+
+
+def transient(exc: BaseException) -> bool:
+    """Whether `exc` (or what caused it) reads like a passing database or network failure."""
+    seen = 0
+    while exc is not None and seen < 5:
+        if any(t in str(exc).lower() for t in _TRANSIENT):
+            return True
+        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+    return False
 
 
 def _timed(fn):
@@ -362,6 +384,8 @@ class MlflowTracker:
         self.experiment_id: Optional[str] = None
         self.cpu_seconds = 0.0  # CPU time of the logging thread in MLflow calls
         self.counts = {"logged": 0, "completed": 0, "deleted": 0, "killed": 0, "retagged": 0}
+        self.retries = 0  # writes tried again after a transient error
+        self.caught_up: Optional[str] = None  # the error after which the end-of-sweep catch-up logged the rest
         self.say: Optional[Callable[[str], None]] = None  # told each step (relog's progress), if set
         self._client = None
         self._run_folder = ""  # RUN_FOLDER of this store, set on start
@@ -388,6 +412,7 @@ class MlflowTracker:
         """end_ms: when the sweep ended (default: now; `relog` gives its last trial's end)."""
         if self._thread is None:
             return
+        self._queue.put((self._catch_up, (store,), {}))
         self._queue.put((self._finish, (store, status, end_ms), {}))
         self._queue.put(None)
         self._thread.join(timeout=self.finish_timeout_s)
@@ -404,8 +429,20 @@ class MlflowTracker:
             pass
         while (item := self._queue.get()) is not None:
             fn, args, kwargs = item
-            if self.enabled:
+            if self.enabled or fn == self._catch_up:
                 fn(*args, **kwargs)
+
+    def _retrying(self, fn: Callable[[], None]) -> None:
+        """Run `fn`, again after each transient error (RETRY_DELAYS_S apart); the last error raises."""
+        for delay in (*RETRY_DELAYS_S, None):
+            try:
+                fn()
+                return
+            except Exception as exc:  # noqa: BLE001
+                if delay is None or not transient(exc):
+                    raise
+                self.retries += 1
+                time.sleep(delay)
 
     def _say(self, line: str) -> None:
         if self.say is not None:
@@ -566,6 +603,7 @@ class MlflowTracker:
                 tags={M.KEY: record[M.KEY], "mlflow.parentRunId": self.parent_run_id},
             )
             run_id, have = run.info.run_id, {}
+            self._children[record[M.KEY]] = (run_id, "RUNNING")  # a retry completes it, never a second run
             self.counts["logged"] += 1
         else:
             run_id, have = known[0], self._client.get_run(known[0]).data.params
@@ -583,9 +621,25 @@ class MlflowTracker:
         if known is not None and known[1] != "RUNNING":
             return  # already a finished child run of this row
         try:
-            self._log_record(record)
+            self._retrying(lambda: self._log_record(record))
         except Exception as exc:  # noqa: BLE001
             self._disable(f"could not log trial {record.get(M.KEY)}", exc)
+
+    @_timed
+    def _catch_up(self, store: ResultsStore) -> None:
+        """At the sweep's end, after an error that disabled logging mid-sweep (the run was started):
+        reconcile once, as `relog` would, so the rows written since are not missing from MLflow."""
+        if self.enabled or self.parent_run_id is None or self._client is None:
+            return
+        reason, self.enabled = self.disabled_reason, True
+        try:
+            self._say(f"catching up after: {reason}")
+            self._retrying(lambda: self._reconcile(store))
+        except Exception as exc:  # noqa: BLE001
+            self.enabled, self.disabled_reason = False, reason
+            warnings.warn(f"MLflow catch-up failed too ({type(exc).__name__}); run `python -m suite relog RUN_DIR`")
+            return
+        self.disabled_reason, self.caught_up = None, reason
 
     @_timed
     def _finish(self, store: ResultsStore, status: str = "FINISHED", end_ms: Optional[int] = None) -> None:
@@ -596,9 +650,11 @@ class MlflowTracker:
             for name in (CONFIG, ENVIRONMENT, TRIALS, PARQUET):
                 path = store.run_dir / name
                 if path.exists():
-                    self._client.log_artifact(self.parent_run_id, str(path), artifact_path="results")
-            self._log_table(store)
-            self._client.set_terminated(self.parent_run_id, status, end_time=end_ms)
+                    self._retrying(
+                        lambda p=path: self._client.log_artifact(self.parent_run_id, str(p), artifact_path="results")
+                    )
+            self._retrying(lambda: self._log_table(store))
+            self._retrying(lambda: self._client.set_terminated(self.parent_run_id, status, end_time=end_ms))
         except Exception as exc:  # noqa: BLE001
             self._disable("could not finish the sweep's run", exc)
 

@@ -417,3 +417,74 @@ def test_numbers_shown_as_tags_keep_their_exponent_and_units():
     assert shown(3 * 1024**2 / 2, "bytes") == "1.5 MiB"
     assert shown(80 * 1024**3, "bytes") == "80 GiB"
     assert shown(5 * 1024**5, "bytes") == "5.12e+03 TiB"
+
+
+def _flaky_log_batch(monkeypatch, fail_calls):
+    """MlflowClient.log_batch raising sqlite's "disk I/O error" (as a CI run saw) on the calls
+    numbered in `fail_calls` (1-based), and no wait between retries."""
+    import sqlite3
+
+    from mlflow.tracking import MlflowClient
+
+    from suite import tracking
+
+    real, calls = MlflowClient.log_batch, [0]
+
+    def log_batch(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] in fail_calls:
+            raise RuntimeError("(sqlite3.OperationalError) disk I/O error") from sqlite3.OperationalError(
+                "disk I/O error"
+            )
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", log_batch)
+    monkeypatch.setattr(tracking, "RETRY_DELAYS_S", (0.0, 0.0, 0.0, 0.0))
+    return calls
+
+
+def _log_sweep(stored, db):
+    """Log the stored rows as a sweep does: start, one log_trial per row, finish."""
+    from suite.tracking import MlflowTracker
+
+    store = ResultsStore.open(stored)
+    tracker = MlflowTracker(f"sqlite:///{db}", "trk", stored.parent)
+    tracker.start(store, sweep="trk", params={"name": "trk"}, environment={})
+    for record in store.iter_records():
+        tracker.log_trial(record)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        tracker.finish(store)
+    return tracker, store, caught
+
+
+def test_a_transient_database_error_is_retried_and_no_row_is_lost(stored, tmp_path, monkeypatch):
+    calls = _flaky_log_batch(monkeypatch, fail_calls={3, 4})  # the 2nd child's first write, twice
+    tracker, store, caught = _log_sweep(stored, tmp_path / "m.db")
+    assert calls[0] > 4 and tracker.retries == 2 and tracker.enabled and tracker.caught_up is None
+    assert not [w for w in caught if "MLflow" in str(w.message)]
+    _, parents, children = _runs(_client(tmp_path / "m.db"))
+    keys = sorted(r[M.KEY] for r in store.iter_records())
+    assert len(parents) == 1 and sorted(c.data.tags[M.KEY] for c in children) == keys  # each row once
+    assert all(c.info.status == "FINISHED" for c in children)
+
+
+def test_an_error_that_persists_mid_sweep_is_caught_up_at_the_end(stored, tmp_path, monkeypatch):
+    # every attempt at the 2nd child's write fails: tracking stops, the sweep goes on, and the end of
+    # the sweep reconciles, so the rows after it still reach MLflow
+    _flaky_log_batch(monkeypatch, fail_calls=set(range(3, 8)))
+    tracker, store, caught = _log_sweep(stored, tmp_path / "m.db")
+    assert tracker.enabled and tracker.disabled_reason is None and "disk I/O error" in tracker.caught_up
+    assert any("MLflow disabled" in str(w.message) for w in caught)
+    _, parents, children = _runs(_client(tmp_path / "m.db"))
+    keys = sorted(r[M.KEY] for r in store.iter_records())
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert sorted(c.data.tags[M.KEY] for c in children) == keys
+    assert all(c.info.status == "FINISHED" for c in children)
+
+
+def test_a_wrong_request_is_not_retried():
+    from suite.tracking import transient
+
+    assert transient(RuntimeError("x")) is False and transient(ValueError("Invalid metric name")) is False
+    assert transient(OSError("disk I/O error")) and transient(RuntimeError("database is locked"))
