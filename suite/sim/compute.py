@@ -52,7 +52,7 @@ import yaml
 from suite.sim.record import Compute, Memory
 from suite.sim.topology import Topology, TopologyError
 
-GENERATIONS = ("fa2", "fa3", "cudnn")
+GENERATIONS = ("fa2", "fa3", "cudnn", "torch_flash")  # torch_flash: PyTorch's own CUDA flash attention
 BENCH_TOKENS = 16384  # flash-attention's benchmark grid: batch x sequence length = 16K tokens,
 BENCH_HIDDEN = 2048  # and heads x head dim = 2048 (benchmarks/benchmark_flash_attention.py)
 

@@ -73,11 +73,24 @@ def topology_path(name_or_path: str) -> Path:
 
 
 def load_topology(name_or_path: str) -> "Topology":
-    path = topology_path(name_or_path)
+    """A topology by name or file; `NAME:KERNEL` (e.g. `h100_sxm:torch_flash`) is that topology with
+    its block kernel's generation swapped for another it lists under `compute.kernels`, named so."""
+    base, _, kernel = str(name_or_path).rpartition(":")
+    if not base or "/" in kernel or kernel.endswith((".yaml", ".yml")):
+        base, kernel = str(name_or_path), ""
+    path = topology_path(base)
     try:
         raw = yaml.safe_load(path.read_text())
     except yaml.YAMLError as exc:
         raise TopologyError(f"{path}: not valid YAML: {exc}") from None
+    if kernel:
+        listed = sorted(((raw or {}).get("compute") or {}).get("kernels") or {})
+        if kernel not in listed:
+            raise TopologyError(
+                f"topology {name_or_path!r}: {base} lists no kernel {kernel!r} under compute.kernels; "
+                f"choose one of {listed}"
+            )
+        raw = {**raw, "name": f"{raw.get('name', base)}:{kernel}", "compute": {**raw["compute"], "kernel": kernel}}
     return Topology.from_dict(raw, source=path)
 
 
