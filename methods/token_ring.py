@@ -87,6 +87,7 @@ class _Results:
 
 @register
 class TokenRing(Method):
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     name = "token_ring"
     description = (
         "TokenRing: queries around the ring one way, partial outputs straight back to their owners "
@@ -156,7 +157,7 @@ class TokenRing(Method):
             blocks.append((blk.q_rows, [block_out, block_lse]))
         return _Results(blocks)
 
-    def forward(self, q, k, v, *, comm: Comm, causal, scale, return_lse, docs=None):
+    def forward(self, q, k, v, *, comm: Comm, causal, scale, return_lse, docs=None, sinks=None):
         p, rank, l = comm.world_size, comm.rank, q.shape[1]
         b, _, h, d = q.shape
         acc = merge.acc_dtype(q.dtype)
@@ -193,6 +194,8 @@ class TokenRing(Method):
             if next_q is not None:
                 cur_q = next_q
         out, lse = result.finish()
+        if sinks is not None:  # once per row, after the last merge (docs/DESIGN.md section 4)
+            out, lse = merge.fold_sink(out, lse, sinks)
         return out, lse, (q, k, v, out, lse, masks)
 
     def _backward_blocks(
