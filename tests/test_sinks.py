@@ -247,3 +247,47 @@ def test_peers_and_unknowing_methods_refuse_sinks_with_the_reason():
         methods.get_method("ring").attention(
             *(torch.zeros(1, 6, 4, 8) for _ in range(3)), causal=True, comm=None, sinks=torch.zeros(3)
         )
+
+
+@pytest.mark.parametrize("name,options", OWN, ids=IDS)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_counted_bytes_with_sinks_equal_the_declared_formula(name, options, world_size):
+    """With sinks, every rank's counted bytes (forward, and forward + backward with dsink) equal
+    `expected_rank_bytes` of the case with `sinks`: nothing moves for the sinks' gradient (a
+    rank's share), and Ulysses' lse comes back to the sequence layout (declared)."""
+    from methods.comm import CommLedger, CountingComm
+
+    m = methods.get_method(name, **options)
+    heads, kv_heads = _heads(world_size)
+    seq_len = 3 * m.granule(Case(1, 0, heads, kv_heads, 8, "bfloat16", True, world_size))
+    case = Case(2, seq_len, heads, kv_heads, 8, "bfloat16", True, world_size, sinks=True)
+    if not m.supports(case)[0]:
+        return
+    prob = build_problem(
+        2,
+        seq_len,
+        heads,
+        kv_heads,
+        8,
+        "bfloat16",
+        True,
+        seed=0,
+        device=torch.device("cpu"),
+        with_reference=False,
+        sinks=True,
+    )
+    lay = m.layout(case)
+
+    def rank(comm):
+        led = CommLedger()
+        c = CountingComm(comm, led)
+        q, k, v = (lay.shard(x, comm.rank).requires_grad_() for x in (prob.q, prob.k, prob.v))
+        sinks = prob.sinks.clone().requires_grad_()
+        out = m.attention(q, k, v, causal=True, comm=c, sinks=sinks)
+        fwd = (led.bytes_sent, led.bytes_recv)
+        torch.autograd.grad(out, (q, k, v, sinks), lay.shard(prob.dout, comm.rank))
+        return fwd, (led.bytes_sent, led.bytes_recv)
+
+    for r, (fwd, both) in enumerate(run_threads(world_size, rank)):
+        assert fwd == m.expected_rank_bytes(case, "fwd", r), (name, r, fwd)
+        assert both == m.expected_rank_bytes(case, "fwd_bwd", r), (name, r, both)
