@@ -291,3 +291,63 @@ def test_counted_bytes_with_sinks_equal_the_declared_formula(name, options, worl
     for r, (fwd, both) in enumerate(run_threads(world_size, rank)):
         assert fwd == m.expected_rank_bytes(case, "fwd", r), (name, r, fwd)
         assert both == m.expected_rank_bytes(case, "fwd_bwd", r), (name, r, both)
+
+
+# -- the perplexity check with sinks ---------------------------------------------------------------------
+def _perplexity_runs():
+    """A model with sinks: its single-device baseline, the same model without sinks, and a
+    function training it with a method on virtual ranks (optionally with the planted bug)."""
+    import functools
+
+    from methods import layouts
+    from suite.perplexity.data import load_corpus
+    from suite.perplexity.model import ModelConfig, sdpa_attend
+    from suite.perplexity.train import TrainConfig, train_and_evaluate
+    from suite.workloads.perplexity import _sink_per_rank
+
+    corpus = load_corpus("stdlib", max_bytes=200_000)
+    model = ModelConfig(heads=4, kv_heads=2, head_dim=8, layers=2, sinks=True)
+    tc = TrainConfig(steps=4, batch=2, seq_len=36, lr=3e-3, warmup_steps=1, eval_batches=1)
+    single = layouts.contiguous(tc.seq_len, 1)
+    baseline = train_and_evaluate(model, tc, corpus, layout=single, comm=None, make_attend=lambda c: sdpa_attend)
+    plain = train_and_evaluate(
+        ModelConfig(heads=4, kv_heads=2, head_dim=8, layers=2),
+        tc,
+        corpus,
+        layout=single,
+        comm=None,
+        make_attend=lambda c: sdpa_attend,
+    )
+
+    def train(name, world_size, planted=False):
+        m = methods.get_method(name)
+        layout = m.layout(Case(tc.batch, tc.seq_len, 4, 2, 8, "float32", True, world_size, sinks=True))
+
+        def attend(c):
+            a = functools.partial(m.attention, causal=True, comm=c)
+            return functools.partial(_sink_per_rank, a, world_size) if planted else a
+
+        return run_threads(
+            world_size, lambda comm: train_and_evaluate(model, tc, corpus, layout=layout, comm=comm, make_attend=attend)
+        )[0]
+
+    return baseline, plain, train
+
+
+def _rel(a, b):
+    return max(abs(x - y) / abs(y) for x, y in zip(a, b))
+
+
+def test_training_with_sinks_matches_the_single_device_baseline_and_catches_a_sink_per_rank():
+    """The model with learned sinks (the baseline: the softmax written out with a sink column)
+    trains the same with a ring of 3 and with Ulysses at 2 (every step's loss, the perplexity);
+    the sinks change the model (another loss than without them); and counting the sink once per
+    rank moves the loss far beyond the check's tolerance."""
+    baseline, plain, train = _perplexity_runs()
+    assert _rel(plain.losses, baseline.losses) > 1e-3
+    for name, world_size in (("ring", 3), ("ulysses", 2)):
+        got = train(name, world_size)
+        assert _rel(got.losses, baseline.losses) < 1e-5, name
+        assert abs(got.perplexity / baseline.perplexity - 1) < 1e-5, name
+    wrong = train("ring", 3, planted=True)
+    assert _rel(wrong.losses, baseline.losses) > 1e-3 or abs(wrong.perplexity / baseline.perplexity - 1) > 1e-2
