@@ -329,6 +329,8 @@ class Method:
                 dout.contiguous(), residuals, comm=comm, causal=bool(causal), scale=scale, **extra
             )
             if sinks is not None:
+                if lse is None:  # asked for above; a method must return it when asked
+                    raise RuntimeError(f"{self.name}: forward returned no lse though return_lse was True")
                 return out, lse, dq, dk, dv, merge.sink_grad(dout, out, lse, sinks)
         return out, lse, dq, dk, dv
 

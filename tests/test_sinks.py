@@ -351,3 +351,45 @@ def test_training_with_sinks_matches_the_single_device_baseline_and_catches_a_si
         assert abs(got.perplexity / baseline.perplexity - 1) < 1e-5, name
     wrong = train("ring", 3, planted=True)
     assert _rel(wrong.losses, baseline.losses) > 1e-3 or abs(wrong.perplexity / baseline.perplexity - 1) > 1e-2
+
+
+@pytest.mark.parametrize("name,world_size", [("ring", 3), ("ulysses", 2), ("usp", 2)])
+def test_direct_forward_backward_gives_what_autograd_gives_with_sinks(name, world_size):
+    """attention_fwd_bwd (virtual ranks on one GPU) returns out, lse, dq, dk, dv and this rank's
+    dsink share exactly as attention and autograd do."""
+    m = methods.get_method(name)
+    heads, kv_heads = _heads(world_size)
+    case = Case(
+        2,
+        3 * m.granule(Case(1, 0, heads, kv_heads, 8, "float32", True, world_size)),
+        heads,
+        kv_heads,
+        8,
+        "float32",
+        True,
+        world_size,
+        sinks=True,
+    )
+    prob = build_problem(
+        2,
+        case.seq_len,
+        heads,
+        kv_heads,
+        8,
+        "float32",
+        True,
+        seed=0,
+        device=torch.device("cpu"),
+        with_reference=False,
+        sinks=True,
+    )
+    lay = m.layout(case)
+
+    def both(comm):
+        q, k, v, do = (lay.shard(x, comm.rank) for x in (prob.q, prob.k, prob.v, prob.dout))
+        direct = m.attention_fwd_bwd(q, k, v, do, causal=True, comm=comm, sinks=prob.sinks)
+        return direct, _run(m, case, prob, comm)
+
+    for direct, via in run_threads(world_size, both):
+        for got, want in zip(direct, via):
+            assert torch.equal(got, want)
