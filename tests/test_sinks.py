@@ -393,3 +393,78 @@ def test_direct_forward_backward_gives_what_autograd_gives_with_sinks(name, worl
     for direct, via in run_threads(world_size, both):
         for got, want in zip(direct, via):
             assert torch.equal(got, want)
+
+
+# -- the sweep axis ---------------------------------------------------------------------------------------
+SINK_BASE = """
+name: t
+sweep:
+  methods: [ring]
+  world_size: [2]
+  seq_len: [16]
+  heads: [2]
+  kv_heads: [2]
+  head_dim: [8]
+  causal: [true]
+  passes: [fwd]
+run: {executor: threads}
+"""
+
+
+def test_the_sinks_axis_plans_new_trials_and_keeps_the_old_keys(write_config):
+    """sweep.sinks [false, true] plans each point twice; the sinks-off trials have the keys the
+    same sweep had before the axis, and rows name the sinks in their identity."""
+    from suite.config import load_config
+    from tests.helpers import plan_for
+
+    before, _ = load_config(write_config(SINK_BASE))
+    both, _ = load_config(
+        write_config(SINK_BASE.replace("  passes: [fwd]\n", "  passes: [fwd]\n  sinks: [false, true]\n"))
+    )
+    old, new = plan_for(before, "cpu:test"), plan_for(both, "cpu:test")
+    assert len(old) == 1 and len(new) == 2
+    plain = [t for t in new if not t.sinks]
+    with_sinks = [t for t in new if t.sinks]
+    assert [t.key for t in plain] == [t.key for t in old]
+    assert with_sinks[0].key != old[0].key and with_sinks[0].identity()["sinks"] is True
+    assert with_sinks[0].problem_key() != plain[0].problem_key() and "sinks" in with_sinks[0].label()
+    assert with_sinks[0].run_case(with_sinks[0].build_method()).sinks
+
+
+def test_bad_sinks_values_are_refused_naming_the_key(write_config):
+    from suite.config import ConfigError, load_config
+
+    for bad in ("[maybe]", "[true, true]", "[]"):
+        body = SINK_BASE.replace("  passes: [fwd]\n", f"  passes: [fwd]\n  sinks: {bad}\n")
+        with pytest.raises(ConfigError, match="sweep.sinks"):
+            load_config(write_config(body))
+
+
+def test_a_peer_trial_with_sinks_is_a_recorded_skip_with_the_library_reason(write_config, tmp_path):
+    """Through the runner's check (the parent decides before any rank runs): every peer adapter
+    registered here refuses a sink trial, naming its library, and takes the same trial without
+    sinks; every own method takes it."""
+    from methods.peers.base import PeerMethod
+    from suite.config import load_config
+    from suite.executors import make_executor
+    from suite.runner import check_supported
+    from suite.workloads import make_workload
+    from tests.helpers import plan_for
+
+    peers = [n for n in methods.available() if issubclass(methods.method_class(n), PeerMethod)]
+    body = SINK_BASE.replace("methods: [ring]", f"methods: [{', '.join(peers + ['ring'])}]")
+    body = body.replace("  passes: [fwd]\n", "  passes: [fwd]\n  sinks: [false, true]\n").replace("threads", "dist")
+    cfg, _ = load_config(write_config(body))
+    executor, workload = make_executor(cfg, dry_run=True), make_workload(cfg.kind, cfg)
+    answers = {
+        (spec.method, spec.sinks): check_supported(spec, executor, workload) for spec in plan_for(cfg, "cpu:test")
+    }
+    assert answers["ring", True][0] and answers["ring", False][0]
+    for name in peers:
+        lib = methods.method_class(name).library
+        plain, with_sinks = answers[name, False], answers[name, True]
+        assert not with_sinks[0] and "attention-sink" not in plain[1], name
+        # a library that cannot run here at all keeps that reason; one that can is refused for the sinks
+        assert with_sinks[1] == (f"library {lib} has no attention-sink argument" if plain[0] else plain[1]), name
+    for name, options in OWN:
+        assert methods.get_method(name, **options).supports_sinks, name
