@@ -158,10 +158,10 @@ def _blocks(causal: bool, rank: int, p: int, local_len: int):
 
 @register
 class AllGatherKV(DocumentSharding, Method):
-    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     name = "allgather_kv"
     description = "all-gather K/V, then local attention (Llama 3 / Megatron all_gather), zigzag layout"
     layout_kind = "zigzag"
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     gathers_whole_sequence = True
     test_variants = ({}, {"sharding": "documents"})
 

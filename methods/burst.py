@@ -58,10 +58,10 @@ def query_ring_plan(causal: bool, rank: int, local_len: int) -> Plan:
 
 @register
 class Burst(Method):
-    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     name = "burst"
     description = "BurstAttention: K/V ring forward, query ring backward (K, V, dK, dV stay), zigzag layout"
     layout_kind = "zigzag"
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
 
     def __init__(self, kernel: str = "auto", ranks_per_node: int = 0):
         super().__init__(kernel)

@@ -18,10 +18,10 @@ from methods.registry import register
 
 @register
 class Reference(Method):
-    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     name = "reference"
     description = "single-device attention (the baseline), world_size 1 only"
     layout_kind = "contiguous"
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     single_device = True
 
     def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:

@@ -253,10 +253,10 @@ def piece_calls(world_size: int, causal: bool, rank: int, step: int, c: int) -> 
 
 @register
 class TASP(Method):
-    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     name = "tasp"
     description = "TASP: K/V units on arc-disjoint Hamiltonian cycles (all links busy), zigzag-TASP layout"
     layout_kind = "zigzag"
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     # At 6 ranks the fallback decomposition (k = P-2 = 4 units of a quarter block) holds another
     # share of a block in flight than the full decompositions (k = P-1) from 7 ranks on, so a peak
     # compared with 6 ranks measures the decomposition, not growth (1.05x from 6 to 12; 1.01x from 7).

@@ -87,13 +87,13 @@ class _Results:
 
 @register
 class TokenRing(Method):
-    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     name = "token_ring"
     description = (
         "TokenRing: queries around the ring one way, partial outputs straight back to their owners "
         "(K/V stay home), zigzag layout"
     )
     layout_kind = "zigzag"
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     # A rank holds its largest blocks at once (all-row results going out, coming in and being
     # computed while the queries hop) at step t only if src(t-1) and src(t) are later ranks and
     # the helper an earlier one, with t <= P-2: 3 <= r <= P-4, so from P = 7 on.

@@ -49,7 +49,7 @@ class Ulysses(Method):
     name = "ulysses"
     description = "DeepSpeed-Ulysses: all-to-all sequence<->heads around one local attention"
     layout_kind = "contiguous"
-    supports_sinks = True
+    supports_sinks = True  # folded once per row in the head layout, with its heads' slice of the sinks
 
     def degrees(self, case: Case) -> tuple[int, int]:
         return case.world_size, 1

@@ -75,10 +75,10 @@ def mesh_groups(world_size: int, ulysses_degree: int) -> tuple[list[list[int]], 
 
 @register
 class USP(Method):
-    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     name = "usp"
     description = "USP: Ulysses all-to-all inside groups x zigzag ring across them (ulysses_degree option)"
     layout_kind = "usp"
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
 
     def __init__(self, kernel: str = "auto", ulysses_degree: Optional[int] = None):
         super().__init__(kernel)
