@@ -161,6 +161,7 @@ class AllGatherKV(DocumentSharding, Method):
     name = "allgather_kv"
     description = "all-gather K/V, then local attention (Llama 3 / Megatron all_gather), zigzag layout"
     layout_kind = "zigzag"
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     gathers_whole_sequence = True
     test_variants = ({}, {"sharding": "documents"})
 
@@ -216,7 +217,7 @@ class AllGatherKV(DocumentSharding, Method):
             return None
         return masks.docs.block(masks.positions(comm.rank)[rows], torch.arange(keys), masks.causal)
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None, sinks=None):
         masks = self.block_masks(q, k, comm, causal, self.documents_for(q, comm, docs))
         k_full, v_full, _ = self._gather(comm, causal, masks, q, k, v)
         outs, lses = [], []
@@ -233,6 +234,8 @@ class AllGatherKV(DocumentSharding, Method):
             outs.append(o)
             lses.append(l)
         out, lse = (outs[0], lses[0]) if len(outs) == 1 else (torch.cat(outs, dim=1), torch.cat(lses, dim=2))
+        if sinks is not None:  # once per row, after the last merge (docs/DESIGN.md section 4)
+            out, lse = merge.fold_sink(out, lse, sinks)
         return out, lse, (q, k, v, out, lse, masks)
 
     def _gather(self, comm, causal, masks, q, k, v):

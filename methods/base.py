@@ -48,6 +48,9 @@ class Case:
     documents: Optional[Documents] = None
     """Packed documents (their lengths and the padded length, which is then `seq_len`), or None:
     one document per sequence, no padding (methods/documents.py)."""
+    sinks: bool = False
+    """Attention sinks (gpt-oss): one learned logit per query head joins every row's softmax
+    denominator (`Method.attention`'s `sinks`); a method without them refuses the case."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -85,6 +88,12 @@ class Method:
     argument of `attention`); peer libraries without a varlen path say False, and why in
     `documents_reason` (the library's own limitation)."""
     documents_reason: ClassVar[str] = ""
+    supports_sinks: ClassVar[bool] = False
+    """Takes attention sinks (the `sinks` argument of `attention`): folds each query head's sink
+    logit into every row once, where the row's out and lse are final (`merge.fold_sink`). False
+    by default, so a method that does not know the argument refuses sink cases instead of
+    ignoring the sink; `sinks_reason` says why (a peer library's missing argument)."""
+    sinks_reason: ClassVar[str] = ""
     test_variants: ClassVar[tuple[dict[str, Any], ...]] = ({},)
     """Option sets that change the algorithm (not only a knob): the generic tests check each one
     against float64 and against `expected_bytes` (e.g. burst with and without its two-level ring)."""
@@ -147,6 +156,8 @@ class Method:
             return False, f"heads ({case.heads}) must be a multiple of kv_heads ({case.kv_heads})"
         if case.documents is not None and not self.supports_documents:
             return False, self.documents_reason or f"{self.name} has no path for packed documents (varlen) or padding"
+        if case.sinks and not self.supports_sinks:
+            return False, self.sinks_reason or f"{self.name} has no attention-sink argument"
         try:
             self.layout(case)
         except ValueError as exc:
@@ -180,9 +191,13 @@ class Method:
         scale: float,
         return_lse: bool,
         docs: Optional[Documents] = None,
+        sinks: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], tuple]:
         """Local shards in, local output out. `docs`: packed documents (or None), whose
-        document-causal mask and padding the method computes exactly.
+        document-causal mask and padding the method computes exactly. `sinks`: [H] sink logits
+        (passed only to methods with `supports_sinks`), folded once into each row where its out
+        and lse are final (`merge.fold_sink`), before they are kept for the backward: the
+        backward then runs unchanged on the folded out and lse, which makes dq, dk, dv exact.
 
         Returns (out [B, S_local, H, D] in q.dtype, lse [B, H, S_local] float32 or None when
         `return_lse` is False and producing it would cost extra communication, residuals: the
@@ -247,6 +262,7 @@ class Method:
         softmax_scale: Optional[float] = None,
         return_lse: bool = False,
         docs: Optional[Documents] = None,
+        sinks: Optional[torch.Tensor] = None,
     ):
         """Sequence-parallel attention on local shards (differentiable).
 
@@ -259,15 +275,22 @@ class Method:
             docs: packed documents (methods/documents.py): a token sees only tokens of its own
                 document; padding (positions from docs.seq_len to docs.padded_len) sees nothing
                 and is seen by nothing. None: one document per sequence.
+            sinks: attention sinks (gpt-oss), [H] float32, the same on every rank, differentiable:
+                head h's logit s_h joins every row's softmax denominator without a value,
+                lse_i = log(sum_j e^x_ij + e^s_h). Its gradient on this rank is this rank's rows'
+                share; the shares sum to the whole gradient over the group's ranks, like any
+                weight the ranks share (a training loop all-reduces it with the others), so the
+                call moves no bytes for it.
         Returns:
             out [B, S_local, H, D] in q.dtype, or (out, lse) with `return_lse`.
         """
         check_local_inputs(q, k, v)
+        check_sinks(sinks, q, self)
         # Views of a fused projection (qkv.unbind) are fine to pass: communication needs contiguous
         # buffers, so every method sees contiguous inputs (a no-op when they already are).
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-        out, lse = SPAttention.apply(q, k, v, self, comm, bool(causal), scale, bool(return_lse), docs)
+        out, lse = SPAttention.apply(q, k, v, sinks, self, comm, bool(causal), scale, bool(return_lse), docs)
         return (out, lse) if return_lse else out
 
     def attention_fwd_bwd(
@@ -281,6 +304,7 @@ class Method:
         comm: Comm,
         softmax_scale: Optional[float] = None,
         docs: Optional[Documents] = None,
+        sinks: Optional[torch.Tensor] = None,
     ):
         """Forward and backward by direct calls, without the autograd engine.
 
@@ -288,19 +312,26 @@ class Method:
         one GPU, where autograd runs every CUDA backward on one per-device thread, so a rank waiting
         for another rank's message inside its backward would block that rank's backward forever.
 
-        Returns (out, lse, dq, dk, dv) with the shapes of `attention` (lse [B, H, S_local] float32).
+        Returns (out, lse, dq, dk, dv) with the shapes of `attention` (lse [B, H, S_local] float32),
+        and dsink [H] (this rank's share, as in `attention`) after them when `sinks` is given.
         """
         check_local_inputs(q, k, v)
+        check_sinks(sinks, q, self)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-        extra = {"docs": docs} if docs is not None else {}
+        extra = _extra(docs, sinks)
         with torch.no_grad():
             out, lse, residuals = self.forward(
                 q, k, v, comm=comm, causal=bool(causal), scale=scale, return_lse=True, **extra
             )
+            extra.pop("sinks", None)
             dq, dk, dv = self.backward(
                 dout.contiguous(), residuals, comm=comm, causal=bool(causal), scale=scale, **extra
             )
+            if sinks is not None:
+                if lse is None:  # asked for above; a method must return it when asked
+                    raise RuntimeError(f"{self.name}: forward returned no lse though return_lse was True")
+                return out, lse, dq, dk, dv, merge.sink_grad(dout, out, lse, sinks)
         return out, lse, dq, dk, dv
 
     def options(self) -> dict[str, Any]:
@@ -329,6 +360,29 @@ def check_local_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Non
         raise ValueError(f"heads ({q.shape[2]}) must be a multiple of kv_heads ({k.shape[2]})")
 
 
+def check_sinks(sinks: Optional[torch.Tensor], q: torch.Tensor, method: Method) -> None:
+    """Early, clear errors for a sinks argument no method can take, or a method that has none."""
+    if sinks is None:
+        return
+    if not method.supports_sinks:
+        raise ValueError(method.sinks_reason or f"{method.name} has no attention-sink argument")
+    if sinks.shape != (q.shape[2],):
+        raise ValueError(f"sinks must be [heads] = [{q.shape[2]}], one logit per query head; got {tuple(sinks.shape)}")
+    if sinks.device != q.device or not sinks.is_floating_point():
+        raise ValueError(
+            f"sinks must be floating point on q's device ({q.device}); got {sinks.dtype} on {sinks.device}"
+        )
+
+
+def _extra(docs: Optional[Documents], sinks: Optional[torch.Tensor]) -> dict:
+    """The optional arguments of a method's forward, only those given: peer adapters and older
+    methods take neither (they refuse such trials in `supports`)."""
+    extra: dict = {"docs": docs} if docs is not None else {}
+    if sinks is not None:
+        extra["sinks"] = sinks
+    return extra
+
+
 class SPAttention(torch.autograd.Function):
     """The shared autograd wrapper: forward and backward are the method's own distributed code."""
 
@@ -338,6 +392,7 @@ class SPAttention(torch.autograd.Function):
         q,
         k,
         v,
+        sinks: Optional[torch.Tensor],
         method: Method,
         comm: Comm,
         causal: bool,
@@ -345,16 +400,28 @@ class SPAttention(torch.autograd.Function):
         return_lse: bool,
         docs: Optional[Documents],
     ):
-        # documents only when given: peer adapters take none (they refuse packed trials)
+        # documents and sinks only when given: peer adapters take neither (they refuse such trials)
         ctx.extra = {"docs": docs} if docs is not None else {}
+        # with sinks the lse of every local row is needed for the sink's gradient
         out, lse, residuals = method.forward(
-            q, k, v, comm=comm, causal=causal, scale=scale, return_lse=return_lse, **ctx.extra
+            q,
+            k,
+            v,
+            comm=comm,
+            causal=causal,
+            scale=scale,
+            return_lse=return_lse or sinks is not None,
+            **_extra(docs, sinks),
         )
         ctx.method, ctx.comm, ctx.causal, ctx.scale = method, comm, causal, scale
         # Tensors go through save_for_backward (version checks); other residuals (ints) ride on ctx.
         ctx.is_tensor = [isinstance(x, torch.Tensor) for x in residuals]
         ctx.others = [x for x in residuals if not isinstance(x, torch.Tensor)]
-        ctx.save_for_backward(*[x for x in residuals if isinstance(x, torch.Tensor)])
+        # the sink's gradient reads the folded out and lse of the local rows (most methods keep
+        # these very tensors among their residuals: no extra memory)
+        sink_tensors = [sinks, out, lse] if sinks is not None else []
+        ctx.sinks = sinks is not None
+        ctx.save_for_backward(*[x for x in residuals if isinstance(x, torch.Tensor)], *sink_tensors)
         if lse is None:
             lse = out.new_empty(0, dtype=merge.acc_dtype(q.dtype))
         ctx.mark_non_differentiable(lse)
@@ -362,12 +429,16 @@ class SPAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        tensors, others = iter(ctx.saved_tensors), iter(ctx.others)
+        saved = ctx.saved_tensors
+        if ctx.sinks:
+            saved, (sinks, out, lse) = saved[:-3], saved[-3:]
+        tensors, others = iter(saved), iter(ctx.others)
         residuals = tuple(next(tensors) if t else next(others) for t in ctx.is_tensor)
         dq, dk, dv = ctx.method.backward(
             dout.contiguous(), residuals, comm=ctx.comm, causal=ctx.causal, scale=ctx.scale, **ctx.extra
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        dsink = merge.sink_grad(dout, out, lse, sinks) if ctx.sinks and ctx.needs_input_grad[3] else None
+        return dq, dk, dv, dsink, None, None, None, None, None, None
 
 
 SHARDINGS = ("sequence", "documents", "area")

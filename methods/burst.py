@@ -61,6 +61,7 @@ class Burst(Method):
     name = "burst"
     description = "BurstAttention: K/V ring forward, query ring backward (K, V, dK, dV stay), zigzag layout"
     layout_kind = "zigzag"
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
 
     def __init__(self, kernel: str = "auto", ranks_per_node: int = 0):
         super().__init__(kernel)
@@ -109,7 +110,7 @@ class Burst(Method):
             return False, f"burst: ranks_per_node {self.ranks_per_node} does not divide world_size {case.world_size}"
         return super().supports(case)
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None, sinks=None):
         route = make_route(comm, self.ranks_per_node)
         masks = self.block_masks(q, k, comm, causal, docs)
         out, lse = kv_ring_forward(
@@ -124,6 +125,8 @@ class Burst(Method):
             masks=masks,
             steps=self._steps(masks, causal, comm.world_size, q.shape[1])[0],
         )
+        if sinks is not None:  # once per row, after the last merge (docs/DESIGN.md section 4)
+            out, lse = merge.fold_sink(out, lse, sinks)
         return out, lse, (q, k, v, out, lse, masks)
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):

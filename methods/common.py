@@ -106,6 +106,23 @@ def ulysses_bytes(case, degree: int) -> int:
     return (degree - 1) * case.batch * local * case.head_dim * e * (2 * case.heads + 2 * kv_sent) // degree
 
 
+def ulysses_lse_bytes(case, degree: int) -> int:
+    """Bytes one rank sends (and receives) in the all-to-all that brings the lse [B, H, S] back to
+    the sequence layout over `degree` Ulysses ranks (`lse_heads_to_seq`): paid when the caller
+    asks for the lse, and with attention sinks, whose gradient reads every local row's lse."""
+    from methods.merge import acc_dtype  # the lse is float32 (float64 for float64 inputs)
+
+    local = case.seq_len // case.world_size
+    return (degree - 1) * case.batch * local * case.heads * acc_dtype(case.torch_dtype).itemsize // degree
+
+
+def head_slice(sinks: torch.Tensor, comm: Comm) -> torch.Tensor:
+    """The sinks [H] of the heads this rank holds after `seq_to_heads` over `comm`: heads
+    [rank*H/P, (rank+1)*H/P)."""
+    hp = sinks.shape[0] // comm.world_size
+    return sinks[comm.rank * hp : (comm.rank + 1) * hp]
+
+
 def ulysses_scatter_heads(comm: Comm, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, contiguous: bool = True):
     """q [B, L, H, D], k, v [B, L, Hkv, D] (this rank's tokens, all heads) -> every token of the
     group for this rank's heads: q_h [B, L*U, H/U, D], k_h, v_h [B, L*U, Hkv'/U, D], and the KV

@@ -46,7 +46,7 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from methods import accumulators, kernels
+from methods import accumulators, kernels, merge
 from methods.base import Case, Method, element_bytes, unseen_kv_bytes
 from methods.comm.base import P2P, Comm
 from methods.documents import EMPTY, BlockMasks
@@ -467,6 +467,8 @@ class KVRingMethod(Method):
     backward are the ring engine's; subclasses give `plan`. Under a mask family the ring stops
     once no rank has a visible pair left (`useful_steps`)."""
 
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
+
     def plan(self, causal: bool, rank: int, local_len: int) -> Plan:
         """Which blocks of the K/V arriving from each source rank this rank computes."""
         raise NotImplementedError
@@ -490,13 +492,15 @@ class KVRingMethod(Method):
         src = ring_src(p)
         return sum(unseen_kv_bytes(case, pos(rank), pos(src(rank, t))) for t in range(1, self.case_steps(case)))
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None, sinks=None):
         plan = self.plan(causal, comm.rank, q.shape[1])
         masks = self.block_masks(q, k, comm, causal, docs)
         steps = self.ring_steps(masks, causal, comm.world_size, q.shape[1])
         out, lse = kv_ring_forward(
             q, k, v, comm=comm, plan=plan, scale=scale, kernel=self.kernel, masks=masks, steps=steps
         )
+        if sinks is not None:  # once per row, after the last merge (docs/DESIGN.md section 4)
+            out, lse = merge.fold_sink(out, lse, sinks)
         return out, lse, (q, k, v, out, lse, masks)
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):

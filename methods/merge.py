@@ -164,6 +164,41 @@ def softmax_delta(dout: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------------------------------------
+# Attention sinks (gpt-oss): one logit per query head in every row's denominator
+# ---------------------------------------------------------------------------------------------
+def fold_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fold each head's sink logit into final rows: (out', lse') with lse' = log(e^lse + e^s_h)
+    and out' = out e^(lse - lse'). The sink is a key with logit s_h and no value, so it is the
+    merge above with an empty block output; it must happen exactly once per row, after the row's
+    last merge (folded into every rank's or every ring step's partial, it would count once per
+    partial: the denominator gains P e^s_h).
+
+    Args:
+        out: [B, S, H, D] final output of the rows (any float dtype); lse: [B, H, S] its lse.
+        sinks: [H] the sink logits of these heads (a head-sharded method passes its heads' slice).
+    Returns:
+        out' in out's dtype and lse' in lse's dtype. A row that sees no key gets lse' = s_h and
+        out' = 0 (a row with a -inf sink too stays (0, -inf)).
+    """
+    s = sinks.detach().to(lse.dtype).view(1, -1, 1)  # [1, H, 1]
+    new_lse = torch.logaddexp(lse, s)
+    # e^(lse - lse') in (0, 1]; NaN only where both are -inf (an empty row, a -inf sink): keep 0
+    scale = torch.exp(lse - new_lse).nan_to_num_(nan=0.0).transpose(1, 2).unsqueeze(-1)  # [B, S, H, 1]
+    return (out.to(lse.dtype) * scale).to(out.dtype), new_lse
+
+
+def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """d loss / d s_h over the given rows, [H] in the sinks' dtype, from the FOLDED out' and lse':
+    the sink's softmax weight is p_i = e^(s_h - lse'_i) and its value is zero, so (as for any
+    logit) ds = p (0 - rowsum(dout * out')), summed over batch and rows. A sequence-parallel rank
+    gives its own rows' share; the shares add up over ranks."""
+    s = sinks.detach().to(lse.dtype).view(1, -1, 1)
+    weight = torch.exp(s - lse).nan_to_num_(nan=0.0)  # [B, H, S]; lse' >= s, so <= 1
+    delta = _delta_eager(dout, out).to(lse.dtype)  # [B, H, S]
+    return -(weight * delta).sum(dim=(0, 2)).to(sinks.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
 # Fused operators: one pass per merge
 # ---------------------------------------------------------------------------------------------
 # The merge reads the accumulator and the block result once and writes the accumulator once. As

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from methods import kernels
+from methods import kernels, merge
 from methods.base import Case, Method
 from methods.registry import register
 
@@ -21,6 +21,7 @@ class Reference(Method):
     name = "reference"
     description = "single-device attention (the baseline), world_size 1 only"
     layout_kind = "contiguous"
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     single_device = True
 
     def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
@@ -36,13 +37,15 @@ class Reference(Method):
             )
         return super().supports(case)
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None, sinks=None):
         if comm.world_size != 1:
             raise ValueError(f"reference runs on one rank; this comm has {comm.world_size}")
         mask = docs.block(torch.arange(docs.padded_len), torch.arange(docs.padded_len), causal) if docs else None
         out, lse = kernels.block_forward(
             q, k, v, scale=scale, causal_offset=0 if causal else None, kernel=self.kernel, mask=mask
         )
+        if sinks is not None:
+            out, lse = merge.fold_sink(out, lse, sinks)
         return out, lse, (q, k, v, out, lse, mask)
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):

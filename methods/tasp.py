@@ -256,6 +256,7 @@ class TASP(Method):
     name = "tasp"
     description = "TASP: K/V units on arc-disjoint Hamiltonian cycles (all links busy), zigzag-TASP layout"
     layout_kind = "zigzag"
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     # At 6 ranks the fallback decomposition (k = P-2 = 4 units of a quarter block) holds another
     # share of a block in flight than the full decompositions (k = P-1) from 7 ranks on, so a peak
     # compared with 6 ranks measures the decomposition, not growth (1.05x from 6 to 12; 1.01x from 7).
@@ -304,7 +305,7 @@ class TASP(Method):
                 calls.append((rows, pieces, masks(r, rows, origin(pred[j], r, step), units.cpu_rows[j][sl])))
         return sorted(calls, key=lambda call: call[0] == ALL)
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None, sinks=None):
         p, r = comm.world_size, comm.rank
         succ, pred = cycle_tables(p)
         masks = self.block_masks(q, k, comm, causal, docs)
@@ -344,6 +345,8 @@ class TASP(Method):
 
         circulate(p, [units.split(k), units.split(v)], move=move, compute=compute)
         out, lse = acc.finish()
+        if sinks is not None:  # once per row, after the last merge (docs/DESIGN.md section 4)
+            out, lse = merge.fold_sink(out, lse, sinks)
         return out, lse, (q, k, v, out, lse, masks)
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):

@@ -93,6 +93,7 @@ class TokenRing(Method):
         "(K/V stay home), zigzag layout"
     )
     layout_kind = "zigzag"
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
     # A rank holds its largest blocks at once (all-row results going out, coming in and being
     # computed while the queries hop) at step t only if src(t-1) and src(t) are later ranks and
     # the helper an earlier one, with t <= P-2: 3 <= r <= P-4, so from P = 7 on.
@@ -156,7 +157,7 @@ class TokenRing(Method):
             blocks.append((blk.q_rows, [block_out, block_lse]))
         return _Results(blocks)
 
-    def forward(self, q, k, v, *, comm: Comm, causal, scale, return_lse, docs=None):
+    def forward(self, q, k, v, *, comm: Comm, causal, scale, return_lse, docs=None, sinks=None):
         p, rank, l = comm.world_size, comm.rank, q.shape[1]
         b, _, h, d = q.shape
         acc = merge.acc_dtype(q.dtype)
@@ -193,6 +194,8 @@ class TokenRing(Method):
             if next_q is not None:
                 cur_q = next_q
         out, lse = result.finish()
+        if sinks is not None:  # once per row, after the last merge (docs/DESIGN.md section 4)
+            out, lse = merge.fold_sink(out, lse, sinks)
         return out, lse, (q, k, v, out, lse, masks)
 
     def _backward_blocks(

@@ -23,7 +23,7 @@ Hkv' = max(kv_heads, U) the KV heads sent, Hkv'/U of them per rank in the ring):
               + (R-1) * 2*B*(U*L)*(Hkv'/U)*D*e                 ring: K, V
     backward: (U-1)/U * B*L*D*e * (2*H + 2*Hkv')              (dout, dq, dk, dv)
               + (R-1) * 2*B*(U*L)*(Hkv'/U)*D*e + R * 2*B*(U*L)*(Hkv'/U)*D*a
-sent and received alike (lse all-to-all only when the caller asks for it, as in Ulysses).
+sent and received alike (lse all-to-all only when the caller asks for it or passes sinks, as in Ulysses).
 """
 
 from __future__ import annotations
@@ -32,17 +32,19 @@ from typing import Optional
 
 import torch
 
-from methods import layouts
+from methods import layouts, merge
 from methods.base import Case, Method, unseen_kv_bytes
 from methods.comm.base import Comm
 from methods.common import (
     check_ulysses_heads,
+    head_slice,
     heads_to_seq,
     kv_replication,
     lse_heads_to_seq,
     seq_to_heads,
     ulysses_bytes,
     ulysses_gather_grads,
+    ulysses_lse_bytes,
     ulysses_scatter_heads,
 )
 from methods.documents import BlockMasks
@@ -76,6 +78,7 @@ class USP(Method):
     name = "usp"
     description = "USP: Ulysses all-to-all inside groups x zigzag ring across them (ulysses_degree option)"
     layout_kind = "usp"
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
 
     def __init__(self, kernel: str = "auto", ulysses_degree: Optional[int] = None):
         super().__init__(kernel)
@@ -121,6 +124,8 @@ class USP(Method):
             local_len=u * (case.seq_len // case.world_size),
             steps=self._case_steps(case),
         )
+        if case.sinks:  # the sink's gradient reads every local row's lse: it comes back too
+            a2a += ulysses_lse_bytes(case, u)
         return a2a + ring, a2a + ring
 
     @staticmethod
@@ -174,7 +179,7 @@ class USP(Method):
         ulysses_groups, ring_groups = mesh_groups(comm.world_size, u)
         return comm.split(ulysses_groups), comm.split(ring_groups)
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None, sinks=None):
         u = self._degree(comm.world_size, q.shape[2], k.shape[2])
         uly, ring = self._comms(comm, u)
         rep = 1
@@ -191,6 +196,8 @@ class USP(Method):
         out_h, lse_h = kv_ring_forward(
             q, k, v, comm=ring, plan=plan, scale=scale, kernel=self.kernel, masks=masks, steps=steps
         )
+        if sinks is not None:  # rows final after the ring; this rank holds its Ulysses group's heads
+            out_h, lse_h = merge.fold_sink(out_h, lse_h, head_slice(sinks, uly) if u > 1 else sinks)
         if u == 1:
             return out_h, lse_h, (q, k, v, out_h, lse_h, u, rep, masks)
         out = heads_to_seq(uly, out_h)  # [B, L, H, D]

@@ -61,7 +61,7 @@ class ZigzagRing(DocumentSharding, KVRingMethod):
         # by documents or area, every block runs with the documents' mask (which holds the causal part)
         return full_plan if self.masks_every_block else zigzag_plan(causal, rank, local_len)
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None, sinks=None):
         return super().forward(
             q,
             k,
@@ -71,6 +71,7 @@ class ZigzagRing(DocumentSharding, KVRingMethod):
             scale=scale,
             return_lse=return_lse,
             docs=self.documents_for(q, comm, docs),
+            sinks=sinks,
         )
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):

@@ -48,7 +48,8 @@ class Problem:
     k: torch.Tensor  # [B, S, Hkv, D]
     v: torch.Tensor
     dout: torch.Tensor  # [B, S, H, D]
-    ref: dict[str, torch.Tensor] = field(default_factory=dict)  # out, lse, dq, dk, dv in float64
+    sinks: Optional[torch.Tensor] = None  # [H] float32 attention-sink logits, or None (no sinks)
+    ref: dict[str, torch.Tensor] = field(default_factory=dict)  # out, lse, dq, dk, dv (dsink) in float64
     naive_err: dict[str, float] = field(default_factory=dict)  # max |naive same-dtype - ref|
     ref_scale: dict[str, float] = field(default_factory=dict)  # max(1, max |ref|)
 
@@ -84,6 +85,42 @@ def make_inputs(
     return rnd(heads), rnd(kv_heads), rnd(kv_heads), rnd(heads)
 
 
+def make_sinks(heads: int, seq_len: int, seed: int, device: torch.device) -> torch.Tensor:
+    """Attention-sink logits [heads] float32, drawn per head from `seed` (a stream of its own, so
+    the inputs q, k, v, dout are those of the same problem without sinks): log(seq_len) + N(0, 1).
+    The sink then weighs about as much as the keys together (scores are ~N(0, 1), so a row's
+    lse is near log of its keys' count): some heads dominated by it, some barely touched. A sink
+    of N(0, 1) alone would be ~1/S of the denominator at long lengths, and a sink counted once per
+    rank instead of once per row could hide below the low-precision error."""
+    gen = torch.Generator(device=device).manual_seed((seed + 0x5171) % 2**63)
+    return math.log(max(2, seq_len)) + torch.randn(heads, generator=gen, device=device)
+
+
+def _sink_attention(q, k, v, sinks, dout, *, scale: float, causal_offset, visible, cd):
+    """Attention with sinks for one chunk of query rows by the definition, differentiated by
+    autograd in dtype `cd` (not the methods' fold and flash-style backward, which it checks): the
+    sink is one more score column s_h per head in the softmax, with no value.
+    Returns out [B, R, H, D], lse [B, H, R] and, with `dout`, (dq, dk, dv, dsink)."""
+    with torch.enable_grad():
+        q, k, v, s = (x.detach().to(cd).requires_grad_(dout is not None) for x in (q, k, v, sinks))
+        b, r, h, _ = q.shape
+        group = h // k.shape[2]
+        kh, vh = (x.repeat_interleave(group, dim=2).transpose(1, 2) for x in (k, v))  # [B, H, S, D]
+        scores = torch.matmul(q.transpose(1, 2), kh.transpose(-1, -2)) * scale  # [B, H, R, S]
+        if visible is None and causal_offset is not None:
+            rows, keys = torch.arange(r, device=q.device), torch.arange(k.shape[1], device=q.device)
+            visible = (keys.view(1, -1) <= rows.view(-1, 1) + causal_offset).unsqueeze(0)  # [1, R, S]
+        if visible is not None:
+            scores = scores.masked_fill(~visible.unsqueeze(1), float("-inf"))
+        column = s.view(1, h, 1, 1).expand(b, h, r, 1)
+        lse = torch.logsumexp(torch.cat([scores, column], dim=-1), dim=-1)  # [B, H, R]
+        out = torch.matmul(torch.exp(scores - lse.unsqueeze(-1)), vh).transpose(1, 2)  # [B, R, H, D]
+        if dout is None:
+            return out.detach(), lse.detach(), None
+        grads = torch.autograd.grad(out, (q, k, v, s), dout.to(cd))
+    return out.detach(), lse.detach(), grads
+
+
 def reference_attention(
     q,
     k,
@@ -94,14 +131,20 @@ def reference_attention(
     scale: float,
     upcast: bool = True,
     documents: Optional[Documents] = None,
+    sinks: Optional[torch.Tensor] = None,
 ) -> dict[str, torch.Tensor]:
     """Attention (and its gradients if `dout` is given) by explicit products, in query-row chunks.
 
     With `upcast` the inputs are converted to float64 first (the reference); without, the
     computation runs in the inputs' dtype (the "naive same-dtype" implementation). `documents`:
-    packed documents (a token sees its own document only), as a dense mask per chunk.
-    Returns out [B,S,H,D], lse [B,H,S] and, with dout, dq, dk, dv.
+    packed documents (a token sees its own document only), as a dense mask per chunk. `sinks`:
+    [H] attention-sink logits, computed by their definition (`_sink_attention`).
+    Returns out [B,S,H,D], lse [B,H,S] and, with dout, dq, dk, dv (and dsink [H] with sinks).
     """
+    if sinks is not None:
+        return _reference_with_sinks(
+            q, k, v, dout, sinks, causal=causal, scale=scale, upcast=upcast, documents=documents
+        )
     if upcast:
         q, k, v = q.double(), k.double(), v.double()
         dout = dout.double() if dout is not None else None
@@ -155,6 +198,51 @@ def reference_attention(
     return result
 
 
+def _reference_with_sinks(q, k, v, dout, sinks, *, causal, scale, upcast, documents) -> dict[str, torch.Tensor]:
+    """`reference_attention` with sinks, in query-row chunks (as there); each chunk's gradients of
+    k, v and the sinks add up, since every row's softmax is its own."""
+    cd = torch.float64 if upcast else q.dtype  # the reference, or the naive same-dtype computation
+    acc = merge.acc_dtype(q.dtype)
+    b, s, h, _ = q.shape
+    rows = max(1, min(s, _CHUNK_BYTES // max(1, 4 * b * h * s * 8)))  # scores, probs and their grads
+    outs, lses, dqs = [], [], []
+    dk, dv = torch.zeros(k.shape, dtype=acc, device=q.device), torch.zeros(v.shape, dtype=acc, device=q.device)
+    dsink = torch.zeros(h, dtype=acc, device=q.device)
+    for c0 in range(0, s, rows):
+        sl = slice(c0, c0 + rows)
+        visible = None
+        if documents is not None:
+            visible = documents.block(torch.arange(c0, min(s, c0 + rows)), torch.arange(s), causal).dense(q.device)
+        o, l, grads = _sink_attention(
+            q[:, sl],
+            k,
+            v,
+            sinks,
+            None if dout is None else dout[:, sl],
+            scale=scale,
+            causal_offset=c0 if causal else None,
+            visible=visible,
+            cd=cd,
+        )
+        outs.append(o.to(q.dtype if not upcast else torch.float64))
+        lses.append(l.to(acc if not upcast else torch.float64))
+        if grads is not None:
+            dqs.append(grads[0])
+            dk += grads[1]
+            dv += grads[2]
+            dsink += grads[3]
+    result = {"out": torch.cat(outs, dim=1), "lse": torch.cat(lses, dim=2)}
+    if dout is not None:
+        out_dtype = torch.float64 if upcast else q.dtype
+        result.update(
+            dq=torch.cat(dqs, dim=1).to(out_dtype),
+            dk=dk.to(out_dtype),
+            dv=dv.to(out_dtype),
+            dsink=dsink.to(torch.float64 if upcast else sinks.dtype),
+        )
+    return result
+
+
 def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """max |a - b| in float64 (0 for empty tensors)."""
     if a.numel() == 0:
@@ -175,17 +263,20 @@ def build_problem(
     device: torch.device,
     with_reference: bool,
     documents: Optional[Documents] = None,
+    sinks: bool = False,
 ) -> Problem:
     """Inputs of one problem and, with `with_reference`, the float64 reference of out, lse and the
     gradients (computed once; forward-only trials of the same problem use part of it). `documents`
-    (no padding: the true length) packs the sequences; `extra` is the rest of the problem key."""
+    (no padding: the true length) packs the sequences; `extra` is the rest of the problem key.
+    `sinks`: draw attention-sink logits per head (`make_sinks`) and check with them."""
     key = (batch, seq_len, heads, kv_heads, head_dim, dtype, causal) + tuple(extra)
     q, k, v, dout = make_inputs(batch, seq_len, heads, kv_heads, head_dim, dtype, problem_seed(seed, key), device)
-    prob = Problem(q, k, v, dout)
+    prob = Problem(q, k, v, dout, make_sinks(heads, seq_len, problem_seed(seed, key), device) if sinks else None)
     if with_reference:
         scale = kernels.default_scale(head_dim)
-        prob.ref = reference_attention(q, k, v, dout, causal=causal, scale=scale, upcast=True, documents=documents)
-        naive = reference_attention(q, k, v, dout, causal=causal, scale=scale, upcast=False, documents=documents)
+        common = dict(causal=causal, scale=scale, documents=documents, sinks=prob.sinks)
+        prob.ref = reference_attention(q, k, v, dout, upcast=True, **common)
+        naive = reference_attention(q, k, v, dout, upcast=False, **common)
         for name, ref in prob.ref.items():
             prob.naive_err[name] = max_abs_err(naive[name], ref)
             prob.ref_scale[name] = max(1.0, float(ref.abs().max()))

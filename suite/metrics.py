@@ -32,6 +32,7 @@ IDENTITY = (
     "options",
     "workload",
     "mask",
+    "sinks",  # attention sinks on (absent from the keys of trials without them)
 )
 PLAIN_MASKS = ("", "causal", "full")  # a trial whose mask is one of these keeps the key it had before masks
 
@@ -40,7 +41,7 @@ OK, INCORRECT, SKIPPED, FAILED, TIMEOUT = "ok", "incorrect", "skipped", "failed"
 STATUSES = (OK, INCORRECT, SKIPPED, FAILED, TIMEOUT)
 
 # -- correctness ---------------------------------------------------------------------------------
-CHECKED_TENSORS = ("out", "lse", "dq", "dk", "dv")
+CHECKED_TENSORS = ("out", "lse", "dq", "dk", "dv", "dsink")  # dsink: with attention sinks only
 ERR = {t: f"err_{t}" for t in CHECKED_TENSORS}  # max |method - float64 reference|
 TOL = {t: f"tol_{t}" for t in CHECKED_TENSORS}  # allowed: 2 x naive same-dtype error + floor
 

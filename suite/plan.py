@@ -73,6 +73,7 @@ class TrialSpec:
     options: str = "{}"  # method options as canonical JSON
     workload: str = ""  # "" for attention trials; the model/data/training of a perplexity trial (JSON)
     mask: str = ""  # the mask's canonical name (methods/masks.py); "" for trials planned before masks
+    sinks: bool = False  # attention sinks (one learned logit per query head)
     device: str = field(default="cpu", compare=False)
     kind: str = field(default="attention", compare=False)  # the workload that runs it (config `kind`)
 
@@ -89,6 +90,8 @@ class TrialSpec:
             del identity["workload"]
         if identity["mask"] in PLAIN_MASKS:  # and those of the plain masks, the ones they had before masks
             del identity["mask"]
+        if not identity["sinks"]:  # and those without sinks, the ones they had before sinks
+            del identity["sinks"]
         blob = json.dumps(identity, sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -107,6 +110,7 @@ class TrialSpec:
             causal=self.causal,
             world_size=self.world_size,
             device=self.device,
+            sinks=self.sinks,
         )
 
     def build_method(self) -> methods.Method:
@@ -147,14 +151,15 @@ class TrialSpec:
         """Trials with equal problem keys share global inputs and the float64 reference."""
         key = (self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim, self.dtype, self.causal)
         key += (self.workload,) if self.document_lengths() is not None else ()
-        return key + ((self.mask,) if self.mask_spec is not None else ())
+        key += (self.mask,) if self.mask_spec is not None else ()
+        return key + (("sinks",) if self.sinks else ())
 
     def label(self) -> str:
         mask = self.mask_spec.short if self.mask_spec is not None else ("causal" if self.causal else "full")
         name = method_label(self.method, self.method_options)
         return (
             f"{name} P={self.world_size} B={self.batch} S={self.seq_len} H={self.heads}/"
-            f"{self.kv_heads} D={self.head_dim} {self.dtype} {mask} {self.pass_}"
+            f"{self.kv_heads} D={self.head_dim} {self.dtype} {mask}{' sinks' if self.sinks else ''} {self.pass_}"
         )
 
 
@@ -206,10 +211,11 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
         s.head_dim,
         s.dtype,
         mask_points(s, cfg.masks),
+        s.sinks,
         s.methods,
         passes,
     )
-    for place, ws, mix, b, sl, h, kvh, hd, dt, (causal, mask), m, ps in axes:
+    for place, ws, mix, b, sl, h, kvh, hd, dt, (causal, mask), sinks, m, ps in axes:
         if (mix, b, sl) not in identities:
             identities[mix, b, sl] = workload.identity(cfg, workload=mix, batch=b, seq_len=sl)
         identity = identities[mix, b, sl]
@@ -223,6 +229,7 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
             causal=bool(causal),
             world_size=ws,
             device=device,
+            sinks=bool(sinks),
         )
         for options in option_points(dict(s.method_options.get(m, {}))):
             ud, rd, impl = _method_facts(m, options, cfg.run.kernel, case)
@@ -242,6 +249,7 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
                 ring_degree=rd,
                 workload=mix,
                 mask=mask,
+                sinks=bool(sinks),
                 **{"pass": ps},
             )
             if any(_matches(rule, point) for rule in s.exclude):
@@ -269,6 +277,7 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
                     options=json.dumps(options, sort_keys=True),
                     workload=identity,
                     mask=mask,
+                    sinks=bool(sinks),
                     device=device,
                     kind=workload.kind,
                 )

@@ -50,6 +50,13 @@ class PeerMethod(Method):
     """The library's top module to call when it is not the installed import (the simulator's copy,
     loaded against its flash-attn stand-in)."""
 
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        # no wrapped library takes a sink logit (gpt-oss's attention sinks): a sink trial is a
+        # recorded skip with this reason, never the library's answer without the sink
+        if cls.library and not cls.supports_sinks and "sinks_reason" not in cls.__dict__:
+            cls.sinks_reason = f"library {cls.library} has no attention-sink argument"
+
     def simulate(self, module: Optional[ModuleType] = None) -> "PeerMethod":
         """Make this instance the simulator's: it will run on meta tensors with virtual ranks behind
         a fake torch.distributed (suite/sim/fake_dist.py), calling `module` (default: the installed
@@ -80,6 +87,7 @@ class PeerMethod(Method):
         softmax_scale: Optional[float] = None,
         return_lse: bool = False,
         docs=None,
+        sinks=None,
     ):
         check_local_inputs(q, k, v)
         world = dist_world_size()
@@ -88,6 +96,8 @@ class PeerMethod(Method):
                 f"{self.name} runs over the whole torch.distributed group "
                 f"({world} ranks); this comm has {comm.world_size}"
             )
+        if sinks is not None:
+            raise ValueError(self.sinks_reason or f"{self.name} has no attention-sink argument")
         if docs is not None and docs.mask is not None:
             raise ValueError(self.mask_refusal(docs.mask))
         if docs is not None and not self.supports_documents:

@@ -33,6 +33,7 @@ AXES = (
     "ring_degree",
     "workload",
     "mask",
+    "sinks",
 )
 
 
@@ -94,6 +95,10 @@ class SweepConfig:
     method_options: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per-method constructor options, e.g. {usp: {ulysses_degree: 2}}; a list of values is an axis
     of that method's trials, e.g. {usp: {ulysses_degree: [1, 2, 4]}} (the USP degree grid)."""
+    sinks: list[bool] = field(default_factory=lambda: [False])
+    """Attention sinks (gpt-oss): `true` gives every query head a learned logit in each row's softmax
+    denominator (drawn per head from run.seed with the inputs; its gradient is checked as dsink).
+    Methods without sinks (peer libraries) skip those trials with the reason."""
 
 
 @dataclass

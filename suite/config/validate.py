@@ -69,6 +69,7 @@ def validate(cfg: SuiteConfig) -> None:
         "causal",
         "passes",
         "workload",
+        "sinks",
     ):
         values = getattr(s, axis)
         _require(len(values) > 0, f"sweep.{axis}", "needs at least one value")
@@ -90,6 +91,8 @@ def validate(cfg: SuiteConfig) -> None:
             f"{v} tokens is more than {MAX_SEQ_LEN} (2**31 - 1: flash-attn indexes a sequence with int32 "
             f"offsets, and the check and simulator grow with the length); use a shorter sequence",
         )
+    for v in s.sinks:
+        _require(isinstance(v, bool), "sweep.sinks", f"values must be true or false, got {v!r}")
     for d in s.dtype:
         _choice(d, "sweep.dtype", tuple(DTYPES))
     for p in s.passes:

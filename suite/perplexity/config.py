@@ -50,6 +50,9 @@ class PerplexityConfig:
     mlp_hidden: int = _Model.mlp_hidden
     """SwiGLU hidden size; 0 = LLaMA's 8/3 x width rounded up to a multiple of 32."""
     rope_theta: float = _Model.rope_theta
+    sinks: bool = _Model.sinks
+    """Attention sinks (gpt-oss): one learned logit per query head in every row's softmax
+    denominator, in every layer. Methods without sinks (peer libraries) are skipped with the reason."""
     steps: int = _Train.steps
     lr: float = _Train.lr
     warmup_steps: int = _Train.warmup_steps
@@ -62,8 +65,8 @@ class PerplexityConfig:
     ppl_rtol: float = 1e-3
     """...and its final perplexity within this one."""
     planted_bug: str = "none"
-    """Self-test of the check: none, local_positions, local_label_shift, no_grad_sync or
-    cross_document_attention (packed documents only) breaks the
+    """Self-test of the check: none, local_positions, local_label_shift, no_grad_sync,
+    cross_document_attention (packed documents only) or sink_per_rank (with sinks only) breaks the
     sequence-parallel model on purpose; every method should then be recorded incorrect."""
     data: DataConfig = field(default_factory=DataConfig)
 

@@ -8,7 +8,10 @@ attention is per token, so the only things that must know about the other ranks 
   under zigzag, striped or TASP layouts a rank's tokens are not a contiguous range), and
 - attention itself, the `attend(q, k, v)` callable: local [B, S_local, H, D] shards in, local
   output out, causal on global positions (a method's `attention` bound to its comm), or one
-  such callable per layer when the layers mask differently (`perplexity.layer_masks`).
+  such callable per layer when the layers mask differently (`perplexity.layer_masks`). With
+  attention sinks (`ModelConfig.sinks`, gpt-oss) each layer has one learned logit per query head
+  and calls `attend(q, k, v, sinks=...)`: the sinks are a weight like any other, whose gradient
+  each rank gives for its own rows and the training loop sums over the ranks.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ class ModelConfig:
     mlp_hidden: int = 0  # 0: LLaMA's rule, 2/3 * 4 * dim rounded up to a multiple of 32
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    sinks: bool = False  # attention sinks: a learned logit per query head in every row's softmax
 
     @property
     def dim(self) -> int:
@@ -78,6 +82,9 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.dim, bias=False)
+        # zero: at the start the sink weighs as much as one key of score 0 (init_weights draws only
+        # the matrices, so the other weights are drawn the same with or without sinks)
+        self.sinks = nn.Parameter(torch.zeros(cfg.heads)) if cfg.sinks else None
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, attend: Attend) -> torch.Tensor:
         b, s, _ = x.shape
@@ -85,7 +92,8 @@ class Attention(nn.Module):
         q = rope(self.wq(x).view(b, s, c.heads, c.head_dim), positions, c.rope_theta)
         k = rope(self.wk(x).view(b, s, c.kv_heads, c.head_dim), positions, c.rope_theta)
         v = self.wv(x).view(b, s, c.kv_heads, c.head_dim)
-        return self.wo(attend(q, k, v).reshape(b, s, c.heads * c.head_dim))
+        out = attend(q, k, v) if self.sinks is None else attend(q, k, v, sinks=self.sinks)
+        return self.wo(out.reshape(b, s, c.heads * c.head_dim))
 
 
 class MLP(nn.Module):
@@ -145,11 +153,27 @@ class TinyLlama(nn.Module):
         return self.head(self.norm(x))
 
 
-def sdpa_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+def sdpa_attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: Optional[torch.Tensor] = None,
+    sinks: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
     """Single-device causal attention with torch's SDPA (the baseline; none of the suite's code).
-    `mask`: [B, S, S] bool of visible pairs (packed documents), instead of the plain causal mask."""
+    `mask`: [B, S, S] bool of visible pairs (packed documents), instead of the plain causal mask.
+    `sinks`: [H] sink logits; SDPA takes none, so the baseline then writes the softmax out with the
+    sink as one more score column (gpt-oss's reference does the same), differentiated by autograd."""
     rep = q.shape[2] // k.shape[2]
     q, k, v = (t.transpose(1, 2) for t in (q, k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)))
+    if sinks is not None:
+        s = q.shape[2]
+        visible = mask.unsqueeze(1) if mask is not None else torch.ones(s, s, dtype=torch.bool, device=q.device).tril()
+        scores = (q @ k.transpose(-1, -2)) * q.shape[-1] ** -0.5  # [B, H, S, S]
+        scores = scores.masked_fill(~visible, float("-inf"))
+        column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :s]
+        return (probs @ v).transpose(1, 2)
     if mask is not None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1)).transpose(1, 2)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)

@@ -45,6 +45,9 @@ PLANTED_BUGS = {
     "no_grad_sync": "parameter gradients are not summed over the sequence-parallel group",
     "cross_document_attention": "with packed documents, the sequence-parallel attention ignores their boundaries "
     "(attends across documents; no effect on one document per sequence)",
+    "sink_per_rank": "with attention sinks, the sink counts once per rank instead of once per row (as when "
+    "every rank's partial result is folded with it before the merge: P e^s in the denominator; no effect "
+    "without sinks)",
 }
 
 

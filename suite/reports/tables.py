@@ -7,6 +7,7 @@ come from more than one executor (dist, threads, sim) or machine, the executor a
 so a measured and a simulated number never share a row or a column unlabelled. Simulated rows
 always say `[sim:<topology>]` and virtual-rank rows `[threads]`, even alone in a report.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,8 +23,20 @@ from suite.metrics import method_label
 from suite.reports.style import flop_unit, rank_word
 
 # Columns that, with the series, identify a comparable point (everything but the method).
-POINT = ["hardware", "executor", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype",
-         "causal", "pass", "workload"]
+POINT = [
+    "hardware",
+    "executor",
+    "world_size",
+    "batch",
+    "seq_len",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "causal",
+    "pass",
+    "workload",
+]
 PROBLEM = ["batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal", "pass", "workload", "mask_name"]
 
 _OPTION_LABELS = {"ulysses_degree": "U", "ranks_per_node": "per-node"}
@@ -218,7 +231,7 @@ def status_counts(df: pd.DataFrame) -> Table:
 
 
 def _problem_parts(df: pd.DataFrame) -> pd.DataFrame:
-    return pd.DataFrame(
+    parts = pd.DataFrame(
         {
             "B": "B=" + df["batch"].astype(str),
             "H": "H=" + df["heads"].astype(str) + "/" + df["kv_heads"].astype(str),
@@ -230,6 +243,10 @@ def _problem_parts(df: pd.DataFrame) -> pd.DataFrame:
         },
         index=df.index,
     )
+    # attention sinks only where some row has them: reports of sweeps without keep their columns
+    if "sinks" in df and (df["sinks"] == True).any():  # noqa: E712 (a column of True, False and None)
+        parts["sinks"] = df["sinks"].map(lambda on: "sinks" if on is True else "no sinks")
+    return parts
 
 
 def correctness_matrix(df: pd.DataFrame) -> Table:
@@ -261,8 +278,9 @@ def correctness_matrix(df: pd.DataFrame) -> Table:
     out.columns.name = None
     cols = {"series": Col("Method", "text"), "P": Col(_p_header(df), "int")}
     cols.update({p: Col(p, "sci") for p in problems})
+    tensors = "out, LSE, dQ, dK, dV and dsink (with sinks)" if "sinks" in parts else "out, LSE, dQ, dK and dV"
     what = (
-        "Largest max-abs error of out, LSE, dQ, dK and dV against float64 attention on the unsharded inputs "
+        f"Largest max-abs error of {tensors} against float64 attention on the unsharded inputs "
         "(status in words where not a checked ok)"
     )
     return Table(
@@ -651,8 +669,21 @@ def perplexity(df: pd.DataFrame) -> Table:
     return Table("perplexity", title, data, cols, what=what, section="perplexity", source=_source(t))
 
 
-SIM_PAIR = ["method", "options", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "dtype", "causal",
-            "pass", "workload", "mask_name"]
+SIM_PAIR = [
+    "method",
+    "options",
+    "world_size",
+    "batch",
+    "seq_len",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "dtype",
+    "causal",
+    "pass",
+    "workload",
+    "mask_name",
+]
 
 
 def sim_pairs(df: pd.DataFrame) -> pd.DataFrame:

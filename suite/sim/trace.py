@@ -67,10 +67,13 @@ def trace(
         ql, kl, vl, dl = (layout.shard(x, comm.rank) for x in (q, kv, kv, q))
         scale = kernels.default_scale(case.head_dim)
         extra = {"docs": case.documents} if case.documents is not None else {}
-        # what `attention` + autograd run (no LSE asked for: it can cost messages)
+        # with sinks, what `attention` runs: the fold, and the LSE it asks for (the sinks' gradient
+        # reads it; Ulysses then brings it back); dsink itself is a small [B, H, S] reduction
+        sinks = {"sinks": torch.zeros(case.heads, device="meta")} if case.sinks else {}
+        # what `attention` + autograd run (no LSE asked for without sinks: it can cost messages)
         with torch.no_grad(), _Bookkeeping(ledger):
             _, _, residuals = method.forward(
-                ql, kl, vl, comm=c, causal=case.causal, scale=scale, return_lse=False, **extra
+                ql, kl, vl, comm=c, causal=case.causal, scale=scale, return_lse=case.sinks, **extra, **sinks
             )
             ledger.flush()
             forward_end = len(ledger.events)
@@ -226,6 +229,7 @@ class TraceCache:
             case.dtype,
             s0,
             batches,
+            case.sinks,
         )
         if key not in self._templates:
             self._templates[key] = {

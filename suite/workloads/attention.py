@@ -52,7 +52,12 @@ class AttentionWorkload(Workload):
         prob = ctx.cache.get(
             (spec.problem_key(), checked, settings.seed, str(device)),
             lambda: build_problem(
-                *spec.problem_key(), seed=settings.seed, device=device, with_reference=checked, documents=true_docs
+                *spec.problem_key(),
+                seed=settings.seed,
+                device=device,
+                with_reference=checked,
+                documents=true_docs,
+                sinks=spec.sinks,
             ),
         )
         ctx.prepared()
@@ -64,8 +69,12 @@ class AttentionWorkload(Workload):
 
         # 1. Correctness against float64 attention on the unsharded inputs (padding rows excluded).
         if checked:
-            for name, tensor in _outputs(method, spec, q, k, v, dout, comm, ctx.autograd, docs).items():
+            for name, tensor in _outputs(method, spec, q, k, v, dout, comm, ctx.autograd, docs, prob.sinks).items():
                 if tensor is None:  # a peer library that does not return the LSE
+                    continue
+                if name == "dsink":  # [H]: every rank's share summed, the same on every rank
+                    report.errors[name] = max_abs_err(tensor, prob.ref[name])
+                    report.tol[name] = prob.tolerance(name, spec.world_size)
                     continue
                 dim = 2 if name == "lse" else 1
                 ref = layout.shard(_pad(prob.ref[name], pad, dim), rank, dim=dim)
@@ -76,7 +85,7 @@ class AttentionWorkload(Workload):
 
         # 2. One iteration through a counting comm and a pair-counting kernel: bytes per rank, and
         #    the (query, key) pairs this rank's kernels compute (it is also the first warm-up).
-        step = _make_step(method, spec, q, k, v, dout, ctx.autograd, docs)
+        step = _make_step(method, spec, q, k, v, dout, ctx.autograd, docs, prob.sinks)
         ledger = CommLedger()
         kernel = method.kernel
         method.kernel = pairs = kernels.PairCountingKernel(kernel)
@@ -160,24 +169,39 @@ def _where(real: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return real.nonzero().flatten().to(like.device)
 
 
-def _outputs(method, spec: TrialSpec, q, k, v, dout, comm: Comm, autograd: bool, docs) -> dict[str, Any]:
-    """out, lse (and dq, dk, dv for fwd_bwd) of one call on this rank's shards."""
-    extra = {"docs": docs} if docs is not None else {}
+def _extra(docs, sinks) -> dict[str, Any]:
+    """The optional arguments of `attention`, only those given (peer adapters refuse such trials)."""
+    extra: dict[str, Any] = {"docs": docs} if docs is not None else {}
+    if sinks is not None:
+        extra["sinks"] = sinks
+    return extra
+
+
+def _outputs(method, spec: TrialSpec, q, k, v, dout, comm: Comm, autograd: bool, docs, sinks=None) -> dict[str, Any]:
+    """out, lse (and dq, dk, dv for fwd_bwd, and dsink with sinks) of one call on this rank's shards.
+
+    dsink: a rank's gradient of the sinks is its own rows' share (methods/base.py `attention`);
+    the check sums the shares over the ranks here, outside the counted and timed calls, so the
+    methods' byte formulas stay those of one attention call."""
+    extra = _extra(docs, sinks)
     if spec.pass_ == "fwd":
         with torch.no_grad():
             out, lse = method.attention(q, k, v, causal=spec.causal, comm=comm, return_lse=True, **extra)
         return {"out": out, "lse": lse}
+    names = ("out", "lse", "dq", "dk", "dv", "dsink")
     if not autograd:
-        return dict(
-            zip(
-                ("out", "lse", "dq", "dk", "dv"),
-                method.attention_fwd_bwd(q, k, v, dout, causal=spec.causal, comm=comm, **extra),
-            )
-        )
-    qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out, lse = method.attention(qg, kg, vg, causal=spec.causal, comm=comm, return_lse=True, **extra)
-    got = {"out": out.detach(), "lse": lse}
-    got.update(zip(("dq", "dk", "dv"), torch.autograd.grad(out, (qg, kg, vg), dout)))
+        got = dict(zip(names, method.attention_fwd_bwd(q, k, v, dout, causal=spec.causal, comm=comm, **extra)))
+    else:
+        qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        leaves = (qg, kg, vg)
+        if sinks is not None:
+            extra["sinks"] = sinks.detach().clone().requires_grad_()
+            leaves += (extra["sinks"],)
+        out, lse = method.attention(qg, kg, vg, causal=spec.causal, comm=comm, return_lse=True, **extra)
+        got = {"out": out.detach(), "lse": lse}
+        got.update(zip(names[2:], torch.autograd.grad(out, leaves, dout)))
+    if "dsink" in got:
+        comm.all_reduce(got["dsink"])
     return got
 
 
@@ -218,9 +242,10 @@ def _breakdown(method, step, comm: Comm, device: torch.device, repeats: int) -> 
     )
 
 
-def _make_step(method, spec: TrialSpec, q, k, v, dout, autograd: bool, docs):
-    """The timed unit: forward without an autograd graph, or forward + backward."""
-    extra = {"docs": docs} if docs is not None else {}
+def _make_step(method, spec: TrialSpec, q, k, v, dout, autograd: bool, docs, sinks=None):
+    """The timed unit: forward without an autograd graph, or forward + backward (with the sinks'
+    gradient when there are sinks)."""
+    extra = _extra(docs, sinks)
     if spec.pass_ == "fwd":
 
         def step(c: Comm) -> None:
@@ -235,9 +260,13 @@ def _make_step(method, spec: TrialSpec, q, k, v, dout, autograd: bool, docs):
 
         return step
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    leaves = (qg, kg, vg)
+    if sinks is not None:
+        extra["sinks"] = sinks.detach().clone().requires_grad_()
+        leaves += (extra["sinks"],)
 
     def step(c: Comm) -> None:
         out = method.attention(qg, kg, vg, causal=spec.causal, comm=c, **extra)
-        torch.autograd.grad(out, (qg, kg, vg), dout)
+        torch.autograd.grad(out, leaves, dout)
 
     return step

@@ -53,6 +53,8 @@ def workload_json(cfg) -> str:
     data = dataclasses.asdict(p.data)
     corpus = _corpus(json.dumps(data, sort_keys=True))
     model = {"layers": p.layers, "mlp_hidden": p.mlp_hidden, "rope_theta": p.rope_theta}
+    if p.sinks:  # only when on: earlier trials keep their keys
+        model["sinks"] = True
     train = {
         k: getattr(p, k)
         for k in ("steps", "lr", "warmup_steps", "weight_decay", "grad_clip", "eval_batches", "planted_bug")
@@ -149,6 +151,12 @@ class PerplexityWorkload(Workload):
             ident.update(json.loads(packed))
         return json.dumps(ident, sort_keys=True, separators=(",", ":"))
 
+    def supports(self, spec: TrialSpec, method) -> tuple[bool, str]:
+        """A model with attention sinks needs a method that takes them (peer libraries do not)."""
+        if json.loads(spec.workload)["model"].get("sinks") and not method.supports_sinks:
+            return False, method.sinks_reason or f"{method.name} has no attention-sink argument"
+        return True, ""
+
     def start(self, store, tracker, ctx: RowContext, say: Callable[[str], None] = print) -> None:
         self._baselines = Baselines(store, tracker, ctx, say)
 
@@ -184,6 +192,8 @@ class PerplexityWorkload(Workload):
             for m, d in zip(masks, per_layer):
                 extra = {"docs": d} if d is not None else {}
                 out.append(functools.partial(method.attention, causal=m.plain or m.causal, comm=c, **extra))
+            if train_cfg.planted_bug == "sink_per_rank" and model_cfg.sinks:
+                out = [functools.partial(_sink_per_rank, a, c.world_size) for a in out]
             return out
 
         result = train_and_evaluate(
@@ -273,6 +283,12 @@ class PerplexityWorkload(Workload):
 # ---------------------------------------------------------------------------------------------
 # The single-device baseline (in the parent)
 # ---------------------------------------------------------------------------------------------
+def _sink_per_rank(attend, world_size: int, q, k, v, sinks):
+    """The planted bug sink_per_rank: the method sees the sink as if every rank's partial had
+    been folded with it before the merge, log(P e^s) = s + log P (one per row is right)."""
+    return attend(q, k, v, sinks=sinks + math.log(world_size))
+
+
 def baseline_spec(spec: TrialSpec) -> TrialSpec:
     """The baseline's identity: the trial's problem and workload on one device, torch SDPA."""
     return dataclasses.replace(
