@@ -41,8 +41,12 @@ endif
 quickstart: install
 	$(PY) -m suite run configs/quickstart.yaml
 
+# The tests run in parallel processes (pytest-xdist): one per core, at most 4, each taking whole files
+# (a file's module fixtures are built once). Most tests hold one core or less (small tensors, process
+# start-up, MLflow's sqlite), so a second process uses the other core. `make test PYTEST_PAR=` runs them in one.
+PYTEST_PAR ?= -n auto --maxprocesses 4 --dist loadfile
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_PAR)
 
 # ruff (pyproject.toml [tool.ruff]): 120 columns, unused or undefined names, import order, and the
 # format (`make format` writes it); mypy (pyproject.toml [tool.mypy]) type-checks methods/.
@@ -58,7 +62,7 @@ format: install
 	$(PY) -m ruff check --fix $(LINTED)
 
 test-fast: install  ## everything except multi-process and end-to-end sweeps
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q $(PYTEST_PAR) -m "not slow"
 
 # The simulator's measured check on this machine: calibrate the host model (kernel times of every
 # block the sweep emits, gloo loopback latency/bandwidth), run the sweep measured (dist) and
