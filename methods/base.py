@@ -3,7 +3,8 @@
 A method is a class with two plain functions, `forward` and `backward`, written against the
 `Comm` protocol; `Method.attention` wraps them in `SPAttention` (a single autograd.Function for
 all methods), so no method writes its own autograd code. Tensors are BSHD at every public
-boundary: q [B, S_local, H, D], k and v [B, S_local, Hkv, D]; lse [B, H, S_local] float32.
+boundary: q [B, S_local, H, D], k [B, S_local, Hkv, D], v [B, S_local, Hkv, Dv] (Dv = D but for
+MLA-like models); lse [B, H, S_local] float32.
 """
 
 from __future__ import annotations
@@ -48,10 +49,26 @@ class Case:
     documents: Optional[Documents] = None
     """Packed documents (their lengths and the padded length, which is then `seq_len`), or None:
     one document per sequence, no padding (methods/documents.py)."""
+    head_dim_v: Optional[int] = None
+    """The values' head dim (and the output's), None: equal to `head_dim`. MLA (DeepSeek-V3) has
+    q/k head dim 192 and v head dim 128: K and V then cost different bytes on every link."""
+    softcap: float = 0.0
+    """Logit soft cap (Gemma 2): scores become softcap * tanh(s / softcap) before the softmax; 0: off."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
+
+    @property
+    def dv(self) -> int:
+        """The values' head dim (`head_dim_v`, or `head_dim` when None)."""
+        return self.head_dim_v or self.head_dim
+
+    @property
+    def kv_dims(self) -> int:
+        """Head dims of one key plus its value (2 * head_dim when they are equal): the width a
+        byte formula multiplies where it moves K and V together."""
+        return self.head_dim + self.dv
 
 
 class Method:
@@ -154,7 +171,14 @@ class Method:
         if case.device == "cuda" and not torch.cuda.is_available():
             return False, "needs CUDA, which is not available here"
         try:
-            kernels.resolve_kernel(self.kernel, torch.device(case.device), case.torch_dtype, case.head_dim)
+            kernels.resolve_kernel(
+                self.kernel,
+                torch.device(case.device),
+                case.torch_dtype,
+                case.head_dim,
+                head_dim_v=case.dv,
+                softcap=case.softcap,
+            )
         except ValueError as exc:
             return False, str(exc)
         return True, ""
@@ -164,9 +188,17 @@ class Method:
         skipped with it), or None."""
         return None
 
-    def kernel_used(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    def kernel_used(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        head_dim: int,
+        *,
+        head_dim_v: Optional[int] = None,
+        softcap: float = 0.0,
+    ) -> str:
         """The local attention kernel this method runs with (recorded with each trial)."""
-        return kernels.resolve_kernel(self.kernel, device, dtype, head_dim)
+        return kernels.resolve_kernel(self.kernel, device, dtype, head_dim, head_dim_v=head_dim_v, softcap=softcap)
 
     # -- the algorithm: plain functions, written by each method ----------------------------------
     def forward(
@@ -182,9 +214,10 @@ class Method:
         docs: Optional[Documents] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor], tuple]:
         """Local shards in, local output out. `docs`: packed documents (or None), whose
-        document-causal mask and padding the method computes exactly.
+        document-causal mask and padding the method computes exactly. `scale` may be a
+        `kernels.ScoreScale` carrying a logit soft cap: a method hands it to its block calls as it is.
 
-        Returns (out [B, S_local, H, D] in q.dtype, lse [B, H, S_local] float32 or None when
+        Returns (out [B, S_local, H, Dv] in q.dtype, lse [B, H, S_local] float32 or None when
         `return_lse` is False and producing it would cost extra communication, residuals: the
         tensors, and plain values such as ints, that `backward` needs).
         """
@@ -247,11 +280,13 @@ class Method:
         softmax_scale: Optional[float] = None,
         return_lse: bool = False,
         docs: Optional[Documents] = None,
+        softcap: float = 0.0,
     ):
         """Sequence-parallel attention on local shards (differentiable).
 
         Args:
-            q: [B, S_local, H, D]; k, v: [B, S_local, Hkv, D]; this rank's tokens in the method's layout.
+            q: [B, S_local, H, D]; k: [B, S_local, Hkv, D]; v: [B, S_local, Hkv, Dv]; this rank's
+                tokens in the method's layout.
             causal: causal mask on *global* positions.
             comm: the group of ranks sharing the sequence.
             softmax_scale: defaults to 1/sqrt(D).
@@ -259,14 +294,16 @@ class Method:
             docs: packed documents (methods/documents.py): a token sees only tokens of its own
                 document; padding (positions from docs.seq_len to docs.padded_len) sees nothing
                 and is seen by nothing. None: one document per sequence.
+            softcap: logit soft cap (Gemma 2; 0: none): scores become softcap * tanh(s / softcap).
         Returns:
-            out [B, S_local, H, D] in q.dtype, or (out, lse) with `return_lse`.
+            out [B, S_local, H, Dv] in q.dtype, or (out, lse) with `return_lse`.
         """
         check_local_inputs(q, k, v)
         # Views of a fused projection (qkv.unbind) are fine to pass: communication needs contiguous
         # buffers, so every method sees contiguous inputs (a no-op when they already are).
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        scale = kernels.with_softcap(scale, softcap)
         out, lse = SPAttention.apply(q, k, v, self, comm, bool(causal), scale, bool(return_lse), docs)
         return (out, lse) if return_lse else out
 
@@ -281,6 +318,7 @@ class Method:
         comm: Comm,
         softmax_scale: Optional[float] = None,
         docs: Optional[Documents] = None,
+        softcap: float = 0.0,
     ):
         """Forward and backward by direct calls, without the autograd engine.
 
@@ -293,6 +331,7 @@ class Method:
         check_local_inputs(q, k, v)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        scale = kernels.with_softcap(scale, softcap)
         extra = {"docs": docs} if docs is not None else {}
         with torch.no_grad():
             out, lse, residuals = self.forward(
@@ -317,8 +356,10 @@ def check_local_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Non
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must share a device; got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k and v must have the same shape but for the head dim; got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"q and k must hold the same tokens (self-attention); got local lengths {q.shape[1]} and {k.shape[1]}"
@@ -470,13 +511,18 @@ def _area_layout(docs: Documents, causal: bool, world_size: int, chunks: int) ->
     return layouts.area(docs.padded_len, world_size, chunk_areas(docs, causal, chunks))
 
 
+def v_dim_or_none(q: torch.Tensor, v: torch.Tensor) -> Optional[int]:
+    """`Case.head_dim_v` of local tensors q and v: None when their head dims agree."""
+    return None if v.shape[-1] == q.shape[-1] else v.shape[-1]
+
+
 def unseen_kv_bytes(case: Case, q_pos: torch.Tensor, k_pos: torch.Tensor, kv_heads: Optional[int] = None) -> int:
     """Bytes of K and V at global positions `k_pos` that no query at `q_pos` sees under `case`'s
     mask (documents, padding, mask family, causal flag), over the batch; `kv_heads` defaults to
     the case's (a rank holding some heads only gives its own)."""
     docs = case.documents or Documents.single(case.batch, case.seq_len)
     unseen = docs.unseen_keys(q_pos, k_pos, case.causal)
-    return unseen * 2 * (kv_heads or case.kv_heads) * case.head_dim * case.torch_dtype.itemsize
+    return unseen * (kv_heads or case.kv_heads) * case.kv_dims * case.torch_dtype.itemsize
 
 
 def element_bytes(case: Case) -> tuple[int, int]:

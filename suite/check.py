@@ -46,8 +46,8 @@ class Problem:
 
     q: torch.Tensor  # [B, S, H, D] in the trial dtype
     k: torch.Tensor  # [B, S, Hkv, D]
-    v: torch.Tensor
-    dout: torch.Tensor  # [B, S, H, D]
+    v: torch.Tensor  # [B, S, Hkv, Dv] (Dv = D but for MLA-like problems)
+    dout: torch.Tensor  # [B, S, H, Dv]
     ref: dict[str, torch.Tensor] = field(default_factory=dict)  # out, lse, dq, dk, dv in float64
     naive_err: dict[str, float] = field(default_factory=dict)  # max |naive same-dtype - ref|
     ref_scale: dict[str, float] = field(default_factory=dict)  # max(1, max |ref|)
@@ -72,16 +72,27 @@ def problem_seed(seed: int, problem_key: tuple) -> int:
 
 
 def make_inputs(
-    batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, dtype: str, seed: int, device: torch.device
+    batch: int,
+    seq_len: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    seed: int,
+    device: torch.device,
+    head_dim_v: Optional[int] = None,
 ) -> tuple[torch.Tensor, ...]:
-    """q, k, v, dout ~ N(0, 1), generated in float32 on `device` from `seed`, cast to `dtype`."""
+    """q, k, v, dout ~ N(0, 1), generated in float32 on `device` from `seed`, cast to `dtype`; v
+    and dout (the output's gradient) have the values' head dim `head_dim_v` (None: head_dim).
+    Drawn in the same order whatever the head dims, so equal dims give the inputs they always gave."""
     gen = torch.Generator(device=device).manual_seed(seed)
     dt = torch_dtype(dtype)
 
-    def rnd(h: int) -> torch.Tensor:
-        return torch.randn(batch, seq_len, h, head_dim, generator=gen, device=device).to(dt)
+    def rnd(h: int, d: int = head_dim) -> torch.Tensor:
+        return torch.randn(batch, seq_len, h, d, generator=gen, device=device).to(dt)
 
-    return rnd(heads), rnd(kv_heads), rnd(kv_heads), rnd(heads)
+    dv = head_dim_v or head_dim
+    return rnd(heads), rnd(kv_heads), rnd(kv_heads, dv), rnd(heads, dv)
 
 
 def reference_attention(
@@ -94,13 +105,15 @@ def reference_attention(
     scale: float,
     upcast: bool = True,
     documents: Optional[Documents] = None,
+    softcap: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """Attention (and its gradients if `dout` is given) by explicit products, in query-row chunks.
 
     With `upcast` the inputs are converted to float64 first (the reference); without, the
     computation runs in the inputs' dtype (the "naive same-dtype" implementation). `documents`:
-    packed documents (a token sees its own document only), as a dense mask per chunk.
-    Returns out [B,S,H,D], lse [B,H,S] and, with dout, dq, dk, dv.
+    packed documents (a token sees its own document only), as a dense mask per chunk. `softcap`:
+    logit soft cap (0: none), scores cap * tanh(s / cap) before the mask.
+    Returns out [B,S,H,Dv], lse [B,H,S] and, with dout, dq, dk, dv.
     """
     if upcast:
         q, k, v = q.double(), k.double(), v.double()
@@ -108,7 +121,7 @@ def reference_attention(
     b, s, h, _ = q.shape
     rows = max(1, min(s, _CHUNK_BYTES // max(1, b * h * s * 8)))
     acc = merge.acc_dtype(q.dtype)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)  # [B, S, H, Dv]
     lse = torch.empty(b, h, s, dtype=acc, device=q.device)
 
     def visible(c0: int):
@@ -126,6 +139,7 @@ def reference_attention(
             causal_offset=c0 if causal else None,
             upcast=upcast,
             visible=visible(c0),
+            softcap=softcap,
         )
         out[:, c0 : c0 + rows], lse[:, :, c0 : c0 + rows] = o, l
     result = {"out": out, "lse": lse}
@@ -147,6 +161,7 @@ def reference_attention(
             causal_offset=c0 if causal else None,
             upcast=upcast,
             visible=visible(c0),
+            softcap=softcap,
         )
         dq[:, sl] = gq
         dk += gk
@@ -175,17 +190,26 @@ def build_problem(
     device: torch.device,
     with_reference: bool,
     documents: Optional[Documents] = None,
+    head_dim_v: Optional[int] = None,
+    softcap: float = 0.0,
 ) -> Problem:
     """Inputs of one problem and, with `with_reference`, the float64 reference of out, lse and the
     gradients (computed once; forward-only trials of the same problem use part of it). `documents`
-    (no padding: the true length) packs the sequences; `extra` is the rest of the problem key."""
+    (no padding: the true length) packs the sequences; `extra` is the rest of the problem key.
+    `head_dim_v`: the values' head dim (None: head_dim); `softcap`: the logit soft cap (0: none);
+    both join the seed's key only when set, so other problems keep the inputs they always had."""
     key = (batch, seq_len, heads, kv_heads, head_dim, dtype, causal) + tuple(extra)
-    q, k, v, dout = make_inputs(batch, seq_len, heads, kv_heads, head_dim, dtype, problem_seed(seed, key), device)
+    key += (("head_dim_v", head_dim_v),) if head_dim_v not in (None, head_dim) else ()
+    key += (("softcap", float(softcap)),) if softcap else ()
+    q, k, v, dout = make_inputs(
+        batch, seq_len, heads, kv_heads, head_dim, dtype, problem_seed(seed, key), device, head_dim_v
+    )
     prob = Problem(q, k, v, dout)
     if with_reference:
         scale = kernels.default_scale(head_dim)
-        prob.ref = reference_attention(q, k, v, dout, causal=causal, scale=scale, upcast=True, documents=documents)
-        naive = reference_attention(q, k, v, dout, causal=causal, scale=scale, upcast=False, documents=documents)
+        ref = dict(causal=causal, scale=scale, documents=documents, softcap=softcap)
+        prob.ref = reference_attention(q, k, v, dout, upcast=True, **ref)
+        naive = reference_attention(q, k, v, dout, upcast=False, **ref)
         for name, ref in prob.ref.items():
             prob.naive_err[name] = max_abs_err(naive[name], ref)
             prob.ref_scale[name] = max(1.0, float(ref.abs().max()))
