@@ -82,8 +82,9 @@ class TimedKernel:
         k: torch.Tensor,
         causal_offset: Optional[int],
         mask: Optional[BlockMask] = None,
+        v: Optional[torch.Tensor] = None,
     ) -> Iterator[None]:
-        """Time one block call. The block call is described (op "fwd" or "bwd", q, k, causal_offset,
+        """Time one block call. The block call is described (op "fwd" or "bwd", q, k, v, causal_offset,
         mask) for subclasses that record what runs (the simulator's tracer); timing ignores it."""
         if self._watch is None:
             self._watch = Stopwatch(device)
@@ -129,6 +130,7 @@ class PairCountingKernel(TimedKernel):
         k: torch.Tensor,
         causal_offset: Optional[int],
         mask: Optional[BlockMask] = None,
+        v: Optional[torch.Tensor] = None,
     ) -> Iterator[None]:
         if op == "fwd":
             per_head = (
@@ -512,7 +514,7 @@ def block_forward(
     """
     _check_shapes(q, k, v)
     if isinstance(kernel, TimedKernel):
-        with kernel.measure(q.device, op="fwd", q=q, k=k, causal_offset=causal_offset, mask=mask):
+        with kernel.measure(q.device, op="fwd", q=q, k=k, v=v, causal_offset=causal_offset, mask=mask):
             return block_forward(
                 q, k, v, scale=scale, causal_offset=causal_offset, kernel=kernel.name, mask=mask, lower=lower
             )
@@ -572,7 +574,10 @@ def block_forward(
 
 
 def _zero_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """A zero output [B, Sq, H, Dv] for queries `q` and values `v`."""
+    """A zero output [B, Sq, H, Dv] for queries `q` and values `v`: laid out as q where the head
+    dims agree (a dense q's layout is what methods send on as it is, `block_forward`)."""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.zeros_like(q)
     return q.new_zeros(*q.shape[:3], v.shape[-1])
 
 
@@ -639,7 +644,7 @@ def block_backward(
     if (out is None) == (delta is None):
         raise ValueError("block_backward needs exactly one of out and delta")
     if isinstance(kernel, TimedKernel):
-        with kernel.measure(q.device, op="bwd", q=q, k=k, causal_offset=causal_offset, mask=mask):
+        with kernel.measure(q.device, op="bwd", q=q, k=k, v=v, causal_offset=causal_offset, mask=mask):
             return block_backward(
                 dout,
                 q,

@@ -196,11 +196,10 @@ def build_problem(
     """Inputs of one problem and, with `with_reference`, the float64 reference of out, lse and the
     gradients (computed once; forward-only trials of the same problem use part of it). `documents`
     (no padding: the true length) packs the sequences; `extra` is the rest of the problem key.
-    `head_dim_v`: the values' head dim (None: head_dim); `softcap`: the logit soft cap (0: none);
-    both join the seed's key only when set, so other problems keep the inputs they always had."""
+    `head_dim_v`: the values' head dim (None: head_dim); `softcap`: the logit soft cap (0: none).
+    A trial's problem key (`TrialSpec.problem_key`) names them in `extra` only when set, so other
+    problems keep the inputs they always had."""
     key = (batch, seq_len, heads, kv_heads, head_dim, dtype, causal) + tuple(extra)
-    key += (("head_dim_v", head_dim_v),) if head_dim_v not in (None, head_dim) else ()
-    key += (("softcap", float(softcap)),) if softcap else ()
     q, k, v, dout = make_inputs(
         batch, seq_len, heads, kv_heads, head_dim, dtype, problem_seed(seed, key), device, head_dim_v
     )

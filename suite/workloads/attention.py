@@ -52,7 +52,13 @@ class AttentionWorkload(Workload):
         prob = ctx.cache.get(
             (spec.problem_key(), checked, settings.seed, str(device)),
             lambda: build_problem(
-                *spec.problem_key(), seed=settings.seed, device=device, with_reference=checked, documents=true_docs
+                *spec.problem_key(),
+                seed=settings.seed,
+                device=device,
+                with_reference=checked,
+                documents=true_docs,
+                head_dim_v=spec.head_dim_v,
+                softcap=spec.softcap,
             ),
         )
         ctx.prepared()
@@ -60,7 +66,8 @@ class AttentionWorkload(Workload):
         pad = case.seq_len - spec.seq_len
         q, k, v, dout = (layout.shard(_pad(x, pad), rank) for x in (prob.q, prob.k, prob.v, prob.dout))
         real = layout.positions(rank) < spec.seq_len  # this rank's rows that are not padding
-        report = RankReport(rank=rank, checked=checked, kernel_used=method.kernel_used(device, q.dtype, spec.head_dim))
+        used = method.kernel_used(device, q.dtype, spec.head_dim, head_dim_v=spec.head_dim_v, softcap=spec.softcap)
+        report = RankReport(rank=rank, checked=checked, kernel_used=used)
 
         # 1. Correctness against float64 attention on the unsharded inputs (padding rows excluded).
         if checked:
@@ -123,11 +130,13 @@ class AttentionWorkload(Workload):
         med = row[M.TIME_MS_MEDIAN]
         docs = spec.documents()
         if docs is None:  # padding (if any) excluded: the convention on the true length
-            flops = M.attention_flops(spec.batch, spec.seq_len, spec.heads, spec.head_dim, spec.causal, spec.pass_)
+            flops = M.attention_flops(
+                spec.batch, spec.seq_len, spec.heads, spec.head_dim, spec.causal, spec.pass_, spec.head_dim_v
+            )
         else:  # packed documents or a mask family: their exact visible pairs
             everything = torch.arange(spec.seq_len)
             pairs = docs.visible_pairs(everything, everything, spec.causal)
-            flops = M.pairs_flops(pairs, spec.heads, spec.head_dim, spec.pass_)
+            flops = M.pairs_flops(pairs, spec.heads, spec.head_dim, spec.pass_, spec.head_dim_v)
         row.update(balance_columns(spec, reports, spec.run_case(spec.build_method()).seq_len))
         row.update(breakdown_columns(reports, med))
         row.update(comm_columns(reports))
@@ -156,13 +165,22 @@ def _pad(x: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
     return torch.cat([x, x.new_full(shape, fill)], dim=dim)
 
 
+def _extra(spec: TrialSpec, docs) -> dict[str, Any]:
+    """Keyword arguments of a method's attention call beyond the plain ones, only when set: peer
+    adapters take neither documents nor a cap (they refuse such trials in `supports`)."""
+    extra: dict[str, Any] = {"docs": docs} if docs is not None else {}
+    if spec.softcap:
+        extra["softcap"] = spec.softcap
+    return extra
+
+
 def _where(real: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return real.nonzero().flatten().to(like.device)
 
 
 def _outputs(method, spec: TrialSpec, q, k, v, dout, comm: Comm, autograd: bool, docs) -> dict[str, Any]:
     """out, lse (and dq, dk, dv for fwd_bwd) of one call on this rank's shards."""
-    extra = {"docs": docs} if docs is not None else {}
+    extra = _extra(spec, docs)
     if spec.pass_ == "fwd":
         with torch.no_grad():
             out, lse = method.attention(q, k, v, causal=spec.causal, comm=comm, return_lse=True, **extra)
@@ -220,7 +238,7 @@ def _breakdown(method, step, comm: Comm, device: torch.device, repeats: int) -> 
 
 def _make_step(method, spec: TrialSpec, q, k, v, dout, autograd: bool, docs):
     """The timed unit: forward without an autograd graph, or forward + backward."""
-    extra = {"docs": docs} if docs is not None else {}
+    extra = _extra(spec, docs)
     if spec.pass_ == "fwd":
 
         def step(c: Comm) -> None:
