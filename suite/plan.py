@@ -225,6 +225,8 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
         passes,
     )
     for place, ws, mix, b, sl, h, kvh, hd, hdv, cap, dt, (causal, mask), m, ps in axes:
+        if hdv == hd and None in s.head_dim_v:
+            continue  # equal to head_dim is the null point, planned once
         hdv = None if hdv in (None, hd) else int(hdv)  # equal to head_dim: the plain point, its key unchanged
         cap = float(cap)
         if (mix, b, sl) not in identities:

@@ -179,3 +179,31 @@ def test_local_inputs_may_differ_in_the_value_head_dim_only():
     assert call(torch.randn(1, 4, 2, DV)).shape == (1, 4, 2, DV)
     with pytest.raises(ValueError, match="but for the head dim"):
         call(torch.randn(1, 4, 1, DV))
+
+
+def test_flops_count_qk_at_the_query_dim_and_pv_at_the_value_dim():
+    from suite import metrics as M
+
+    plain = M.attention_flops(1, 100, 4, 12, False, "fwd")
+    assert plain == 4.0 * 100 * 100 * 4 * 12  # flash-attention's convention, unchanged
+    assert M.attention_flops(1, 100, 4, 12, False, "fwd", head_dim_v=8) == 2.0 * 100 * 100 * 4 * (12 + 8)
+    assert M.pairs_flops(10, 4, 12, "fwd", head_dim_v=8) == 2.0 * 10 * 4 * (12 + 8)
+
+
+def test_a_sweep_plans_variants_and_keeps_the_plain_points_keys():
+    """head_dim_v null (or equal to head_dim) and softcap 0 are the plain point: same key and same
+    row columns as a sweep without the axes; the others carry head_dim_v and softcap in their identity."""
+    from suite.config import load_config
+    from tests.helpers import plan_for
+
+    base = ["sweep.methods=[ring]", "sweep.method_options={}", "sweep.exclude=[]", "sweep.world_size=[2]"]
+    base += ["sweep.passes=[fwd]"]
+    plain = plan_for(load_config("configs/variants_hdimv_cpu.yaml", base + ["~sweep.head_dim_v", "~sweep.softcap"])[0])
+    both = plan_for(load_config("configs/variants_hdimv_cpu.yaml", base + ["sweep.head_dim_v=[null,12,8]"])[0])
+    keys = {s.key for s in plain}
+    assert len(both) == 4 * len(plain)  # (null = 12, 8) x (cap 0, 5): 12 is the plain point
+    assert {s.key for s in both if s.head_dim_v is None and not s.softcap} == keys
+    mla = [s for s in both if s.head_dim_v == 8 and s.softcap == 5.0]
+    assert mla and all(s.identity()["head_dim_v"] == 8 and s.identity()["softcap"] == 5.0 for s in mla)
+    assert all("head_dim_v" not in s.identity() and "softcap" not in s.identity() for s in plain)
+    assert "D=12/8 cap=5" in mla[0].label()
