@@ -511,11 +511,6 @@ def _area_layout(docs: Documents, causal: bool, world_size: int, chunks: int) ->
     return layouts.area(docs.padded_len, world_size, chunk_areas(docs, causal, chunks))
 
 
-def v_dim_or_none(q: torch.Tensor, v: torch.Tensor) -> Optional[int]:
-    """`Case.head_dim_v` of local tensors q and v: None when their head dims agree."""
-    return None if v.shape[-1] == q.shape[-1] else v.shape[-1]
-
-
 def unseen_kv_bytes(case: Case, q_pos: torch.Tensor, k_pos: torch.Tensor, kv_heads: Optional[int] = None) -> int:
     """Bytes of K and V at global positions `k_pos` that no query at `q_pos` sees under `case`'s
     mask (documents, padding, mask family, causal flag), over the batch; `kv_heads` defaults to
