@@ -9,6 +9,13 @@ Mask mapping: flash-attn's causal flag is bottom-right aligned (query i sees key
 j <= i + Sk - Sq). Our causal_offset c maps to: c == Sk - Sq -> causal; c > Sk - Sq -> a window
 with right edge c - (Sk - Sq); c < Sk - Sq with Sq == Sk -> the shift trick (q[d:] against
 k[:-d] with d = -c; the first d rows see nothing), which is how striped attention runs on flash.
+
+Head dims: flash-attn 2 takes one head dim for q, k and v; methods/kernels.py pads the narrower
+of V and Q/K with zero columns before calling here (exact), so a value head dim other than the
+query/key one (MLA) runs. Logit soft-capping: the `softcap` argument (flash-attn >= 2.6), which
+caps the scaled scores, softcap * tanh(scale * q.k / softcap), as Gemma 2 does; a scale that
+carries a cap (`kernels.ScoreScale`) passes it, and a flash-attn without the argument refuses
+the case (`takes_softcap`).
 """
 
 from __future__ import annotations
@@ -55,6 +62,19 @@ def status() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, f"flash_attn {loaded[4]} importable but no CUDA device"
     return True, f"flash_attn {loaded[4]} (CUDA, fp16/bf16, head_dim a multiple of 8 up to 256)"
+
+
+def takes_softcap() -> bool:
+    """Whether this flash-attn's forward and backward take the `softcap` argument."""
+    try:
+        loaded = _load()
+    except RuntimeError:
+        return False
+    return not isinstance(loaded, str) and "softcap" in loaded[2] and "softcap" in loaded[3]
+
+
+def _softcap(scale: float) -> float:
+    return getattr(scale, "softcap", 0.0)
 
 
 def head_dim_ok(head_dim: int) -> bool:
@@ -118,7 +138,9 @@ def forward(q, k, v, *, scale: float, causal_offset: Optional[int], lower: Optio
     else:
         d, causal, (left, right) = 0, False, _band_plan(sq, k.shape[1], causal_offset, lower)
     qs, ks, vs = q[:, d:], k[:, : k.shape[1] - d], v[:, : v.shape[1] - d]
-    kwargs = dict(dropout_p=0.0, softmax_scale=scale, softcap=0.0, alibi_slopes=None, return_softmax=False)
+    kwargs = dict(
+        dropout_p=0.0, softmax_scale=float(scale), softcap=_softcap(scale), alibi_slopes=None, return_softmax=False
+    )
     kwargs.update(_window_kwargs(fnames, causal, left, right))
     accepted = {k_: v_ for k_, v_ in kwargs.items() if k_ in fnames}
     ret = fwd(_unit_stride(qs), _unit_stride(ks), _unit_stride(vs), **accepted)
@@ -145,7 +167,12 @@ def backward(dout, q, k, v, out, lse, *, scale: float, causal_offset: Optional[i
     qs, ks, vs = _unit_stride(q[:, d:]), _unit_stride(k[:, : sk - d]), _unit_stride(v[:, : sk - d])
     dq_s, dk_s, dv_s = torch.empty_like(qs), torch.empty_like(ks), torch.empty_like(vs)
     kwargs = dict(
-        dropout_p=0.0, softmax_scale=scale, softcap=0.0, alibi_slopes=None, deterministic=False, rng_state=None
+        dropout_p=0.0,
+        softmax_scale=float(scale),
+        softcap=_softcap(scale),
+        alibi_slopes=None,
+        deterministic=False,
+        rng_state=None,
     )
     kwargs.update(_window_kwargs(bnames, causal, left, right))
     bwd(

@@ -108,7 +108,7 @@ def forward(q, k, v, *, scale: float, causal_offset: Optional[int]):
     calls = pieces(sq, k.shape[1], causal_offset)
     if calls and calls[0][:2] == (slice(0, sq), slice(0, k.shape[1])):  # one call covers the block: no merge
         return _forward_call(q, k, v, scale, calls[0][2])
-    out, lse = empty_accumulators(q)
+    out, lse = empty_accumulators(q, v.shape[-1])
     for rows, cols, causal in calls:
         piece_out, piece_lse = _forward_call(q[:, rows], k[:, cols], v[:, cols], scale, causal)
         merge_(out[:, rows], lse[:, :, rows], piece_out, piece_lse)

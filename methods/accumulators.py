@@ -49,15 +49,16 @@ def accumulate_final(acc: Optional[torch.Tensor], block: torch.Tensor, dtype: to
 
 
 class OutputAccumulator:
-    """The online-softmax result of a rank's queries q [B, L, H, D] over the blocks it computes.
+    """The online-softmax result of a rank's queries q [B, L, H, D] over the blocks it computes
+    (outputs [B, L, H, Dv]: `head_dim_v`, the values' head dim, None for D).
 
     The first block covering every row is held as the kernel returned it (input dtype) until the
     next one: two blocks start the fp32 accumulators in one pass (`merge_start`), a block that
     turns out to be the only one is the result as it is, and the last block over every row
     writes the output in q's dtype (`merge_final`)."""
 
-    def __init__(self, q: torch.Tensor):
-        self.q = q
+    def __init__(self, q: torch.Tensor, head_dim_v: Optional[int] = None):
+        self.q, self.head_dim_v = q, head_dim_v
         self.first: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (out, lse) as the kernel returned them
         self.acc: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (out fp32, lse)
         self.result: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (out in q's dtype, lse)
@@ -77,7 +78,7 @@ class OutputAccumulator:
                 return
             self.acc = start_accumulators(first_out, first_lse)
         if self.acc is None:
-            self.acc = empty_accumulators(self.q)
+            self.acc = empty_accumulators(self.q, self.head_dim_v)
         out, lse = self.acc
         if last and rows == slice(None):
             self.result = (merge_final(out, lse, block_out, block_lse, self.q.dtype), lse)
@@ -91,7 +92,7 @@ class OutputAccumulator:
         if self.first is not None:
             return self.first
         if self.acc is None:  # no block at all: no query saw a key
-            self.acc = empty_accumulators(self.q)
+            self.acc = empty_accumulators(self.q, self.head_dim_v)
         out, lse = self.acc
         return out.to(self.q.dtype), lse
 

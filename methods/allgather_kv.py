@@ -15,8 +15,8 @@ reduce-scatters them so each rank gets the sum for its own tokens.
 
 Communication per rank (L = S/P = 2c, e bytes per input element, a = 4 bytes per fp32 element,
 8 for float64 inputs):
-    forward:  sent = received = 2 * (P-1) * B*L*Hkv*D*e                   (all-gather K, V)
-    backward: sent = received = 2 * (P-1) * B*L*Hkv*D*e + 2 * (P-1) * B*L*Hkv*D*a
+    forward:  sent = received = (P-1) * B*L*Hkv*(D+Dv)*e                   (all-gather K, V)
+    backward: sent = received = (P-1) * B*L*Hkv*(D+Dv)*e + (P-1) * B*L*Hkv*(D+Dv)*a
                                               (all-gather K, V; reduce-scatter fp32 dK, dV)
 Memory beyond inputs and outputs: the full sequence's K and V (2*B*S*Hkv*D*e), and in the
 backward the full fp32 dK and dV: the one method here that does not stay within two K/V blocks.
@@ -185,7 +185,7 @@ class AllGatherKV(DocumentSharding, Method):
     def expected_bytes(self, case: Case, pass_: str) -> tuple[int, int]:
         p, l = case.world_size, case.seq_len // case.world_size
         e, a = element_bytes(case)
-        kv = 2 * case.batch * l * case.kv_heads * case.head_dim
+        kv = case.batch * l * case.kv_heads * case.kv_dims  # K and V (MLA: unequal head dims)
         n = (p - 1) * kv * e  # all-gather K, V
         if pass_ == "fwd_bwd":
             n += (p - 1) * kv * e + (p - 1) * kv * a  # again; reduce-scatter the fp32 dK, dV
@@ -252,9 +252,9 @@ class AllGatherKV(DocumentSharding, Method):
         k_full, v_full, zz = self._gather(comm, causal, masks, q, k, v)
         acc = merge.acc_dtype(q.dtype)
         if zz is not None:  # rank-major fp32 accumulators, the reduce-scatter's input as they are
-            shape = (comm.world_size, 2, zz.c, k.shape[0], *k.shape[2:])
-            dk_acc = torch.empty(shape, dtype=acc, device=q.device)
-            dv_acc = torch.empty(shape, dtype=acc, device=q.device)
+            shape = (comm.world_size, 2, zz.c, k.shape[0], k.shape[2])  # then each tensor's head dim
+            dk_acc = torch.empty(*shape, k.shape[3], dtype=acc, device=q.device)
+            dv_acc = torch.empty(*shape, v.shape[3], dtype=acc, device=q.device)
         else:  # packed documents: the first call's gradients start the accumulators
             dk_acc = dv_acc = None
         calls = sorted(self._calls(causal, comm, q.shape[1], masks), key=lambda call: -call[1])

@@ -3,7 +3,8 @@
 A method is a class with two plain functions, `forward` and `backward`, written against the
 `Comm` protocol; `Method.attention` wraps them in `SPAttention` (a single autograd.Function for
 all methods), so no method writes its own autograd code. Tensors are BSHD at every public
-boundary: q [B, S_local, H, D], k and v [B, S_local, Hkv, D]; lse [B, H, S_local] float32.
+boundary: q [B, S_local, H, D], k [B, S_local, Hkv, D], v [B, S_local, Hkv, Dv] (Dv = D but for
+MLA-like models); lse [B, H, S_local] float32.
 """
 
 from __future__ import annotations
@@ -51,10 +52,26 @@ class Case:
     sinks: bool = False
     """Attention sinks (gpt-oss): one learned logit per query head joins every row's softmax
     denominator (`Method.attention`'s `sinks`); a method without them refuses the case."""
+    head_dim_v: Optional[int] = None
+    """The values' head dim (and the output's), None: equal to `head_dim`. MLA (DeepSeek-V3) has
+    q/k head dim 192 and v head dim 128: K and V then cost different bytes on every link."""
+    softcap: float = 0.0
+    """Logit soft cap (Gemma 2): scores become softcap * tanh(s / softcap) before the softmax; 0: off."""
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return torch_dtype(self.dtype)
+
+    @property
+    def dv(self) -> int:
+        """The values' head dim (`head_dim_v`, or `head_dim` when None)."""
+        return self.head_dim_v or self.head_dim
+
+    @property
+    def kv_dims(self) -> int:
+        """Head dims of one key plus its value (2 * head_dim when they are equal): the width a
+        byte formula multiplies where it moves K and V together."""
+        return self.head_dim + self.dv
 
 
 class Method:
@@ -165,7 +182,14 @@ class Method:
         if case.device == "cuda" and not torch.cuda.is_available():
             return False, "needs CUDA, which is not available here"
         try:
-            kernels.resolve_kernel(self.kernel, torch.device(case.device), case.torch_dtype, case.head_dim)
+            kernels.resolve_kernel(
+                self.kernel,
+                torch.device(case.device),
+                case.torch_dtype,
+                case.head_dim,
+                head_dim_v=case.dv,
+                softcap=case.softcap,
+            )
         except ValueError as exc:
             return False, str(exc)
         return True, ""
@@ -175,9 +199,17 @@ class Method:
         skipped with it), or None."""
         return None
 
-    def kernel_used(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    def kernel_used(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        head_dim: int,
+        *,
+        head_dim_v: Optional[int] = None,
+        softcap: float = 0.0,
+    ) -> str:
         """The local attention kernel this method runs with (recorded with each trial)."""
-        return kernels.resolve_kernel(self.kernel, device, dtype, head_dim)
+        return kernels.resolve_kernel(self.kernel, device, dtype, head_dim, head_dim_v=head_dim_v, softcap=softcap)
 
     # -- the algorithm: plain functions, written by each method ----------------------------------
     def forward(
@@ -198,8 +230,10 @@ class Method:
         (passed only to methods with `supports_sinks`), folded once into each row where its out
         and lse are final (`merge.fold_sink`), before they are kept for the backward: the
         backward then runs unchanged on the folded out and lse, which makes dq, dk, dv exact.
+        `scale` may be a `kernels.ScoreScale` carrying a logit soft cap: a method hands it to its
+        block calls as it is (the cap applies to scores, never to a sink's logit).
 
-        Returns (out [B, S_local, H, D] in q.dtype, lse [B, H, S_local] float32 or None when
+        Returns (out [B, S_local, H, Dv] in q.dtype, lse [B, H, S_local] float32 or None when
         `return_lse` is False and producing it would cost extra communication, residuals: the
         tensors, and plain values such as ints, that `backward` needs).
         """
@@ -263,11 +297,13 @@ class Method:
         return_lse: bool = False,
         docs: Optional[Documents] = None,
         sinks: Optional[torch.Tensor] = None,
+        softcap: float = 0.0,
     ):
         """Sequence-parallel attention on local shards (differentiable).
 
         Args:
-            q: [B, S_local, H, D]; k, v: [B, S_local, Hkv, D]; this rank's tokens in the method's layout.
+            q: [B, S_local, H, D]; k: [B, S_local, Hkv, D]; v: [B, S_local, Hkv, Dv]; this rank's
+                tokens in the method's layout.
             causal: causal mask on *global* positions.
             comm: the group of ranks sharing the sequence.
             softmax_scale: defaults to 1/sqrt(D).
@@ -281,8 +317,9 @@ class Method:
                 share; the shares sum to the whole gradient over the group's ranks, like any
                 weight the ranks share (a training loop all-reduces it with the others), so the
                 call moves no bytes for it.
+            softcap: logit soft cap (Gemma 2; 0: none): scores become softcap * tanh(s / softcap).
         Returns:
-            out [B, S_local, H, D] in q.dtype, or (out, lse) with `return_lse`.
+            out [B, S_local, H, Dv] in q.dtype, or (out, lse) with `return_lse`.
         """
         check_local_inputs(q, k, v)
         check_sinks(sinks, q, self)
@@ -290,6 +327,7 @@ class Method:
         # buffers, so every method sees contiguous inputs (a no-op when they already are).
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        scale = kernels.with_softcap(scale, softcap)
         out, lse = SPAttention.apply(q, k, v, sinks, self, comm, bool(causal), scale, bool(return_lse), docs)
         return (out, lse) if return_lse else out
 
@@ -305,6 +343,7 @@ class Method:
         softmax_scale: Optional[float] = None,
         docs: Optional[Documents] = None,
         sinks: Optional[torch.Tensor] = None,
+        softcap: float = 0.0,
     ):
         """Forward and backward by direct calls, without the autograd engine.
 
@@ -319,6 +358,7 @@ class Method:
         check_sinks(sinks, q, self)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
+        scale = kernels.with_softcap(scale, softcap)
         extra = _extra(docs, sinks)
         with torch.no_grad():
             out, lse, residuals = self.forward(
@@ -348,8 +388,10 @@ def check_local_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Non
         raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
     if not (q.device == k.device == v.device):
         raise ValueError(f"q, k, v must share a device; got {q.device}, {k.device}, {v.device}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape; got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(
+            f"k and v must have the same shape but for the head dim; got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"q and k must hold the same tokens (self-attention); got local lengths {q.shape[1]} and {k.shape[1]}"
@@ -547,7 +589,7 @@ def unseen_kv_bytes(case: Case, q_pos: torch.Tensor, k_pos: torch.Tensor, kv_hea
     the case's (a rank holding some heads only gives its own)."""
     docs = case.documents or Documents.single(case.batch, case.seq_len)
     unseen = docs.unseen_keys(q_pos, k_pos, case.causal)
-    return unseen * 2 * (kv_heads or case.kv_heads) * case.head_dim * case.torch_dtype.itemsize
+    return unseen * (kv_heads or case.kv_heads) * case.kv_dims * case.torch_dtype.itemsize
 
 
 def element_bytes(case: Case) -> tuple[int, int]:

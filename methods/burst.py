@@ -29,9 +29,10 @@ released code ships it in the input dtype on every hop, which rounds the partial
 at every hop; here only the first hop, which carries the owner's own block gradient as the kernel
 produced it, and the hop home, whose sum the owner returns in that dtype, carry the input dtype,
 `accumulators.follow_add`):
-    forward:  sent = received = (P-1) * 2*B*L*Hkv*D*e                        (K, V)
-    backward: sent = received = (P-1) * (2*B*L*H*D*e + 2*B*H*L*a)           (Q, dO; D, lse)
+    forward:  sent = received = (P-1) * B*L*Hkv*(D+Dv)*e                     (K, V)
+    backward: sent = received = (P-1) * (B*L*H*(D+Dv)*e + 2*B*H*L*a)        (Q, dO; D, lse)
                                 + 2 * B*L*H*D*e + (P-2) * B*L*H*D*a          (dQ, P hops; P >= 2)
+(Dv: the values' head dim, D but under MLA; dO has the output's, which is the values'.)
 With GQA the query packet carries H heads where a K/V ring carries Hkv: for H/Hkv > 4/3 this
 backward moves more bytes than the K/V + dK/dV ring (a property of the algorithm, not a bug).
 Memory beyond inputs and outputs: two packets in flight, two dQ accumulators, fp32 dK/dV.
@@ -80,9 +81,9 @@ class Burst(Method):
         fwd, bwd = self._steps(masks, case.causal, case.world_size, l)
         e, a = element_bytes(case)
         b, h, d = case.batch, case.heads, case.head_dim
-        n = (fwd - 1) * 2 * b * l * case.kv_heads * d * e  # forward: K, V
+        n = (fwd - 1) * b * l * case.kv_heads * case.kv_dims * e  # forward: K, V
         if pass_ == "fwd_bwd":
-            n += (bwd - 1) * (2 * b * l * h * d * e + 2 * b * h * l * a)  # Q, dO; D, lse
+            n += (bwd - 1) * (b * l * h * (d + case.dv) * e + 2 * b * h * l * a)  # Q, dO; D, lse
             n += follow_bytes(b * l * h * d, bwd, e, a)  # the dQ accumulator
         return n, n
 

@@ -99,11 +99,13 @@ def check_ulysses_heads(heads: int, kv_heads: int, degree: int) -> str:
 def ulysses_bytes(case, degree: int) -> int:
     """Bytes one rank sends (and receives) in one direction of Ulysses over `degree` ranks: the
     all-to-alls of q, k, v and out (forward) or of dout, dq, dk, dv (backward). An all-to-all keeps
-    1/degree of each buffer local; KV heads are replicated up to the degree when fewer."""
+    1/degree of each buffer local; KV heads are replicated up to the degree when fewer. q, k, dq,
+    dk have the query/key head dim, v, out, dout, dv the values' (they differ under MLA): each
+    direction moves one tensor of each width per head kind."""
     e = case.torch_dtype.itemsize
     local = case.seq_len // case.world_size
     kv_sent = case.kv_heads * kv_replication(case.kv_heads, degree)
-    return (degree - 1) * case.batch * local * case.head_dim * e * (2 * case.heads + 2 * kv_sent) // degree
+    return (degree - 1) * case.batch * local * case.kv_dims * e * (case.heads + kv_sent) // degree
 
 
 def ulysses_lse_bytes(case, degree: int) -> int:

@@ -5,14 +5,18 @@ combines the partial results with the online-softmax merge of methods/merge.py);
 the only place that knows the kernels.
 
 Conventions (docs/DESIGN.md sections 4 and 6):
-- q: [B, Sq, H, D], k and v: [B, Sk, Hkv, D] with H % Hkv == 0 (GQA: query head h uses KV head
-  h // (H // Hkv)). out: [B, Sq, H, D] in q's dtype. lse: [B, H, Sq] float32, natural log.
+- q: [B, Sq, H, D], k: [B, Sk, Hkv, D], v: [B, Sk, Hkv, Dv] with H % Hkv == 0 (GQA: query head h
+  uses KV head h // (H // Hkv)); Dv may differ from D (MLA: DeepSeek-V3's q/k head dim 192, v 128).
+  out: [B, Sq, H, Dv] in q's dtype. lse: [B, H, Sq] float32, natural log.
   (float64 inputs keep a float64 lse so that float64 runs are exact.)
 - Masks are given as `causal_offset`: None means every query sees every key; an integer c means
   query i sees key j iff j <= i + c. c = 0 is the aligned diagonal block (top-left), c = -1 the
   strictly-lower block of striped attention, c = Sk - Sq the bottom-right alignment.
 - A query row that sees no key has lse = -inf and output 0 (the CPU flash op returns lse = 0 for
   such rows; we repair it, or merging would weight an empty block as if it held softmax mass).
+- Logit soft-capping (Gemma 2) rides on the softmax scale: a `ScoreScale` is a float that also
+  carries `softcap`, so every method, which already hands its scale to every block call, caps
+  without knowing it. Scores become cap * tanh(scale * q.k / cap) before the mask and the softmax.
 - The backward takes the *global* (fully merged) out and lse: with them, per-block dq sum to the
   full dq and per-block dk, dv are exact (block-local out/lse would give wrong gradients).
 
@@ -23,7 +27,14 @@ Backends:
 - "torch_flash": PyTorch's own CUDA flash attention (fp16/bf16), its private ops that return and
   take the lse; see methods/_torch_flash.py. A band (sliding-window) block runs on math.
 "auto" picks flash_attn on CUDA when possible, else torch_flash on CUDA, cpu_flash on CPU, math
-otherwise.
+otherwise; with a soft cap, only the kernels that compute it (math, flash_attn when its functions
+take `softcap`), since the others (cpu_flash, torch_flash) have no such argument.
+
+Dv != D: the CPU op, PyTorch's CUDA flash op and flash-attn 2 all refuse a value head dim other
+than the query/key head dim ("v must have shape (batch_size, seqlen_k, num_heads_k, head_size_og)").
+For them the block is run with the narrower of V and Q/K padded with zero columns to the wider:
+zero value columns give zero output columns, zero query/key columns add nothing to a score, so
+slicing the result (and dv, or dq and dk) back is exact. It costs the padded width's work.
 """
 
 from __future__ import annotations
@@ -71,8 +82,9 @@ class TimedKernel:
         k: torch.Tensor,
         causal_offset: Optional[int],
         mask: Optional[BlockMask] = None,
+        v: Optional[torch.Tensor] = None,
     ) -> Iterator[None]:
-        """Time one block call. The block call is described (op "fwd" or "bwd", q, k, causal_offset,
+        """Time one block call. The block call is described (op "fwd" or "bwd", q, k, v, causal_offset,
         mask) for subclasses that record what runs (the simulator's tracer); timing ignores it."""
         if self._watch is None:
             self._watch = Stopwatch(device)
@@ -118,6 +130,7 @@ class PairCountingKernel(TimedKernel):
         k: torch.Tensor,
         causal_offset: Optional[int],
         mask: Optional[BlockMask] = None,
+        v: Optional[torch.Tensor] = None,
     ) -> Iterator[None]:
         if op == "fwd":
             per_head = (
@@ -129,6 +142,37 @@ class PairCountingKernel(TimedKernel):
 
 def default_scale(head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim)
+
+
+class ScoreScale(float):
+    """The softmax scale of a problem with logit soft-capping (Gemma 2): scores become
+    softcap * tanh(scale * q.k / softcap) before the mask and the softmax.
+
+    A float, so that every method hands it on unchanged where it hands on its scale (to each block
+    call, through rings and all-to-alls), and arithmetic on it gives a plain float. `softcap` 0
+    (no capping) is a plain float's: `softcap_of(scale)`."""
+
+    softcap: float
+
+    def __new__(cls, scale: float, softcap: float = 0.0):
+        if softcap < 0:
+            raise ValueError(f"softcap must be >= 0 (0: no capping), got {softcap}")
+        obj = super().__new__(cls, scale)
+        obj.softcap = float(softcap)
+        return obj
+
+    def __repr__(self) -> str:
+        return f"ScoreScale({float(self)!r}, softcap={self.softcap!r})"
+
+
+def softcap_of(scale: float) -> float:
+    """The logit soft cap a scale carries (0: none)."""
+    return getattr(scale, "softcap", 0.0)
+
+
+def with_softcap(scale: float, softcap: float) -> float:
+    """`scale`, carrying `softcap` when it is not 0 (a plain float otherwise)."""
+    return ScoreScale(scale, softcap) if softcap else float(scale)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -151,14 +195,41 @@ def kernel_status(name: str) -> tuple[bool, str]:
     raise ValueError(f"unknown kernel {name!r}; choose one of {KERNEL_CHOICES}")
 
 
-def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim: Optional[int] = None) -> str:
+def softcap_reason(name: str) -> str:
+    """Why backend `name` cannot soft-cap logits, or "" when it can."""
+    if name == "math":
+        return ""
+    if name == "flash_attn":
+        from methods import _flash_attn
+
+        return "" if _flash_attn.takes_softcap() else "this flash-attn's functions take no softcap argument"
+    if name == "cpu_flash":
+        return "aten._scaled_dot_product_flash_attention_for_cpu has no soft-capping argument"
+    if name == "torch_flash":
+        return "aten._scaled_dot_product_flash_attention has no soft-capping argument"
+    return ""
+
+
+def resolve_kernel(
+    name: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    head_dim: Optional[int] = None,
+    *,
+    head_dim_v: Optional[int] = None,
+    softcap: float = 0.0,
+) -> str:
     """Turn a configured kernel name ("auto" or a backend) into the backend used for tensors on
-    `device` of `dtype` (and `head_dim`, when known). Raises ValueError naming the constraint when
-    the choice cannot run."""
+    `device` of `dtype` (and `head_dim`, `head_dim_v` (None: head_dim) when known, and the logit
+    soft cap, 0 for none). Raises ValueError naming the constraint when the choice cannot run.
+    Unequal head dims run padded to the wider (this module's docstring), so the flash kernels' head
+    dim rule applies to the wider."""
     if name not in KERNEL_CHOICES:
         raise ValueError(f"unknown kernel {name!r}; choose one of {KERNEL_CHOICES}")
     from methods import _flash_attn
 
+    if head_dim is not None and head_dim_v is not None:
+        head_dim = max(head_dim, head_dim_v)
     flash_head_ok = head_dim is None or _flash_attn.head_dim_ok(head_dim)
     if name == "auto":
         if (
@@ -166,6 +237,7 @@ def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim
             and dtype in (torch.float16, torch.bfloat16)
             and flash_head_ok
             and kernel_status("flash_attn")[0]
+            and not (softcap and softcap_reason("flash_attn"))
         ):
             return "flash_attn"
         if (
@@ -173,9 +245,10 @@ def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim
             and dtype in (torch.float16, torch.bfloat16)
             and flash_head_ok  # the same rule: PyTorch's flash is flash-attn 2's code
             and kernel_status("torch_flash")[0]
+            and not softcap
         ):
             return "torch_flash"
-        if device.type == "cpu":
+        if device.type == "cpu" and not softcap:
             return "cpu_flash"
         return "math"
     if name == "cpu_flash" and device.type != "cpu":
@@ -188,6 +261,11 @@ def resolve_kernel(name: str, device: torch.device, dtype: torch.dtype, head_dim
             raise ValueError(f"kernel {name!r} needs CUDA tensors in float16 or bfloat16")
         if head_dim is not None and not _flash_attn.head_dim_ok(head_dim):
             raise ValueError(f"kernel {name!r} needs head_dim a multiple of 8 up to 256, got {head_dim}")
+    if softcap and softcap_reason(name):
+        raise ValueError(
+            f"kernel {name!r} cannot soft-cap logits (softcap {softcap}): {softcap_reason(name)}; "
+            "use kernel auto or math"
+        )
     return name
 
 
@@ -228,8 +306,8 @@ def _sum_kv_groups(dx: torch.Tensor, kv_heads: int) -> torch.Tensor:
 def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         raise ValueError("q, k, v must be [batch, seq, heads, head_dim]")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {tuple(k.shape)} vs {tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v shapes differ in more than the head dim: {tuple(k.shape)} vs {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in batch or head_dim")
     if q.shape[2] % k.shape[2] != 0:
@@ -249,12 +327,15 @@ def _compute_dtype(dtype: torch.dtype, upcast: bool) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _math_scores(q, k, scale, causal_offset, cd, visible=None):
-    """Scaled scores [B, H, Sq, Sk] in dtype `cd`, masked with -inf (by `causal_offset`, or by a
-    [B, Sq, Sk] bool `visible` mask of packed documents)."""
+def _math_scores(q, k, scale, causal_offset, cd, visible=None, softcap=0.0):
+    """Scaled scores [B, H, Sq, Sk] in dtype `cd`, soft-capped when `softcap` > 0 (cap * tanh(s /
+    cap)), masked with -inf (by `causal_offset`, or by a [B, Sq, Sk] bool `visible` mask of packed
+    documents)."""
     qh = q.to(cd).transpose(1, 2)  # [B, H, Sq, D]
     kh = _repeat_kv(k, q.shape[2]).to(cd).transpose(1, 2)  # [B, H, Sk, D]
-    s = torch.matmul(qh, kh.transpose(-1, -2)) * scale  # [B, H, Sq, Sk]
+    s = torch.matmul(qh, kh.transpose(-1, -2)) * float(scale)  # [B, H, Sq, Sk]
+    if softcap:
+        s = torch.tanh(s / softcap) * softcap
     if visible is not None:
         s = s.masked_fill(~visible.unsqueeze(1), float("-inf"))
     elif not is_full(q.shape[1], k.shape[1], causal_offset):
@@ -268,28 +349,35 @@ def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return torch.exp(s - safe.unsqueeze(-1))
 
 
-def math_forward(q, k, v, *, scale, causal_offset, upcast=True, visible=None):
+def math_forward(q, k, v, *, scale, causal_offset, upcast=True, visible=None, softcap=None):
     """Attention by explicit products. With `upcast`, computes in float32 (float64 for float64
     inputs); without, in the input dtype (the "naive same-dtype" implementation of the pass rule).
-    Returns out [B, Sq, H, D] in q.dtype and lse [B, H, Sq] float32 (float64 for float64)."""
+    `softcap`: the logit soft cap (None: the one `scale` carries, `softcap_of`).
+    Returns out [B, Sq, H, Dv] in q.dtype and lse [B, H, Sq] float32 (float64 for float64)."""
     cd = _compute_dtype(q.dtype, upcast)
-    s = _math_scores(q, k, scale, causal_offset, cd, visible)
+    cap = softcap_of(scale) if softcap is None else softcap
+    s = _math_scores(q, k, scale, causal_offset, cd, visible, cap)
     lse = torch.logsumexp(s, dim=-1)  # [B, H, Sq]; -inf if no key
     p = _probs(s, lse)
-    vh = _repeat_kv(v, q.shape[2]).to(cd).transpose(1, 2)  # [B, H, Sk, D]
-    out = torch.matmul(p, vh).transpose(1, 2)  # [B, Sq, H, D]
+    vh = _repeat_kv(v, q.shape[2]).to(cd).transpose(1, 2)  # [B, H, Sk, Dv]
+    out = torch.matmul(p, vh).transpose(1, 2)  # [B, Sq, H, Dv]
     return out.to(q.dtype), lse.to(acc_dtype(q.dtype))
 
 
-def math_backward(dout, q, k, v, out, lse, *, scale, causal_offset, upcast=True, delta=None, visible=None):
+def math_backward(
+    dout, q, k, v, out, lse, *, scale, causal_offset, upcast=True, delta=None, visible=None, softcap=None
+):
     """Gradients of attention for one block given the global out and lse (FlashAttention-2's
-    backward: dS = P * (dP - rowsum(dO * O))); `delta` [B, H, Sq] may replace `out`."""
+    backward: dS = P * (dP - rowsum(dO * O))); `delta` [B, H, Sq] may replace `out`. With a soft
+    cap (as in `math_forward`), dS is taken through the cap by the chain rule: d(cap * tanh(x /
+    cap))/dx = 1 - tanh(x / cap)^2 = 1 - (capped / cap)^2."""
     cd = _compute_dtype(q.dtype, upcast)
+    cap = softcap_of(scale) if softcap is None else softcap
     h, hkv = q.shape[2], k.shape[2]
-    s = _math_scores(q, k, scale, causal_offset, cd, visible)
+    s = _math_scores(q, k, scale, causal_offset, cd, visible, cap)
     p = _probs(s, lse.to(cd))  # [B, H, Sq, Sk]
-    do = dout.to(cd).transpose(1, 2)  # [B, H, Sq, D]
-    vh = _repeat_kv(v, h).to(cd).transpose(1, 2)  # [B, H, Sk, D]
+    do = dout.to(cd).transpose(1, 2)  # [B, H, Sq, Dv]
+    vh = _repeat_kv(v, h).to(cd).transpose(1, 2)  # [B, H, Sk, Dv]
     qh = q.to(cd).transpose(1, 2)
     kh = _repeat_kv(k, h).to(cd).transpose(1, 2)
     if delta is None:
@@ -299,8 +387,11 @@ def math_backward(dout, q, k, v, out, lse, *, scale, causal_offset, upcast=True,
     dv = torch.matmul(p.transpose(-1, -2), do)  # [B, H, Sk, D]
     dp = torch.matmul(do, vh.transpose(-1, -2))  # [B, H, Sq, Sk]
     ds = p * (dp - delta)
-    dq = torch.matmul(ds, kh) * scale  # [B, H, Sq, D]
-    dk = torch.matmul(ds.transpose(-1, -2), qh) * scale  # [B, H, Sk, D]
+    if cap:
+        # masked scores are -inf (their p, hence ds, is 0): their factor is set to 0, not -inf
+        ds = ds * torch.where(torch.isfinite(s), 1 - (s / cap).square(), torch.zeros_like(s))
+    dq = torch.matmul(ds, kh) * float(scale)  # [B, H, Sq, D]
+    dk = torch.matmul(ds.transpose(-1, -2), qh) * float(scale)  # [B, H, Sk, D]
     dq = dq.transpose(1, 2)
     dk = _sum_kv_groups(dk.transpose(1, 2), hkv)
     dv = _sum_kv_groups(dv.transpose(1, 2), hkv)
@@ -407,8 +498,8 @@ def block_forward(
     """Attention of one block of queries against one block of keys.
 
     Args:
-        q: [B, Sq, H, D]; k, v: [B, Sk, Hkv, D]; same dtype and device.
-        scale: softmax scale (usually 1/sqrt(D)).
+        q: [B, Sq, H, D]; k: [B, Sk, Hkv, D]; v: [B, Sk, Hkv, Dv]; same dtype and device.
+        scale: softmax scale (usually 1/sqrt(D)); a `ScoreScale` also soft-caps the scores.
         causal_offset: None (full) or c (query i sees key j iff j <= i + c).
         kernel: backend name, "auto", or a TimedKernel wrapping one.
         mask: the block's mask of packed documents (methods/documents.py), which then replaces
@@ -423,13 +514,30 @@ def block_forward(
     """
     _check_shapes(q, k, v)
     if isinstance(kernel, TimedKernel):
-        with kernel.measure(q.device, op="fwd", q=q, k=k, causal_offset=causal_offset, mask=mask):
+        with kernel.measure(q.device, op="fwd", q=q, k=k, v=v, causal_offset=causal_offset, mask=mask):
             return block_forward(
                 q, k, v, scale=scale, causal_offset=causal_offset, kernel=kernel.name, mask=mask, lower=lower
             )
     sq, sk = q.shape[1], k.shape[1]
     if kernel == NOOP:
-        return torch.zeros_like(q), torch.zeros(q.shape[0], q.shape[2], sq, dtype=acc_dtype(q.dtype), device=q.device)
+        return _zero_out(q, v), torch.zeros(q.shape[0], q.shape[2], sq, dtype=acc_dtype(q.dtype), device=q.device)
+    if v.shape[-1] != q.shape[-1]:
+        backend = resolve_kernel(
+            kernel, q.device, q.dtype, q.shape[-1], head_dim_v=v.shape[-1], softcap=softcap_of(scale)
+        )
+        if backend != "math":  # the fused kernels take one head dim: pad to the wider (module docstring)
+            w = max(q.shape[-1], v.shape[-1])
+            out, lse = block_forward(
+                _pad(q, w),
+                _pad(k, w),
+                _pad(v, w),
+                scale=scale,
+                causal_offset=causal_offset,
+                kernel=backend,
+                mask=mask,
+                lower=lower,
+            )
+            return out[..., : v.shape[-1]].contiguous(), lse
     if mask is not None:
         if mask.kind == PARTIAL:
             return _partial_forward(q, k, v, scale=scale, mask=mask, kernel=kernel)
@@ -439,10 +547,10 @@ def block_forward(
         return _band_forward(q, k, v, scale=scale, causal_offset=causal_offset, lower=lower, kernel=kernel)
     if is_empty(sq, sk, causal_offset):
         return (
-            torch.zeros_like(q),
+            _zero_out(q, v),
             torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device),
         )
-    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
+    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1], head_dim_v=v.shape[-1], softcap=softcap_of(scale))
     if backend == "cpu_flash":
         out, lse = _cpu_forward(q, k, v, scale=scale, causal_offset=causal_offset)
     elif backend == "flash_attn":
@@ -463,6 +571,19 @@ def block_forward(
     if not (out.stride() == q.stride() and _dense(q)):
         out = out.contiguous()
     return out, lse.contiguous()
+
+
+def _zero_out(q: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """A zero output [B, Sq, H, Dv] for queries `q` and values `v`: laid out as q where the head
+    dims agree (a dense q's layout is what methods send on as it is, `block_forward`)."""
+    if v.shape[-1] == q.shape[-1]:
+        return torch.zeros_like(q)
+    return q.new_zeros(*q.shape[:3], v.shape[-1])
+
+
+def _pad(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x [..., d] with zero columns appended up to `width` (x itself when d == width)."""
+    return x if x.shape[-1] == width else torch.nn.functional.pad(x, (0, width - x.shape[-1]))
 
 
 def _dense(x: torch.Tensor) -> bool:
@@ -523,7 +644,7 @@ def block_backward(
     if (out is None) == (delta is None):
         raise ValueError("block_backward needs exactly one of out and delta")
     if isinstance(kernel, TimedKernel):
-        with kernel.measure(q.device, op="bwd", q=q, k=k, causal_offset=causal_offset, mask=mask):
+        with kernel.measure(q.device, op="bwd", q=q, k=k, v=v, causal_offset=causal_offset, mask=mask):
             return block_backward(
                 dout,
                 q,
@@ -539,6 +660,27 @@ def block_backward(
                 lower=lower,
             )
     sq, sk = q.shape[1], k.shape[1]
+    if v.shape[-1] != q.shape[-1] and kernel != NOOP:
+        backend = resolve_kernel(
+            kernel, q.device, q.dtype, q.shape[-1], head_dim_v=v.shape[-1], softcap=softcap_of(scale)
+        )
+        if backend != "math":  # padded to the wider head dim, as in block_forward
+            d, dv, w = q.shape[-1], v.shape[-1], max(q.shape[-1], v.shape[-1])
+            gq, gk, gv = block_backward(
+                _pad(dout, w),
+                _pad(q, w),
+                _pad(k, w),
+                _pad(v, w),
+                None if out is None else _pad(out, w),
+                lse,
+                scale=scale,
+                causal_offset=causal_offset,
+                kernel=backend,
+                delta=delta,
+                mask=mask,
+                lower=lower,
+            )
+            return gq[..., :d].contiguous(), gk[..., :d].contiguous(), gv[..., :dv].contiguous()
     if mask is not None and kernel != NOOP:
         if mask.kind == PARTIAL:
             return _partial_backward(dout, q, k, v, out, lse, scale=scale, mask=mask, kernel=kernel, delta=delta)
@@ -550,7 +692,7 @@ def block_backward(
         )
     if is_empty(sq, sk, causal_offset) or kernel == NOOP:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
+    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1], head_dim_v=v.shape[-1], softcap=softcap_of(scale))
     if backend == "math":
         return math_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset, delta=delta)
     if delta is not None:  # exactly one of out and delta: the kernels below take out
@@ -581,7 +723,7 @@ def _plain_offset(mask: BlockMask, sq: int) -> Optional[int]:
 
 
 def _partial_forward(q, k, v, *, scale: float, mask: BlockMask, kernel: str):
-    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
+    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1], head_dim_v=v.shape[-1], softcap=softcap_of(scale))
     if backend in ("flash_attn", "torch_flash"):  # they take no dense mask: one call per document piece
         return forward_by_pieces(q, k, v, scale=scale, mask=mask, kernel=backend)
     return _dense_forward(q, k, v, scale=scale, visible=mask.dense(q.device), backend=backend)
@@ -600,7 +742,7 @@ def band_visible(sq: int, sk: int, causal_offset: Optional[int], lower: Optional
 
 def _band_forward(q, k, v, *, scale: float, causal_offset: Optional[int], lower: int, kernel: str):
     """A band block (a sliding window's): flash-attn's window where it maps, else a dense mask."""
-    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
+    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1], head_dim_v=v.shape[-1], softcap=softcap_of(scale))
     sq, sk = q.shape[1], k.shape[1]
     if backend == "flash_attn":
         from methods import _flash_attn
@@ -614,7 +756,7 @@ def _band_forward(q, k, v, *, scale: float, causal_offset: Optional[int], lower:
 
 
 def _band_backward(dout, q, k, v, out, lse, *, scale: float, causal_offset, lower: int, kernel: str, delta):
-    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
+    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1], head_dim_v=v.shape[-1], softcap=softcap_of(scale))
     sq, sk = q.shape[1], k.shape[1]
     if backend == "flash_attn":
         from methods import _flash_attn
@@ -651,7 +793,7 @@ def _dense_forward(q, k, v, *, scale: float, visible: torch.Tensor, backend: str
 
 
 def _partial_backward(dout, q, k, v, out, lse, *, scale: float, mask: BlockMask, kernel: str, delta):
-    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1])
+    backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1], head_dim_v=v.shape[-1], softcap=softcap_of(scale))
     if backend in ("flash_attn", "torch_flash"):
         return backward_by_pieces(dout, q, k, v, out, lse, scale=scale, mask=mask, kernel=backend, delta=delta)
     return _dense_backward(
@@ -693,7 +835,7 @@ def forward_by_pieces(q, k, v, *, scale: float, mask: BlockMask, kernel: str):
     """A partly visible block as one kernel call per document piece (`BlockMask.pieces`: each a
     plain causal offset or full), the pieces of a query row merged by online softmax. The path of
     kernels without dense masks (flash_attn); exact on any kernel."""
-    out, lse = empty_accumulators(q)
+    out, lse = empty_accumulators(q, v.shape[-1])
     for b in range(q.shape[0]):
         one = slice(b, b + 1)
         for rows, cols, offset, lower in mask.pieces(b):

@@ -31,9 +31,10 @@ direct message (`Route.start_home`) instead of travelling on round the ring. Wit
 (no documents, or packed documents with the plain causal or full mask) N = P: nothing changes.
 
 Communication per rank and call (L local tokens, e bytes per input element, a bytes per
-accumulator element: 4, or 8 for float64; N steps, P unless the ring stops early):
-    forward:  (N-1) * 2*B*L*Hkv*D*e            (K and V, N-1 hops)
-    backward: (N-1) * 2*B*L*Hkv*D*e + 2 * 2*B*L*Hkv*D*e + (N-2) * 2*B*L*Hkv*D*a
+accumulator element: 4, or 8 for float64; N steps, P unless the ring stops early; D + Dv, the key's
+and the value's head dims, is 2*D but under MLA):
+    forward:  (N-1) * B*L*Hkv*(D+Dv)*e            (K and V, N-1 hops)
+    backward: (N-1) * B*L*Hkv*(D+Dv)*e + 2 * B*L*Hkv*(D+Dv)*e + (N-2) * B*L*Hkv*(D+Dv)*a
               (K, V again; dK, dV accumulators, N hops: the first and the last in the input dtype)
 sent and received alike (N >= 2; nothing at N = 1). Memory beyond inputs and outputs: two K/V blocks in flight, the fp32
 out/lse accumulators; backward: the fp32 dQ and two dK/dV accumulators.
@@ -336,7 +337,7 @@ def kv_ring_forward(
     """
     route = route or RingRoute(comm)
     p = steps or comm.world_size
-    acc = accumulators.OutputAccumulator(q)
+    acc = accumulators.OutputAccumulator(q, v.shape[-1])
 
     def compute(step, block):
         cur_k, cur_v = block
@@ -442,7 +443,7 @@ def kv_ring_bytes(
     hkv = kv_heads or case.kv_heads
     l = local_len or case.seq_len // case.world_size
     e, a = element_bytes(case)
-    kv = 2 * case.batch * l * hkv * case.head_dim
+    kv = case.batch * l * hkv * case.kv_dims  # K and V (their head dims differ under MLA)
     n = (p - 1) * kv * e
     if pass_ == "fwd_bwd":
         n += (p - 1) * kv * e  # K, V again

@@ -22,6 +22,7 @@ functions call the eager function directly (`_direct`).
 from __future__ import annotations
 
 import threading
+from typing import Optional
 
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -33,9 +34,12 @@ def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def empty_accumulators(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Fresh (out, lse) accumulators for queries q [B, S, H, D]: zeros float32 and -inf float32."""
+def empty_accumulators(q: torch.Tensor, head_dim_v: Optional[int] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fresh (out, lse) accumulators for queries q [B, S, H, D]: zeros float32 [B, S, H, Dv] and
+    -inf float32 [B, H, S]. The output has the values' head dim `head_dim_v` (None: D), which
+    differs from the queries' under MLA."""
     b, s, h, d = q.shape
+    d = head_dim_v or d
     dt = acc_dtype(q.dtype)
     return (
         torch.zeros(b, s, h, d, dtype=dt, device=q.device),

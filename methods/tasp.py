@@ -32,12 +32,13 @@ the cycle successor brings it to the unit's owner (ring attention's scheme, per 
 
 Communication per rank (L = S/P = 2kc tokens, e input bytes, a = 4 accumulator bytes, 8 for
 float64):
-    forward:  sent = received = (P-1) * 2*B*L*Hkv*D*e, k units of 2*B*(L/k)*Hkv*D*e per round, one
+    forward:  sent = received = (P-1) * B*L*Hkv*(D+Dv)*e, k units of B*(L/k)*Hkv*(D+Dv)*e per round, one
               to each cycle successor (with k = P-1: one to every other rank); a zigzag unit goes as
               two messages (its halves), a flat one as one
-    backward: sent = received = (P-1) * 2*B*L*Hkv*D*e + P * 2*B*L*Hkv*D*a   (causal, or documents)
+    backward: sent = received = (P-1) * B*L*Hkv*(D+Dv)*e + P * B*L*Hkv*(D+Dv)*a   (causal, or documents)
               without a mask as the K/V ring (methods/kv_ring.py): the accumulators' first hop and
-              hop home carry the input dtype, 2 * 2*B*L*Hkv*D*e + (P-2) * 2*B*L*Hkv*D*a
+              hop home carry the input dtype, 2 * B*L*Hkv*(D+Dv)*e + (P-2) * B*L*Hkv*(D+Dv)*a
+              (D + Dv: the key's and the value's head dims, 2*D but under MLA)
 Multi-node: the same single complete graph over all ranks (one batched exchange per round).
 Memory beyond inputs and outputs: the units held and being received (two K/V buffers, allocated
 once and reused). Own tensor work: no copies of keys at any step. Without a mask a step's k
@@ -311,7 +312,7 @@ class TASP(Method):
         masks = self.block_masks(q, k, comm, causal, docs)
         units = _Units(q, p, r, causal, flat=not causal and masks is None)
         buffers = DoubleBuffer()
-        acc = accumulators.OutputAccumulator(q)
+        acc = accumulators.OutputAccumulator(q, v.shape[-1])
 
         def move(step, block):  # units move on while this step computes (double buffering)
             return _exchange(comm, succ, pred, block, units.pieces(step), buffers(step, block), units.pieces(step + 1))

@@ -27,9 +27,9 @@ rank computed, so under the causal mask ranks send different byte counts.
 Communication of rank r (L = S/P local tokens, e input bytes, a = 4 accumulator bytes, 8 for
 float64; R_sent(r), R_recv(r) result rows: causal L*(P-1-r) + L/2*r sent and L*r + L/2*(P-1-r)
 received, without a mask L*(P-1) both):
-    forward:  sent = (P-1) * B*L*H*D*e  +  R_sent(r) * B*H*(D*e + a)       (Q; out, lse)
+    forward:  sent = (P-1) * B*L*H*D*e  +  R_sent(r) * B*H*(Dv*e + a)      (Q; out, lse)
               received likewise with R_recv(r)
-    backward: (P-1) * B*L*H*(2*D*e + 2*a)  +  R_sent(r) * B*H*D*e         (Q, dO; D, lse; dQ)
+    backward: (P-1) * B*L*H*((D+Dv)*e + 2*a)  +  R_sent(r) * B*H*D*e      (Q, dO; D, lse; dQ)
               received likewise with R_recv(r)
 Rank 0 sends the most results, rank P-1 receives the most. Memory beyond inputs and outputs: two
 query blocks (packets) in flight, one step's results out and one step's in, fp32 accumulators.
@@ -116,9 +116,10 @@ class TokenRing(Method):
         else:
             rows_sent = rows_recv = l * (p - 1)
         hops = (p - 1) * b * l * h * d * e  # Q
-        sent, recv = hops + rows_sent * b * h * (d * e + a), hops + rows_recv * b * h * (d * e + a)  # out, lse
+        dv = case.dv  # results (out) and dO have the values' head dim
+        sent, recv = hops + rows_sent * b * h * (dv * e + a), hops + rows_recv * b * h * (dv * e + a)  # out, lse
         if pass_ == "fwd_bwd":
-            hops = (p - 1) * b * l * h * (2 * d * e + 2 * a)  # Q, dO; D, lse
+            hops = (p - 1) * b * l * h * ((d + dv) * e + 2 * a)  # Q, dO; D, lse
             sent += hops + rows_sent * b * h * d * e  # partial dQ
             recv += hops + rows_recv * b * h * d * e
         return sent, recv
@@ -164,10 +165,12 @@ class TokenRing(Method):
         plan = self.plan(causal, rank, l)
         masks = self.block_masks(q, k, comm, causal, docs)
 
-        def result_buffers(n: int) -> list[torch.Tensor]:  # block out [B, n, H, D], block lse [B, H, n]
-            return [q.new_empty(b, n, h, d), torch.empty(b, h, n, dtype=acc, device=q.device)]
+        dv = v.shape[-1]  # the outputs' head dim (MLA: the values' differs from the queries')
 
-        result = accumulators.OutputAccumulator(q)  # our queries' results, own and returned
+        def result_buffers(n: int) -> list[torch.Tensor]:  # block out [B, n, H, Dv], block lse [B, H, n]
+            return [q.new_empty(b, n, h, dv), torch.empty(b, h, n, dtype=acc, device=q.device)]
+
+        result = accumulators.OutputAccumulator(q, dv)  # our queries' results, own and returned
         cur_q, done = q, _Results()  # done: results of the previous step
         q_buffers = DoubleBuffer()
         for step in range(p + 1):

@@ -13,9 +13,10 @@ Let Hkv' = max(kv_heads, P) be the KV heads sent.
 
 Communication per rank (L = S/P, e = bytes per element; all-to-all keeps 1/P of each buffer
 local, so (P-1)/P of it leaves the rank):
-    forward:  sent = received = (P-1)/P * B*L*D*e * (2*H + 2*Hkv')        (q, out; k, v)
+    forward:  sent = received = (P-1)/P * B*L*(D+Dv)*e * (H + Hkv')        (q, out; k, v)
               (+ (P-1)/P * B*L*H*4 for the lse, only when the caller asks for it or passes sinks)
-    backward: sent = received = (P-1)/P * B*L*D*e * (2*H + 2*Hkv')        (dout, dq; dk, dv)
+    backward: sent = received = (P-1)/P * B*L*(D+Dv)*e * (H + Hkv')        (dout, dq; dk, dv)
+(D + Dv = 2*D but under MLA: q, k, dq, dk have the query/key head dim, v, out, dout, dv the values'.)
 
 Memory beyond inputs and outputs: q, k, v, out in the head layout (full sequence, H/P heads),
 saved for the backward.

@@ -19,10 +19,11 @@ largest U <= 8 (one node's fast domain) that the heads allow.
 
 Communication per rank (L = S/P, e bytes per element, a accumulator bytes (4, 8 for float64),
 Hkv' = max(kv_heads, U) the KV heads sent, Hkv'/U of them per rank in the ring):
-    forward:  (U-1)/U * B*L*D*e * (2*H + 2*Hkv')              Ulysses all-to-alls (q, k, v, out)
-              + (R-1) * 2*B*(U*L)*(Hkv'/U)*D*e                 ring: K, V
-    backward: (U-1)/U * B*L*D*e * (2*H + 2*Hkv')              (dout, dq, dk, dv)
-              + (R-1) * 2*B*(U*L)*(Hkv'/U)*D*e + R * 2*B*(U*L)*(Hkv'/U)*D*a
+    forward:  (U-1)/U * B*L*(D+Dv)*e * (H + Hkv')              Ulysses all-to-alls (q, k, v, out)
+              + (R-1) * B*(U*L)*(Hkv'/U)*(D+Dv)*e                ring: K, V
+    backward: (U-1)/U * B*L*(D+Dv)*e * (H + Hkv')              (dout, dq, dk, dv)
+              + (R-1) * B*(U*L)*(Hkv'/U)*(D+Dv)*e + R * B*(U*L)*(Hkv'/U)*(D+Dv)*a
+(D + Dv: the key's and the value's head dims, 2*D but under MLA.)
 sent and received alike (lse all-to-all only when the caller asks for it or passes sinks, as in Ulysses).
 """
 

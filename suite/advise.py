@@ -72,6 +72,14 @@ class ModelShape:
     pattern: tuple[tuple[str, int], ...] = ()
     """The attention mask of each layer, as (canonical mask name, how many layers) in order of first
     use (methods/masks.py); () when every layer has the question's mask (--mask, or causal)."""
+    head_dim_v: Optional[int] = None
+    """The values' head dim when it is not `head_dim` (MLA: DeepSeek-V3's q/k 192, v 128); None:
+    equal. K and V then move different bytes, and the kernels run the wider dim."""
+
+    @property
+    def dims(self) -> str:
+        """head_dim, or head_dim/head_dim_v when they differ (q/k then v)."""
+        return f"{self.head_dim}/{self.head_dim_v}" if self.head_dim_v else f"{self.head_dim}"
 
 
 def layer_pattern(d: dict, layers: int, where: str) -> tuple[tuple[str, int], ...]:
@@ -136,11 +144,13 @@ def load_model(text: str) -> ModelShape:
                 int(d.get("hidden", 0)),
                 str(d.get("source", "")),
             )
+            hdv = d.get("head_dim_v")  # absent or null: equal to head_dim
+            hdv = None if hdv is None or int(hdv) == shape.head_dim else int(hdv)
         except (KeyError, TypeError, ValueError) as exc:
             raise AdviceError("--model", f"{path}: needs integer heads, kv_heads, head_dim ({exc})") from None
-        shape = replace(shape, pattern=layer_pattern(d, max(shape.layers, 1), str(path)))
-    if min(shape.heads, shape.kv_heads, shape.head_dim, shape.layers) < 1:
-        raise AdviceError("--model", f"heads, kv_heads, head_dim and layers must be >= 1 in {text!r}")
+        shape = replace(shape, pattern=layer_pattern(d, max(shape.layers, 1), str(path)), head_dim_v=hdv)
+    if min(shape.heads, shape.kv_heads, shape.head_dim, shape.layers, shape.head_dim_v or 1) < 1:
+        raise AdviceError("--model", f"heads, kv_heads, head_dim, head_dim_v and layers must be >= 1 in {text!r}")
     if shape.heads % shape.kv_heads:
         raise AdviceError("--model", f"heads ({shape.heads}) must be a multiple of kv_heads ({shape.kv_heads})")
     return shape
@@ -232,6 +242,7 @@ class Question:
             dtype=self.dtype,
             causal=self.causal if mask is None else _mask_causal(mask),
             world_size=self.world_size,
+            head_dim_v=self.model.head_dim_v,
         )
 
     def lengths(self) -> Optional[tuple[tuple[int, ...], ...]]:
@@ -314,11 +325,10 @@ def make_question(
     if pass_ not in PASSES:
         raise AdviceError("--pass", f"{pass_!r} is not one of {list(PASSES)}")
     compute = ComputeModel(topo)
+    width = max(shape.head_dim, shape.head_dim_v or 0)  # the kernels run unequal head dims padded to the wider
     if dtype == "auto":
-        dtype = next(
-            (d for d in ("bfloat16", "float16", "float32") if compute.supports(d, shape.head_dim)[0]), "bfloat16"
-        )
-    ok, why = compute.supports(dtype, shape.head_dim)
+        dtype = next((d for d in ("bfloat16", "float16", "float32") if compute.supports(d, width)[0]), "bfloat16")
+    ok, why = compute.supports(dtype, width)
     if not ok:
         raise AdviceError("--dtype", why)
     for u in ulysses_degree or []:
@@ -499,7 +509,7 @@ def prune(q: Question, candidates: list[Candidate]) -> list[Candidate]:
         if q.pass_ == "fwd_bwd" and q.model.layers > 1:
             # what every other layer keeps for its backward: its attention tensors, or with
             # activation recomputation only its input hidden states [B, L, hidden]
-            hidden = q.model.hidden or q.model.heads * q.model.head_dim
+            hidden = q.model.hidden or q.model.heads * (q.model.head_dim_v or q.model.head_dim)
             per_layer = (
                 q.batch * (case.seq_len // q.world_size) * hidden * case.torch_dtype.itemsize
                 if q.recompute
@@ -535,13 +545,14 @@ def build_config(
 
     cfg = SuiteConfig(name=name or sweep_name(q))
     cfg.description = (
-        f"suite advise: {q.model.name} ({q.model.heads}/{q.model.kv_heads}/{q.model.head_dim}) on "
+        f"suite advise: {q.model.name} ({q.model.heads}/{q.model.kv_heads}/{q.model.dims}) on "
         f"{q.world_size} x {q.topology.gpu}, {q.seq_len} tokens"
     )
     names = list(dict.fromkeys(c.method for c in kept))
     s = cfg.sweep
     s.methods, s.world_size, s.batch, s.seq_len = names, [q.world_size], [q.batch], [q.seq_len]
     s.heads, s.kv_heads, s.head_dim = [q.model.heads], [q.model.kv_heads], [q.model.head_dim]
+    s.head_dim_v = [q.model.head_dim_v]
     s.dtype, s.causal, s.passes = [q.dtype], [q.causal], [q.pass_]
     if q.masks_named:  # the mask axis: each distinct layer mask once
         s.mask = [m.name for m, _ in q.layer_masks()]
@@ -654,7 +665,7 @@ def ideal_ms(q: Question, mask: Optional[Mask] = None) -> float:
             pos = torch.arange(q.seq_len)
             block = docs.block(pos, pos, causal)
             h, kv, d = q.model.heads, q.model.kv_heads, q.model.head_dim
-            e = masked_compute(op, q.batch, q.seq_len, q.seq_len, h, kv, d, q.dtype, block)
+            e = masked_compute(op, q.batch, q.seq_len, q.seq_len, h, kv, d, q.dtype, block, q.model.head_dim_v)
             t += compute.time(e)
             continue
         doc_pairs = pieces = None
@@ -676,6 +687,7 @@ def ideal_ms(q: Question, mask: Optional[Mask] = None) -> float:
                 q.dtype,
                 doc_pairs,
                 pieces,
+                q.model.head_dim_v,
             )
         )
     # ranks that share a host's cores (a calibrated CPU host) cannot compute more than the cores do
@@ -969,7 +981,8 @@ def header(advice: Advice) -> str:
     mix = f"packed documents ({q.workload.name})" if q.workload is not None else "uniform sequences"
     return (
         f"{q.model.name} attention (heads {q.model.heads}, kv_heads {q.model.kv_heads}, head_dim "
-        f"{q.model.head_dim}, {q.model.layers} layers) on {q.world_size} x {q.topology.gpu} "
+        f"{q.model.head_dim}{f', head_dim_v {q.model.head_dim_v}' if q.model.head_dim_v else ''}, "
+        f"{q.model.layers} layers) on {q.world_size} x {q.topology.gpu} "
         f"({q.nodes} node(s), topology {q.topology.name}), {q.seq_len} tokens x batch {q.batch}, {mix}, "
         f"{q.dtype}, mask {_mask_label(q)}, {q.pass_}. Simulated (executor=sim), not measured. "
         + (

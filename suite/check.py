@@ -46,8 +46,8 @@ class Problem:
 
     q: torch.Tensor  # [B, S, H, D] in the trial dtype
     k: torch.Tensor  # [B, S, Hkv, D]
-    v: torch.Tensor
-    dout: torch.Tensor  # [B, S, H, D]
+    v: torch.Tensor  # [B, S, Hkv, Dv] (Dv = D but for MLA-like problems)
+    dout: torch.Tensor  # [B, S, H, Dv]
     sinks: Optional[torch.Tensor] = None  # [H] float32 attention-sink logits, or None (no sinks)
     ref: dict[str, torch.Tensor] = field(default_factory=dict)  # out, lse, dq, dk, dv (dsink) in float64
     naive_err: dict[str, float] = field(default_factory=dict)  # max |naive same-dtype - ref|
@@ -73,16 +73,27 @@ def problem_seed(seed: int, problem_key: tuple) -> int:
 
 
 def make_inputs(
-    batch: int, seq_len: int, heads: int, kv_heads: int, head_dim: int, dtype: str, seed: int, device: torch.device
+    batch: int,
+    seq_len: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    seed: int,
+    device: torch.device,
+    head_dim_v: Optional[int] = None,
 ) -> tuple[torch.Tensor, ...]:
-    """q, k, v, dout ~ N(0, 1), generated in float32 on `device` from `seed`, cast to `dtype`."""
+    """q, k, v, dout ~ N(0, 1), generated in float32 on `device` from `seed`, cast to `dtype`; v
+    and dout (the output's gradient) have the values' head dim `head_dim_v` (None: head_dim).
+    Drawn in the same order whatever the head dims, so equal dims give the inputs they always gave."""
     gen = torch.Generator(device=device).manual_seed(seed)
     dt = torch_dtype(dtype)
 
-    def rnd(h: int) -> torch.Tensor:
-        return torch.randn(batch, seq_len, h, head_dim, generator=gen, device=device).to(dt)
+    def rnd(h: int, d: int = head_dim) -> torch.Tensor:
+        return torch.randn(batch, seq_len, h, d, generator=gen, device=device).to(dt)
 
-    return rnd(heads), rnd(kv_heads), rnd(kv_heads), rnd(heads)
+    dv = head_dim_v or head_dim
+    return rnd(heads), rnd(kv_heads), rnd(kv_heads, dv), rnd(heads, dv)
 
 
 def make_sinks(heads: int, seq_len: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -96,7 +107,7 @@ def make_sinks(heads: int, seq_len: int, seed: int, device: torch.device) -> tor
     return math.log(max(2, seq_len)) + torch.randn(heads, generator=gen, device=device)
 
 
-def _sink_attention(q, k, v, sinks, dout, *, scale: float, causal_offset, visible, cd):
+def _sink_attention(q, k, v, sinks, dout, *, scale: float, causal_offset, visible, cd, softcap: float = 0.0):
     """Attention with sinks for one chunk of query rows by the definition, differentiated by
     autograd in dtype `cd` (not the methods' fold and flash-style backward, which it checks): the
     sink is one more score column s_h per head in the softmax, with no value.
@@ -107,6 +118,8 @@ def _sink_attention(q, k, v, sinks, dout, *, scale: float, causal_offset, visibl
         group = h // k.shape[2]
         kh, vh = (x.repeat_interleave(group, dim=2).transpose(1, 2) for x in (k, v))  # [B, H, S, D]
         scores = torch.matmul(q.transpose(1, 2), kh.transpose(-1, -2)) * scale  # [B, H, R, S]
+        if softcap:  # the keys' scores are capped, the sink's logit is not
+            scores = softcap * torch.tanh(scores / softcap)
         if visible is None and causal_offset is not None:
             rows, keys = torch.arange(r, device=q.device), torch.arange(k.shape[1], device=q.device)
             visible = (keys.view(1, -1) <= rows.view(-1, 1) + causal_offset).unsqueeze(0)  # [1, R, S]
@@ -132,18 +145,20 @@ def reference_attention(
     upcast: bool = True,
     documents: Optional[Documents] = None,
     sinks: Optional[torch.Tensor] = None,
+    softcap: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """Attention (and its gradients if `dout` is given) by explicit products, in query-row chunks.
 
     With `upcast` the inputs are converted to float64 first (the reference); without, the
     computation runs in the inputs' dtype (the "naive same-dtype" implementation). `documents`:
     packed documents (a token sees its own document only), as a dense mask per chunk. `sinks`:
-    [H] attention-sink logits, computed by their definition (`_sink_attention`).
-    Returns out [B,S,H,D], lse [B,H,S] and, with dout, dq, dk, dv (and dsink [H] with sinks).
+    [H] attention-sink logits, computed by their definition (`_sink_attention`). `softcap`:
+    logit soft cap (0: none), scores cap * tanh(s / cap) before the mask (never the sinks').
+    Returns out [B,S,H,Dv], lse [B,H,S] and, with dout, dq, dk, dv (and dsink [H] with sinks).
     """
     if sinks is not None:
         return _reference_with_sinks(
-            q, k, v, dout, sinks, causal=causal, scale=scale, upcast=upcast, documents=documents
+            q, k, v, dout, sinks, causal=causal, scale=scale, upcast=upcast, documents=documents, softcap=softcap
         )
     if upcast:
         q, k, v = q.double(), k.double(), v.double()
@@ -151,7 +166,7 @@ def reference_attention(
     b, s, h, _ = q.shape
     rows = max(1, min(s, _CHUNK_BYTES // max(1, b * h * s * 8)))
     acc = merge.acc_dtype(q.dtype)
-    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    out = torch.empty(*q.shape[:3], v.shape[-1], dtype=q.dtype, device=q.device)  # [B, S, H, Dv]
     lse = torch.empty(b, h, s, dtype=acc, device=q.device)
 
     def visible(c0: int):
@@ -169,6 +184,7 @@ def reference_attention(
             causal_offset=c0 if causal else None,
             upcast=upcast,
             visible=visible(c0),
+            softcap=softcap,
         )
         out[:, c0 : c0 + rows], lse[:, :, c0 : c0 + rows] = o, l
     result = {"out": out, "lse": lse}
@@ -190,6 +206,7 @@ def reference_attention(
             causal_offset=c0 if causal else None,
             upcast=upcast,
             visible=visible(c0),
+            softcap=softcap,
         )
         dq[:, sl] = gq
         dk += gk
@@ -198,7 +215,9 @@ def reference_attention(
     return result
 
 
-def _reference_with_sinks(q, k, v, dout, sinks, *, causal, scale, upcast, documents) -> dict[str, torch.Tensor]:
+def _reference_with_sinks(
+    q, k, v, dout, sinks, *, causal, scale, upcast, documents, softcap: float = 0.0
+) -> dict[str, torch.Tensor]:
     """`reference_attention` with sinks, in query-row chunks (as there); each chunk's gradients of
     k, v and the sinks add up, since every row's softmax is its own."""
     cd = torch.float64 if upcast else q.dtype  # the reference, or the naive same-dtype computation
@@ -223,6 +242,7 @@ def _reference_with_sinks(q, k, v, dout, sinks, *, causal, scale, upcast, docume
             causal_offset=c0 if causal else None,
             visible=visible,
             cd=cd,
+            softcap=softcap,
         )
         outs.append(o.to(q.dtype if not upcast else torch.float64))
         lses.append(l.to(acc if not upcast else torch.float64))
@@ -264,17 +284,24 @@ def build_problem(
     with_reference: bool,
     documents: Optional[Documents] = None,
     sinks: bool = False,
+    head_dim_v: Optional[int] = None,
+    softcap: float = 0.0,
 ) -> Problem:
     """Inputs of one problem and, with `with_reference`, the float64 reference of out, lse and the
     gradients (computed once; forward-only trials of the same problem use part of it). `documents`
     (no padding: the true length) packs the sequences; `extra` is the rest of the problem key.
-    `sinks`: draw attention-sink logits per head (`make_sinks`) and check with them."""
+    `sinks`: draw attention-sink logits per head (`make_sinks`) and check with them.
+    `head_dim_v`: the values' head dim (None: head_dim); `softcap`: the logit soft cap (0: none).
+    A trial's problem key (`TrialSpec.problem_key`) names them in `extra` only when set, so other
+    problems keep the inputs they always had."""
     key = (batch, seq_len, heads, kv_heads, head_dim, dtype, causal) + tuple(extra)
-    q, k, v, dout = make_inputs(batch, seq_len, heads, kv_heads, head_dim, dtype, problem_seed(seed, key), device)
+    q, k, v, dout = make_inputs(
+        batch, seq_len, heads, kv_heads, head_dim, dtype, problem_seed(seed, key), device, head_dim_v
+    )
     prob = Problem(q, k, v, dout, make_sinks(heads, seq_len, problem_seed(seed, key), device) if sinks else None)
     if with_reference:
         scale = kernels.default_scale(head_dim)
-        common = dict(causal=causal, scale=scale, documents=documents, sinks=prob.sinks)
+        common = dict(causal=causal, scale=scale, documents=documents, sinks=prob.sinks, softcap=softcap)
         prob.ref = reference_attention(q, k, v, dout, upcast=True, **common)
         naive = reference_attention(q, k, v, dout, upcast=False, **common)
         for name, ref in prob.ref.items():

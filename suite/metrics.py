@@ -35,6 +35,10 @@ IDENTITY = (
     "sinks",  # attention sinks on (absent from the keys of trials without them)
 )
 PLAIN_MASKS = ("", "causal", "full")  # a trial whose mask is one of these keeps the key it had before masks
+# Identity a trial carries only when set: a value head dim other than head_dim (MLA) and a logit soft
+# cap. A trial with neither keeps the key and the columns it had before these existed (rows from
+# then and rows from now compare); readers take a missing head_dim_v as head_dim, softcap as 0.
+VARIANT_IDENTITY = ("head_dim_v", "softcap")
 
 # -- statuses ------------------------------------------------------------------------------------
 OK, INCORRECT, SKIPPED, FAILED, TIMEOUT = "ok", "incorrect", "skipped", "failed", "timeout"
@@ -173,23 +177,27 @@ COLUMNS = (
 )
 
 
-def attention_flops(batch: int, seq_len: int, heads: int, head_dim: int, causal: bool, pass_: str) -> float:
+def attention_flops(
+    batch: int, seq_len: int, heads: int, head_dim: int, causal: bool, pass_: str, head_dim_v: int | None = None
+) -> float:
     """FLOPs of one attention call, flash-attention's convention.
 
-    forward = 4 * B * S^2 * H * D (two matmuls of 2*S^2*D per head), halved for causal;
-    backward = 2.5 x forward; fwd_bwd = 3.5 x forward. Counts the work of the whole (global)
-    problem; per-GPU rates divide by world size.
+    forward = 2 * B * S^2 * H * (D + Dv) (QK^T at the query/key head dim D, PV at the values' Dv:
+    4 * B * S^2 * H * D when they are equal), halved for causal; backward = 2.5 x forward; fwd_bwd
+    = 3.5 x forward. Counts the work of the whole (global) problem; per-GPU rates divide by world
+    size. `head_dim_v` None: equal to head_dim.
     """
-    fwd = 4.0 * batch * seq_len * seq_len * heads * head_dim
+    fwd = 2.0 * batch * seq_len * seq_len * heads * (head_dim + (head_dim_v or head_dim))
     if causal:
         fwd /= 2
     return fwd * (3.5 if pass_ == "fwd_bwd" else 1.0)
 
 
-def pairs_flops(pairs: int, heads: int, head_dim: int, pass_: str) -> float:
+def pairs_flops(pairs: int, heads: int, head_dim: int, pass_: str, head_dim_v: int | None = None) -> float:
     """FLOPs of `pairs` visible (query, key) pairs per head (summed over the batch): packed
-    documents count their exact document-causal pairs; backward = 2.5 x forward as above."""
-    return 4.0 * pairs * heads * head_dim * (3.5 if pass_ == "fwd_bwd" else 1.0)
+    documents count their exact document-causal pairs; QK^T at head_dim, PV at head_dim_v (None:
+    equal); backward = 2.5 x forward as above."""
+    return 2.0 * pairs * heads * (head_dim + (head_dim_v or head_dim)) * (3.5 if pass_ == "fwd_bwd" else 1.0)
 
 
 def tflops_per_gpu(flops: float, seconds: float, world_size: int) -> float:

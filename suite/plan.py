@@ -74,13 +74,20 @@ class TrialSpec:
     workload: str = ""  # "" for attention trials; the model/data/training of a perplexity trial (JSON)
     mask: str = ""  # the mask's canonical name (methods/masks.py); "" for trials planned before masks
     sinks: bool = False  # attention sinks (one learned logit per query head)
+    head_dim_v: Optional[int] = None  # the values' head dim; None: equal to head_dim (metrics.VARIANT_IDENTITY)
+    softcap: float = 0.0  # logit soft cap; 0: none
     device: str = field(default="cpu", compare=False)
     kind: str = field(default="attention", compare=False)  # the workload that runs it (config `kind`)
 
     def identity(self) -> dict[str, Any]:
         # plain attribute reads: `dataclasses.asdict` deep-copies every field, which cost more than the
         # hash itself at the main sweep's 6,608 trials
-        return {k: getattr(self, "pass_" if k == "pass" else k) for k in IDENTITY}
+        out = {k: getattr(self, "pass_" if k == "pass" else k) for k in IDENTITY}
+        if self.head_dim_v is not None:  # only when set: other trials keep their keys and columns
+            out["head_dim_v"] = self.head_dim_v
+        if self.softcap:
+            out["softcap"] = self.softcap
+        return out
 
     @functools.cached_property
     def key(self) -> str:
@@ -111,6 +118,8 @@ class TrialSpec:
             world_size=self.world_size,
             device=self.device,
             sinks=self.sinks,
+            head_dim_v=self.head_dim_v,
+            softcap=self.softcap,
         )
 
     def build_method(self) -> methods.Method:
@@ -151,15 +160,19 @@ class TrialSpec:
         """Trials with equal problem keys share global inputs and the float64 reference."""
         key = (self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim, self.dtype, self.causal)
         key += (self.workload,) if self.document_lengths() is not None else ()
+        key += (("head_dim_v", self.head_dim_v),) if self.head_dim_v is not None else ()
+        key += (("softcap", self.softcap),) if self.softcap else ()
         key += (self.mask,) if self.mask_spec is not None else ()
         return key + (("sinks",) if self.sinks else ())
 
     def label(self) -> str:
         mask = self.mask_spec.short if self.mask_spec is not None else ("causal" if self.causal else "full")
         name = method_label(self.method, self.method_options)
+        d = f"{self.head_dim}/{self.head_dim_v}" if self.head_dim_v is not None else f"{self.head_dim}"
+        cap = f" cap={self.softcap:g}" if self.softcap else ""
         return (
             f"{name} P={self.world_size} B={self.batch} S={self.seq_len} H={self.heads}/"
-            f"{self.kv_heads} D={self.head_dim} {self.dtype} {mask}{' sinks' if self.sinks else ''} {self.pass_}"
+            f"{self.kv_heads} D={d}{cap} {self.dtype} {mask}{' sinks' if self.sinks else ''} {self.pass_}"
         )
 
 
@@ -209,13 +222,19 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
         s.heads,
         s.kv_heads,
         s.head_dim,
+        s.head_dim_v,
+        s.softcap,
         s.dtype,
         mask_points(s, cfg.masks),
         s.sinks,
         s.methods,
         passes,
     )
-    for place, ws, mix, b, sl, h, kvh, hd, dt, (causal, mask), sinks, m, ps in axes:
+    for place, ws, mix, b, sl, h, kvh, hd, hdv, cap, dt, (causal, mask), sinks, m, ps in axes:
+        if hdv == hd and None in s.head_dim_v:
+            continue  # equal to head_dim is the null point, planned once
+        hdv = None if hdv in (None, hd) else int(hdv)  # equal to head_dim: the plain point, its key unchanged
+        cap = float(cap)
         if (mix, b, sl) not in identities:
             identities[mix, b, sl] = workload.identity(cfg, workload=mix, batch=b, seq_len=sl)
         identity = identities[mix, b, sl]
@@ -230,6 +249,8 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
             world_size=ws,
             device=device,
             sinks=bool(sinks),
+            head_dim_v=hdv,
+            softcap=cap,
         )
         for options in option_points(dict(s.method_options.get(m, {}))):
             ud, rd, impl = _method_facts(m, options, cfg.run.kernel, case)
@@ -243,6 +264,8 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
                 heads=h,
                 kv_heads=kvh,
                 head_dim=hd,
+                head_dim_v=hdv,
+                softcap=cap,
                 dtype=dt,
                 causal=causal,
                 ulysses_degree=ud,
@@ -278,6 +301,8 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
                     workload=identity,
                     mask=mask,
                     sinks=bool(sinks),
+                    head_dim_v=hdv,
+                    softcap=cap,
                     device=device,
                     kind=workload.kind,
                 )

@@ -3,7 +3,8 @@
 Every workload (attention calls, model training) and every executor (worker processes, virtual
 ranks, torchrun, the simulator) speaks these types: a rank's `RankReport`, the executor's
 `Outcome` of a trial, and the row helpers below, so that a row is built the same way whoever
-produced it. Rows are plain dicts with exactly the columns of `suite.metrics.COLUMNS`.
+produced it. Rows are plain dicts with exactly the columns of `suite.metrics.COLUMNS`, plus those of
+`suite.metrics.VARIANT_IDENTITY` (head_dim_v, softcap) on the rows of trials that set them.
 """
 
 from __future__ import annotations
@@ -244,5 +245,9 @@ def worst(errors: Iterable[float]) -> float:
 
 
 def complete(row: dict[str, Any]) -> dict[str, Any]:
-    """Every row has every column (None where not applicable), in the documented order."""
-    return {c: row.get(c) for c in M.COLUMNS}
+    """Every row has every column (None where not applicable), in the documented order; a variant's
+    identity (a value head dim, a soft cap) only where the trial set it, so that other rows keep
+    exactly the columns they always had."""
+    out = {c: row.get(c) for c in M.COLUMNS}
+    out.update({c: row[c] for c in M.VARIANT_IDENTITY if row.get(c) is not None})
+    return out

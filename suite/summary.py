@@ -103,6 +103,17 @@ def _perplexity_table(records: list[dict]) -> str:
     return tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True)
 
 
+def _dims(r: dict) -> str:
+    """The head dim column: D, or D/Dv where the values' head dim differs (MLA)."""
+    return f"{r['head_dim']}/{r['head_dim_v']}" if r.get("head_dim_v") else f"{r['head_dim']}"
+
+
+def _mask(r: dict) -> str:
+    """The mask column, with the logit soft cap where there is one."""
+    cap = r.get("softcap")
+    return M.mask_label(r.get("mask"), r["causal"]) + (f" cap {cap:g}" if cap else "")
+
+
 def _attention_table(records: list[dict]) -> str:
     if not records:
         return ""
@@ -117,6 +128,8 @@ def _attention_table(records: list[dict]) -> str:
             r["heads"],
             r["kv_heads"],
             r["head_dim"],
+            r.get("head_dim_v") or 0,
+            r.get("softcap") or 0.0,
             r["dtype"],
             not r["causal"],
             str(r.get("mask") or ""),
@@ -137,9 +150,9 @@ def _attention_table(records: list[dict]) -> str:
                 r["seq_len"],
                 r["batch"],
                 f"{r['heads']}/{r['kv_heads']}",
-                r["head_dim"],
+                _dims(r),
                 r["dtype"],
-                M.mask_label(r.get("mask"), r["causal"]),
+                _mask(r),
                 r["pass"],
                 status,
                 _fmt(r.get(M.TIME_MS_MEDIAN), ".3f"),

@@ -178,6 +178,7 @@ def trial_times(record: dict) -> tuple[int, int]:
 def child_values(record: dict) -> tuple[dict, dict, dict, dict]:
     """(params, metrics, tags, step series) of a trial row."""
     params = {k: _flat_value(record.get(k)) for k in IDENTITY if k not in ("options", "workload")}
+    params.update({k: _flat_value(record[k]) for k in M.VARIANT_IDENTITY if record.get(k) is not None})
     opts = _json(record.get("options"))
     params.update(flatten("option", opts) if opts else {})
     work = _json(record.get("workload"))

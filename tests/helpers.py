@@ -19,7 +19,7 @@ def run_method_rank(method, case, prob, comm) -> dict:
     layout = method.layout(case)
     r = comm.rank
     q, k, v = (layout.shard(x, r).requires_grad_() for x in (prob.q, prob.k, prob.v))
-    out, lse = method.attention(q, k, v, causal=case.causal, comm=comm, return_lse=True)
+    out, lse = method.attention(q, k, v, causal=case.causal, comm=comm, return_lse=True, softcap=case.softcap)
     dq, dk, dv = torch.autograd.grad(out, (q, k, v), layout.shard(prob.dout, r))
     return {"out": out.detach(), "lse": lse, "dq": dq, "dk": dk, "dv": dv}
 
@@ -48,6 +48,8 @@ def problem_for(case, seed=0):
         seed=seed,
         device=torch.device("cpu"),
         with_reference=True,
+        head_dim_v=case.head_dim_v,
+        softcap=case.softcap,
     )
 
 
@@ -162,7 +164,7 @@ def counted(name: str, case, **options) -> list:
         led = CommLedger()
         c = CountingComm(comm, led)
         q, k, v = (lay.shard(x, comm.rank).requires_grad_() for x in (prob.q, prob.k, prob.v))
-        out = m.attention(q, k, v, causal=case.causal, comm=c, docs=case.documents)
+        out = m.attention(q, k, v, causal=case.causal, comm=c, docs=case.documents, softcap=case.softcap)
         fwd = (led.bytes_sent, led.bytes_recv)
         fwd_records = list(led.records)
         torch.autograd.grad(out, (q, k, v), lay.shard(prob.dout, comm.rank))

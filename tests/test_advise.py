@@ -343,3 +343,21 @@ def test_equal_predictions_merge_only_where_every_token_sits_on_the_same_rank():
     different = dict(row, **{M.BYTES_SENT: 11})  # one number apart: two schedules
     other = Candidate("zigzag_ring", {}, "zigzag_ring", ulysses_degree=1, ring_degree=8, row=different)
     assert len(merge_same_schedules(q, [cand("usp", ulysses_degree=1), other])) == 2
+
+
+def test_a_value_head_dim_of_its_own_sets_the_bytes_of_k_and_v(tmp_path):
+    """MLA (DeepSeek-V3: q/k head dim 192, v 128): the model file's head_dim_v reaches the simulated
+    problem, and a K/V ring's bytes count K at the query/key head dim and V at the values'."""
+    from suite.advise import load_model
+
+    ds = load_model("deepseek_v3")
+    assert (ds.heads, ds.kv_heads, ds.head_dim, ds.head_dim_v, ds.layers) == (128, 128, 192, 128, 61)
+    assert load_model("qwen3_32b").head_dim_v is None  # absent: equal to head_dim
+    path = tmp_path / "mla.yaml"
+    path.write_text("name: mla\nheads: 4\nkv_heads: 4\nhead_dim: 48\nhead_dim_v: 32\nlayers: 2\n")
+    q = make_question(model=str(path), topology="h100_sxm", seq_len=2048, pass_="fwd", gpus=4)
+    assert q.case().head_dim_v == 32
+    adv = advise(q, results_root=str(tmp_path), mlflow=False)
+    ring = next(c for c in adv.ranked if c.method == "ring")
+    local = 2048 // 4
+    assert ring.row[M.BYTES_SENT] == 3 * local * 4 * (48 + 32) * 2  # 3 hops of K (48) and V (32), bf16

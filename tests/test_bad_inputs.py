@@ -63,6 +63,8 @@ ADVISE = ["advise", "--model", "llama3_8b", "--topology", "h100_sxm", "--no-mlfl
         (RUN + ["run.warmup=100000000000"], "run.warmup"),
         (RUN + ["sweep.seq_len=[100000000000000000000]"], "sweep.seq_len"),
         (RUN + ["sweep.world_size=[256]"], "sweep.world_size"),
+        (RUN + ["sweep.head_dim_v=[0]"], "sweep.head_dim_v"),
+        (RUN + ["sweep.softcap=[-1.0]"], "sweep.softcap"),
         # item 13: reports, relog, advise, plugins
         (["report", "rows/missing", "--no-mlflow", "--out", "rep"], "'method'"),
         (["report", "rows/typed", "--no-mlflow", "--out", "rep"], "'seq_len'"),

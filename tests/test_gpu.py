@@ -244,3 +244,36 @@ def test_torch_flash_blocks_match_float64():
         torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)
         for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
             torch.testing.assert_close(got.double(), want, atol=5e-2, rtol=5e-2, msg=f"{name} {sq} {sk} {offset}")
+
+
+@pytest.mark.skipif(DEVICE != "cuda", reason="the fused CUDA kernels run on CUDA only")
+@pytest.mark.parametrize("kernel", ["torch_flash", "flash_attn"])
+def test_mla_head_dims_and_softcap_on_the_gpu_kernels_match_float64(kernel):
+    """DeepSeek-V3's head dims (q/k 192, v 128) on the fused kernels, which take one head dim: the
+    kernel layer pads V with zero columns and slices out and dv back; flash-attn also soft-caps
+    (cap 5 with scores of a few units). Against float64 math, forward and backward, causal and full."""
+    from methods import kernels
+
+    if not kernels.kernel_status(kernel)[0]:
+        pytest.skip(kernels.kernel_status(kernel)[1])
+    caps = [0.0] + ([5.0] if kernel == "flash_attn" and not kernels.softcap_reason(kernel) else [])
+    g = torch.Generator(device="cuda").manual_seed(1)
+    for cap in caps:
+        for offset in (None, 0):
+            q = 3 * torch.randn(1, 256, 8, 192, device="cuda", generator=g, dtype=torch.bfloat16)
+            k = torch.randn(1, 256, 8, 192, device="cuda", generator=g, dtype=torch.bfloat16)
+            v = torch.randn(1, 256, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+            dout = torch.randn(1, 256, 8, 128, device="cuda", generator=g, dtype=torch.bfloat16)
+            scale = kernels.with_softcap(192**-0.5, cap)
+            out, lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=offset, kernel=kernel)
+            grads = kernels.block_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=offset, kernel=kernel)
+            q64, k64, v64, d64 = (x.double() for x in (q, k, v, dout))
+            ref_out, ref_lse = kernels.block_forward(q64, k64, v64, scale=scale, causal_offset=offset, kernel="math")
+            ref = kernels.block_backward(
+                d64, q64, k64, v64, ref_out, ref_lse, scale=scale, causal_offset=offset, kernel="math"
+            )
+            assert out.shape == (1, 256, 8, 128) and grads[2].shape == v.shape
+            torch.testing.assert_close(lse.double(), ref_lse, atol=2e-2, rtol=0)
+            torch.testing.assert_close(out.double(), ref_out, atol=2e-2, rtol=2e-2)
+            for name, got, want in zip(("dq", "dk", "dv"), grads, ref):
+                torch.testing.assert_close(got.double(), want, atol=1e-1, rtol=5e-2, msg=f"{name} cap {cap} {offset}")

@@ -204,6 +204,27 @@ def test_counted_bytes_equal_the_declared_formula_under_a_mask(name, options, wo
         assert both == both_want, (name, options, rank, "forward + backward", both, both_want)
 
 
+@pytest.mark.parametrize("name,options", OWN, ids=IDS)
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_counted_bytes_follow_a_value_head_dim_other_than_the_query_one(name, options, world_size, causal):
+    """MLA-like head dims (q/k 12, v 8; DeepSeek-V3's 192 and 128): K, Q, dQ, dK travel at the
+    query/key width and V, out, dO, dV at the values', and every rank's counted bytes still equal
+    its `expected_rank_bytes`, which differ from those of equal head dims (the test bites)."""
+    case = Case(1, seq_len_for(name, world_size, options, 4, 2), 4, 2, 12, "bfloat16", causal, world_size)
+    case = replace(case, head_dim_v=8)
+    m = methods.get_method(name, **options)
+    if not m.supports(case)[0]:
+        return
+    same = replace(case, head_dim_v=None)
+    assert m.expected_bytes(case, "fwd_bwd") != m.expected_bytes(same, "fwd_bwd") or world_size == 1
+    for rank, (got_fwd, got_bwd, _) in enumerate(counted(name, case, **options)):
+        fwd_want, both_want = m.expected_rank_bytes(case, "fwd", rank), m.expected_rank_bytes(case, "fwd_bwd", rank)
+        assert got_fwd == fwd_want, (name, options, rank, "forward", got_fwd, fwd_want)
+        both = (got_fwd[0] + got_bwd[0], got_fwd[1] + got_bwd[1])
+        assert both == both_want, (name, options, rank, "forward + backward", both, both_want)
+
+
 def test_the_byte_formulas_are_not_vacuous():
     """The formulas the generic test checks move what the algorithms must: the ring family's K/V
     on P-1 hops, Ulysses' (P-1)/P of q, k, v, out, and nothing at one rank."""

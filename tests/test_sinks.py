@@ -31,12 +31,13 @@ def _heads(world_size: int) -> tuple[int, int]:
     return (6, 3) if world_size == 3 else (6, 2)
 
 
-def _case(method, world_size, causal, seq_len, lengths=None, mask=None, batch=2):
+def _case(method, world_size, causal, seq_len, lengths=None, mask=None, batch=2, dv=None, cap=0.0):
     """The case `method` runs (padded to its granule with documents when any) and the true
-    documents of the reference (None: plain)."""
+    documents of the reference (None: plain). dv, cap: a value head dim and a soft cap."""
     heads, kv_heads = _heads(world_size)
     true_docs = Documents(lengths, seq_len, mask) if lengths is not None else None
-    case = Case(batch, seq_len, heads, kv_heads, 8, "float32", causal, world_size, documents=true_docs, sinks=True)
+    variant = dict(sinks=True, head_dim_v=dv, softcap=cap)
+    case = Case(batch, seq_len, heads, kv_heads, 8, "float32", causal, world_size, documents=true_docs, **variant)
     padded = method.padded_len(case)
     if true_docs is not None:
         case = Case(
@@ -49,7 +50,7 @@ def _case(method, world_size, causal, seq_len, lengths=None, mask=None, batch=2)
             causal,
             world_size,
             documents=Documents(lengths, padded, mask),
-            sinks=True,
+            **variant,
         )
     return case, true_docs
 
@@ -63,8 +64,9 @@ def _run(method, case, prob, comm):
 
     q, k, v = (lay.shard(padded(x), comm.rank).requires_grad_() for x in (prob.q, prob.k, prob.v))
     sinks = prob.sinks.clone().requires_grad_()
+    cap = {"softcap": case.softcap} if case.softcap else {}
     out, lse = method.attention(
-        q, k, v, causal=case.causal, comm=comm, return_lse=True, docs=case.documents, sinks=sinks
+        q, k, v, causal=case.causal, comm=comm, return_lse=True, docs=case.documents, sinks=sinks, **cap
     )
     grads = torch.autograd.grad(out, (q, k, v, sinks), lay.shard(padded(prob.dout), comm.rank))
     return (out.detach(), lse) + grads
@@ -85,10 +87,10 @@ def errors(method, case, prob, seq_len):
     return out
 
 
-def check(name, options, world_size, causal, seq_len, lengths=None, mask=None, batch=2) -> str:
+def check(name, options, world_size, causal, seq_len, lengths=None, mask=None, batch=2, dv=None, cap=0.0) -> str:
     """Every tensor within the pass rule; '' or the method's reason to refuse the case."""
     m = methods.get_method(name, **options)
-    case, true_docs = _case(m, world_size, causal, seq_len, lengths, mask, batch)
+    case, true_docs = _case(m, world_size, causal, seq_len, lengths, mask, batch, dv, cap)
     ok, why = m.supports(case)
     if not ok:
         return why
@@ -107,6 +109,8 @@ def check(name, options, world_size, causal, seq_len, lengths=None, mask=None, b
         with_reference=True,
         documents=true_docs,
         sinks=True,
+        head_dim_v=dv,
+        softcap=cap,
     )
     bad = {t: e for t, e in errors(m, case, prob, seq_len).items() if not e[0] <= e[1]}
     assert not bad, f"{name} {options} P={world_size} causal={causal}: (error, tolerance) {bad}"
@@ -123,6 +127,16 @@ def test_every_method_matches_float64_with_sinks(name, options, world_size, caus
     granule = m.granule(Case(1, 0, *_heads(world_size), 8, "float32", causal, world_size))
     why = check(name, options, world_size, causal, 3 * granule)
     assert "sink" not in why, why  # a method may refuse sizes it cannot split, never the sinks
+
+
+@pytest.mark.parametrize("name,options", OWN, ids=IDS)
+def test_sinks_a_value_head_dim_and_a_soft_cap_together(name, options):
+    """The three variants of issue 27 at once (gpt-oss's sinks on DeepSeek's head dims, capped):
+    the sink is folded after the capped scores' last merge and never capped itself."""
+    world_size = 4 if options.get("ulysses_degree") == 2 or options.get("ranks_per_node") == 2 else 3
+    m = methods.get_method(name, **options)
+    granule = m.granule(Case(1, 0, *_heads(world_size), 8, "float32", True, world_size))
+    assert check(name, options, world_size, True, 3 * granule, dv=5, cap=2.0) == ""
 
 
 @pytest.mark.parametrize("name,options", OWN, ids=IDS)

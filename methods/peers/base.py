@@ -42,6 +42,11 @@ class PeerMethod(Method):
     """Why the library cannot compute a mask family other than causal and full (methods/masks.py):
     no peer adapter passes one, so a trial of such a family is refused with this reason rather than
     run with the plain mask."""
+    softcap_reason: ClassVar[str] = ""
+    """Why the library cannot soft-cap logits (Gemma 2), the skip reason of a trial with a cap; a
+    library that can says so in `takes_softcap` and its `_call` takes `softcap`."""
+    head_dim_v_reason: ClassVar[str] = ""
+    """Why the library cannot take a value head dim other than the query/key one (MLA)."""
     traceable: ClassVar[bool] = False
     """The simulator can trace the library's own code (through `simulate`); else `trace_reason` says why not."""
     trace_reason: ClassVar[str] = ""
@@ -67,9 +72,18 @@ class PeerMethod(Method):
         self.simulated, self.module = True, module
         return self
 
+    def takes_softcap(self, case: Case) -> bool:
+        """Whether this adapter passes a logit soft cap to the library for `case` (which computes it)."""
+        return False
+
     def supports(self, case: Case) -> tuple[bool, str]:
         if case.documents is not None and case.documents.mask is not None:
             return False, self.mask_refusal(case.documents.mask)
+        if case.head_dim_v not in (None, case.head_dim):
+            why = self.head_dim_v_reason or "the library takes one head dim for q, k and v"
+            return False, f"{self.name}: {why} (head_dim {case.head_dim}, head_dim_v {case.head_dim_v})"
+        if case.softcap and not self.takes_softcap(case):
+            return False, f"{self.name}: {self.softcap_reason or 'the library takes no logit soft cap'}"
         # a simulated method runs here, on meta tensors: the generic checks are this machine's
         return super().supports(dataclasses.replace(case, device="cpu") if self.simulated else case)
 
@@ -88,6 +102,7 @@ class PeerMethod(Method):
         return_lse: bool = False,
         docs=None,
         sinks=None,
+        softcap: float = 0.0,
     ):
         check_local_inputs(q, k, v)
         world = dist_world_size()
@@ -103,7 +118,9 @@ class PeerMethod(Method):
         if docs is not None and not self.supports_documents:
             raise ValueError(self.documents_reason or f"{self.name} takes no packed documents")
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
-        extra = {"docs": docs} if docs is not None else {}
+        extra: dict = {"docs": docs} if docs is not None else {}
+        if softcap:  # only adapters whose `takes_softcap` holds are given a trial with a cap
+            extra["softcap"] = float(softcap)
         out, lse = self._call(q.contiguous(), k.contiguous(), v.contiguous(), bool(causal), scale, **extra)
         return (out, lse) if return_lse else out
 

@@ -67,6 +67,12 @@ class _RFA(PeerMethod):
         "ring-flash-attn's ring functions take only causal or full masks (a sliding window only on its "
         "llama3 path, as flash-attn's window_size, which this adapter does not pass)"
     )
+    softcap_reason: ClassVar[str] = (
+        "ring-flash-attn's functions take no softcap argument (its flash-attn calls pass softcap=0.0)"
+    )
+    head_dim_v_reason: ClassVar[str] = (
+        "ring-flash-attn runs flash-attn 2's kernels, which take one head dim for q, k and v"
+    )
     impl: str = f"ring-flash-attn {VERSION}"
     function: ClassVar[str]
     causal_only: ClassVar[bool] = False
@@ -93,7 +99,7 @@ class _RFA(PeerMethod):
             return False, f"ring-flash-attn's {self.function} asserts causal=True"
         return super().supports(case)
 
-    def kernel_used(self, device, dtype, head_dim) -> str:
+    def kernel_used(self, device, dtype, head_dim, **_variant) -> str:
         if self.simulated:
             return "flash-attn trace stand-in"
         return "suite cpu kernel (test double)" if self.shim else "ring-flash-attn flash_attn"

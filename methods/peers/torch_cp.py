@@ -67,6 +67,13 @@ class _TorchCP(PeerMethod):
     mask_reason = "PyTorch's context_parallel shards SDPA with its causal flag only: it takes no attention mask"
     library: ClassVar[str] = "torch"
     impl: str = f"torch {torch.__version__.split('+')[0]} context_parallel"
+    softcap_reason: ClassVar[str] = (
+        "torch context_parallel shards F.scaled_dot_product_attention, which has no logit soft-capping argument"
+    )
+    head_dim_v_reason: ClassVar[str] = (
+        "SDPA's flash backend refuses a value head dim other than the query/key one, and this adapter "
+        "does not pin the efficient or cuDNN backends that take it under context_parallel"
+    )
     trace_reason: ClassVar[str] = (
         "torch context_parallel rewrites SDPA through DTensor dispatch and functional collectives on a "
         "DeviceMesh, with sharding rules for the CUDA SDPA kernels only; the simulator's fake process "
@@ -102,7 +109,7 @@ class _TorchCP(PeerMethod):
             return False, why
         return ok, why
 
-    def kernel_used(self, device, dtype, head_dim) -> str:
+    def kernel_used(self, device, dtype, head_dim, **_variant) -> str:
         return "torch sdpa (cuda)"
 
     def _call(self, q, k, v, causal: bool, scale: float):

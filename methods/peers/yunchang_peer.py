@@ -106,7 +106,8 @@ def _shim_forward(
     if dropout_p:
         raise ValueError("kernel shim: no dropout")
     offset = (k.shape[1] - q.shape[1]) if causal else None
-    return kernels.block_forward(q, k, v, scale=softmax_scale, causal_offset=offset, kernel="auto")
+    scale = kernels.with_softcap(softmax_scale, softcap or 0.0)  # yunchang passes its softcap through
+    return kernels.block_forward(q, k, v, scale=scale, causal_offset=offset, kernel="auto")
 
 
 @contextlib.contextmanager
@@ -133,6 +134,19 @@ class _YunchangBase(PeerMethod):
     )
     library: ClassVar[str] = "yunchang"
     impl: str = f"yunchang {VERSION}"
+    softcap_reason: ClassVar[str] = (
+        "yunchang's torch attention types drop the softcap argument (pytorch_attn_forward ignores it); "
+        "its flash-attn type passes it (CUDA with flash-attn)"
+    )
+    head_dim_v_reason: ClassVar[str] = (
+        "yunchang runs flash-attn 2's kernels (or SDPA's flash op), which take one head dim for q, k and v"
+    )
+
+    def takes_softcap(self, case: Case) -> bool:
+        """LongContextAttention hands `softcap` to its ring functions and on to flash-attn; the kernel
+        shim computes it with the suite's kernels."""
+        return self.kernel_shim or self.attn_type(torch.device(case.device)) == "fa"
+
     traceable = True
 
     def __init__(
@@ -206,11 +220,11 @@ class _YunchangBase(PeerMethod):
             )
         return None
 
-    def kernel_used(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    def kernel_used(self, device: torch.device, dtype: torch.dtype, head_dim: int, softcap: float = 0.0, **_) -> str:
         if self.simulated:
             return "yunchang fa: flash-attn trace stand-in"
         if self.kernel_shim:
-            return "suite " + kernels.resolve_kernel("auto", device, dtype, head_dim) + " (shim)"
+            return "suite " + kernels.resolve_kernel("auto", device, dtype, head_dim, softcap=softcap) + " (shim)"
         return "yunchang " + self.attn_type(device)
 
     def options(self) -> dict:
@@ -221,7 +235,7 @@ class _YunchangBase(PeerMethod):
             "kernel_shim": self.kernel_shim,
         }
 
-    def _call(self, q, k, v, causal: bool, scale: float):
+    def _call(self, q, k, v, causal: bool, scale: float, softcap: float = 0.0):
         world = dist_world_size()
         case = Case(
             batch=q.shape[0],
@@ -237,7 +251,7 @@ class _YunchangBase(PeerMethod):
         ud, rd = self.degrees(case)
         attn = _layer(ud, rd, self.ring_impl, self.attn_type(q.device), cached=not self.simulated)
         with _kernel_shim() if self.kernel_shim else contextlib.nullcontext():
-            out = attn(q, k, v, softmax_scale=scale, causal=causal)
+            out = attn(q, k, v, softmax_scale=scale, causal=causal, **({"softcap": softcap} if softcap else {}))
         return out, None
 
 

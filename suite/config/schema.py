@@ -34,6 +34,8 @@ AXES = (
     "workload",
     "mask",
     "sinks",
+    "head_dim_v",
+    "softcap",
 )
 
 
@@ -73,6 +75,14 @@ class SweepConfig:
     kv_heads: list[int] = field(default_factory=lambda: [8])
     """KV heads; fewer than `heads` is GQA (heads must be a multiple)."""
     head_dim: list[int] = field(default_factory=lambda: [64])
+    head_dim_v: list[Optional[int]] = field(default_factory=lambda: [None])
+    """The values' (and the output's) head dim: null, the default, is equal to head_dim (a value
+    equal to head_dim is that same point). MLA models differ: DeepSeek-V3 has head_dim 192 and
+    head_dim_v 128, so K and V cost different bytes on every link."""
+    softcap: list[float] = field(default_factory=lambda: [0.0])
+    """Logit soft caps (Gemma 2): scores become softcap * tanh(s / softcap) before the softmax; 0 is
+    off. Kernels without a cap argument (cpu_flash, torch_flash) skip the point; kernel auto runs
+    it on math (or flash-attn where it takes `softcap`)."""
     dtype: list[str] = field(default_factory=lambda: ["float32"])
     causal: list[bool] = field(default_factory=lambda: [True, False])
     """The two plain masks (causal, full). `mask`, when given, replaces this axis."""

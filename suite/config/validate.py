@@ -84,6 +84,22 @@ def validate(cfg: SuiteConfig) -> None:
     for axis in ("world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim"):
         for v in getattr(s, axis):
             _require(v >= 1, f"sweep.{axis}", f"values must be >= 1, got {v}")
+    _require(len(s.head_dim_v) > 0, "sweep.head_dim_v", "needs at least one value (null: equal to head_dim)")
+    _require(len(set(map(str, s.head_dim_v))) == len(s.head_dim_v), "sweep.head_dim_v", "has duplicates")
+    for v in s.head_dim_v:
+        _require(
+            v is None or v >= 1,
+            "sweep.head_dim_v",
+            f"values must be >= 1 (or null: equal to head_dim), got {v}; use the values' head dim, e.g. 128",
+        )
+    _require(len(s.softcap) > 0, "sweep.softcap", "needs at least one value (0: no capping)")
+    _require(len(set(map(float, s.softcap))) == len(s.softcap), "sweep.softcap", f"has duplicates: {s.softcap}")
+    for v in s.softcap:
+        _require(
+            math.isfinite(v) and v >= 0,
+            "sweep.softcap",
+            f"values must be finite and >= 0 (0: no capping), got {v}; Gemma 2 caps attention logits at 50",
+        )
     for v in s.seq_len:
         _require(
             v <= MAX_SEQ_LEN,
@@ -181,6 +197,13 @@ def validate(cfg: SuiteConfig) -> None:
         problem = next(problems(cfg.perplexity, cfg.sweep.causal, cfg.sweep.mask, cfg.masks), None)
         if problem is not None:
             raise ConfigError(f"{problem[0]}: {problem[1]}")
+        # the trained model's projections have one head dim and no cap (suite/perplexity/model.py)
+        _require(
+            all(v is None or v in s.head_dim for v in s.head_dim_v),
+            "sweep.head_dim_v",
+            "a perplexity check trains a model with one head dim for q, k and v; leave it null",
+        )
+        _require(not any(s.softcap), "sweep.softcap", "a perplexity check trains a model without a logit cap; use [0]")
     if r.executor == "sim":
         _validate_sim(cfg)
 

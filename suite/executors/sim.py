@@ -61,7 +61,7 @@ class SimExecutor(Executor):
         ok, why = topo.fits(spec.world_size)
         if not ok:
             return ok, why
-        return compute.supports(spec.dtype, spec.head_dim)
+        return compute.supports(spec.dtype, max(spec.head_dim, spec.head_dim_v or 0))  # kernels run the wider
 
     def run(self, spec: TrialSpec) -> Outcome:
         try:

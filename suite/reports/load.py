@@ -207,6 +207,11 @@ def combine(sets: list[ResultSet]) -> ResultSet:
     return ResultSet(normalise(frame), [src for s in sets for src in s.sources], [n for s in sets for n in s.notes])
 
 
+def _dims(r) -> str:
+    """D, or D/Dv where the values' head dim differs from the query/key one (MLA)."""
+    return f"{r['head_dim']}" if r["head_dim_v"] == r["head_dim"] else f"{r['head_dim']}/{r['head_dim_v']}"
+
+
 def normalise(df: pd.DataFrame) -> pd.DataFrame:
     """Every documented column present (missing ones as empty), derived labels added."""
     df = df.copy()
@@ -218,6 +223,14 @@ def normalise(df: pd.DataFrame) -> pd.DataFrame:
     # the length mix (uniform, or packed documents of a named distribution) is part of the mask:
     # a document-causal mask is another problem than the causal one
     df["workload"] = df["workload"].fillna("")  # rows from before the column existed: one document each
+    # a variant's identity, on rows that set it only (metrics.VARIANT_IDENTITY): the plain value
+    # elsewhere, so that grouping by it never drops a row (a NaN key) nor splits plain rows
+    hdv = df["head_dim_v"] if "head_dim_v" in df else pd.Series(None, index=df.index, dtype=object)
+    df["head_dim_v"] = [int(v) if pd.notna(v) and v else int(h) for h, v in zip(df["head_dim"], hdv)]
+    cap = df["softcap"] if "softcap" in df else pd.Series(None, index=df.index, dtype=object)
+    df["softcap"] = [float(c) if pd.notna(c) else 0.0 for c in cap]
+    sinks = df["sinks"] if "sinks" in df else pd.Series(None, index=df.index, dtype=object)
+    df["sinks"] = [bool(on) if pd.notna(on) else False for on in sinks]  # rows from before sinks: none
     df["mix"] = df["workload"].map(M.workload_label)
     # the row's own column: the full, parseable name ("" for the plain masks, whose flag is `causal`,
     # and rows from before the column)
@@ -225,11 +238,14 @@ def normalise(df: pd.DataFrame) -> pd.DataFrame:
     if "mask_name" not in df or df["mask_name"].isna().any():
         df["mask_name"] = [m if isinstance(m, str) and m not in M.PLAIN_MASKS else "" for m in df["mask"]]
     df["family"] = [M.mask_label(m, c) for m, c in zip(df["mask_name"], df["causal"])]
-    df["mask"] = [fam + ("" if mix == "uniform" else f", {mix}") for fam, mix in zip(df["family"], df["mix"])]
+    df["mask"] = [
+        fam + (f" cap {c:g}" if c else "") + ("" if mix == "uniform" else f", {mix}")
+        for fam, c, mix in zip(df["family"], df["softcap"], df["mix"])
+    ]
     # shape: everything of the problem but its length, mask and pass (figures draw one shape at a
     # time: rows of different shapes are never averaged into one point)
     df["shape"] = df.apply(
-        lambda r: f"B={r['batch']} H={r['heads']}/{r['kv_heads']} D={r['head_dim']} {r['dtype']}", axis=1
+        lambda r: f"B={r['batch']} H={r['heads']}/{r['kv_heads']} D={_dims(r)} {r['dtype']}", axis=1
     )
     df["config"] = df.apply(lambda r: f"{r['shape']} S={r['seq_len']} {r['mask']} {r['pass']}", axis=1)
     return df

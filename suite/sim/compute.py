@@ -309,7 +309,7 @@ class ComputeModel:
             e = Compute.from_row(b)
             self.table[e] = float(b["seconds"])
             if e.pairs:
-                by_class.setdefault((e.op, mask_class(e), e.head_dim, e.dtype), []).append(
+                by_class.setdefault((e.op, mask_class(e), e.width, e.dtype), []).append(
                     (math.log(e.flops), e.flops / float(b["seconds"]))
                 )
         for k, pts in by_class.items():
@@ -412,17 +412,17 @@ class ComputeModel:
     def _tile_time(self, e: Compute) -> float:
         if e.pieces is not None:  # packed documents our code runs piece by piece: one call each
             return sum(
-                n * self._call(e.op, 1, e.heads, e.head_dim, sq, sk, off, lower) for (sq, sk, off, lower), n in e.pieces
+                n * self._call(e.op, 1, e.heads, e.width, sq, sk, off, lower) for (sq, sk, off, lower), n in e.pieces
             )
         if e.doc_pairs is not None and e.causal_offset is None and e.pairs < e.sq * e.sk:
             # a partly visible block whose pieces the event does not carry: its visible pairs bound its
             # tiles from below (as if packed into whole tiles, spread evenly over the block's rows, one call)
-            _, causal = self.costs(e.op, e.head_dim)
+            _, causal = self.costs(e.op, e.width)
             tm, tn = causal.tile
             rows = -(-e.sq // tm) if e.op == "fwd" else -(-e.sk // tn)
             unit = causal.unit_s + e.pairs / (tm * tn) / rows * causal.tile_s
             return self.launch_s + makespan(np.array([unit]), np.array([rows]), e.batch * e.heads, self.sms)
-        return self._call(e.op, e.batch, e.heads, e.head_dim, e.sq, e.sk, e.causal_offset)
+        return self._call(e.op, e.batch, e.heads, e.width, e.sq, e.sk, e.causal_offset)
 
     def time(self, e: Compute | Memory) -> float:
         if isinstance(e, Memory):
@@ -433,7 +433,7 @@ class ComputeModel:
             hit = self.table.get(e)
             if hit is not None:
                 return hit
-            cls = (e.op, mask_class(e), e.head_dim, e.dtype)
+            cls = (e.op, mask_class(e), e.width, e.dtype)
             if cls not in self.rates:
                 raise TopologyError(
                     f"compute table of {self.topology.name} has no {cls} blocks near {e}; calibrate with this sweep"

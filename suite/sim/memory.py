@@ -53,14 +53,15 @@ def estimate(method: Method, case: Case, pass_: str) -> MemoryEstimate:
     local = case.seq_len // p
     u, r = method.degrees(case)
     rep = kv_replication(case.kv_heads, u) if u > 1 else 1
-    tokens_heads = case.batch * local * case.head_dim  # one head's worth of local tokens, in elements
-    q = tokens_heads * case.heads * e
-    kv = tokens_heads * case.kv_heads * e  # one of k, v
+    tokens = case.batch * local
+    q = tokens * case.heads * case.head_dim * e
+    o = tokens * case.heads * case.dv * e  # out and dout: the values' head dim (MLA: not q's)
+    kv = tokens * case.kv_heads * case.kv_dims * e // 2  # one of k, v (their mean, when their dims differ)
     lse = case.batch * case.heads * local * 4
-    q_acc, kv_acc = q // e * a, kv // e * a
+    q_acc, o_acc, kv_acc = q // e * a, o // e * a, kv // e * a
     fwd = bwd = 0
-    bwd_inputs = q if pass_ == "fwd_bwd" else 0  # dout
-    fwd += q + q_acc + lse + q_acc  # out, its accumulator, LSE, one block's result
+    bwd_inputs = o if pass_ == "fwd_bwd" else 0  # dout
+    fwd += o + o_acc + lse + o_acc  # out, its accumulator, LSE, one block's result
     scattered = 0
     if u > 1:
         scattered = q + 2 * kv * rep  # every token of the group for this rank's heads
@@ -80,7 +81,7 @@ def estimate(method: Method, case: Case, pass_: str) -> MemoryEstimate:
             bwd += 2 * bwd_step  # what circulates: K/V and dK/dV, or query packets
     saved = 0
     if pass_ == "fwd_bwd":
-        saved = q + 2 * kv + q + lse + scattered + (q if u > 1 else 0)
+        saved = q + 2 * kv + o + lse + scattered + (o if u > 1 else 0)
     return MemoryEstimate(inputs=q + 2 * kv + bwd_inputs, working=fwd + bwd, saved=saved)
 
 

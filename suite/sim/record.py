@@ -50,6 +50,7 @@ class Compute:
     # piece (methods/kernels.py forward_by_pieces): each piece shape (sq, sk, causal offset) of one
     # batch element, with how many times it occurs over the batch; what its tiles are counted from
     pieces: Optional[tuple[tuple[tuple[int, int, Optional[int], Optional[int]], int], ...]] = None
+    head_dim_v: Optional[int] = None  # the values' head dim, None: head_dim (MLA differs)
 
     @classmethod
     def from_row(cls, row: dict) -> "Compute":
@@ -66,8 +67,16 @@ class Compute:
         return visible_pairs(self.sq, self.sk, self.causal_offset)
 
     @property
+    def width(self) -> int:
+        """The head dim the kernel runs at: the wider of the query/key and value head dims (the
+        fused kernels take one head dim and run unequal ones padded, methods/kernels.py)."""
+        return max(self.head_dim, self.head_dim_v or self.head_dim)
+
+    @property
     def flops(self) -> float:
-        return 4.0 * self.batch * self.heads * self.head_dim * self.pairs * (2.5 if self.op == "bwd" else 1.0)
+        """QK^T at the query/key head dim, PV at the values' (4 * D per pair when they are equal)."""
+        dims = self.head_dim + (self.head_dim_v or self.head_dim)
+        return 2.0 * self.batch * self.heads * dims * self.pairs * (2.5 if self.op == "bwd" else 1.0)
 
 
 @dataclass(frozen=True)
@@ -277,7 +286,16 @@ class TracingComm(CountingComm):
 
 
 def masked_compute(
-    op: str, b: int, sq: int, sk: int, heads: int, kv_heads: int, head_dim: int, dtype: str, mask
+    op: str,
+    b: int,
+    sq: int,
+    sk: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    dtype: str,
+    mask,
+    head_dim_v: Optional[int] = None,
 ) -> Compute:
     """The `Compute` event of a block under a block mask (methods/documents.py BlockMask): its visible
     pairs, and for a partly visible or banded block the pieces a flash kernel runs it as (one call
@@ -289,7 +307,20 @@ def masked_compute(
             (r.stop - r.start, c.stop - c.start, off, low) for i in range(b) for r, c, off, low in mask.pieces(i)
         )
         pieces = tuple(sorted(count.items(), key=lambda x: tuple(-(1 << 62) if v is None else v for v in x[0])))
-    return Compute(op, b, sq, sk, heads, kv_heads, head_dim, plain, dtype, doc_pairs=mask.pairs, pieces=pieces)
+    return Compute(
+        op,
+        b,
+        sq,
+        sk,
+        heads,
+        kv_heads,
+        head_dim,
+        plain,
+        dtype,
+        doc_pairs=mask.pairs,
+        pieces=pieces,
+        head_dim_v=head_dim_v,
+    )
 
 
 class TracingKernel(kernels.TimedKernel):
@@ -309,12 +340,14 @@ class TracingKernel(kernels.TimedKernel):
         k: torch.Tensor,
         causal_offset: Optional[int],
         mask=None,
+        v: Optional[torch.Tensor] = None,
     ):
         b, sq, h, d = q.shape
+        dv = None if v is None or v.shape[-1] == d else v.shape[-1]  # MLA: the values' head dim
         if mask is not None:  # packed documents or a mask family: the mask's own pairs and pieces
-            e = masked_compute(op, b, sq, k.shape[1], h, k.shape[2], d, dtype_name(q.dtype), mask)
+            e = masked_compute(op, b, sq, k.shape[1], h, k.shape[2], d, dtype_name(q.dtype), mask, dv)
         else:
-            e = Compute(op, b, sq, k.shape[1], h, k.shape[2], d, causal_offset, dtype_name(q.dtype))
+            e = Compute(op, b, sq, k.shape[1], h, k.shape[2], d, causal_offset, dtype_name(q.dtype), head_dim_v=dv)
         with self.block(e):
             yield
 

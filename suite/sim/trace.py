@@ -53,6 +53,9 @@ def trace(
     meta = dict(device="meta", dtype=dtype)
     q = torch.empty(case.batch, case.seq_len, case.heads, case.head_dim, **meta)
     kv = torch.empty(case.batch, case.seq_len, case.kv_heads, case.head_dim, **meta)
+    # the values, and the output's gradient, have the values' head dim (MLA: narrower than q/k's)
+    v = torch.empty(case.batch, case.seq_len, case.kv_heads, case.dv, **meta)
+    dout = torch.empty(case.batch, case.seq_len, case.heads, case.dv, **meta)
     if probe.needs_processes:  # a peer library: its own code behind a fake torch.distributed
         from suite.sim import peers
 
@@ -64,8 +67,8 @@ def trace(
         method = methods.get_method(method_name, **options)  # one per rank: its kernel is per rank
         method.kernel = TracingKernel(ledger)
         c = TracingComm(comm, ledger)
-        ql, kl, vl, dl = (layout.shard(x, comm.rank) for x in (q, kv, kv, q))
-        scale = kernels.default_scale(case.head_dim)
+        ql, kl, vl, dl = (layout.shard(x, comm.rank) for x in (q, kv, v, dout))
+        scale = kernels.with_softcap(kernels.default_scale(case.head_dim), case.softcap)
         extra = {"docs": case.documents} if case.documents is not None else {}
         # with sinks, what `attention` runs: the fold, and the LSE it asks for (the sinks' gradient
         # reads it; Ulysses then brings it back); dsink itself is a small [B, H, S] reduction

@@ -58,6 +58,8 @@ class AttentionWorkload(Workload):
                 with_reference=checked,
                 documents=true_docs,
                 sinks=spec.sinks,
+                head_dim_v=spec.head_dim_v,
+                softcap=spec.softcap,
             ),
         )
         ctx.prepared()
@@ -65,7 +67,8 @@ class AttentionWorkload(Workload):
         pad = case.seq_len - spec.seq_len
         q, k, v, dout = (layout.shard(_pad(x, pad), rank) for x in (prob.q, prob.k, prob.v, prob.dout))
         real = layout.positions(rank) < spec.seq_len  # this rank's rows that are not padding
-        report = RankReport(rank=rank, checked=checked, kernel_used=method.kernel_used(device, q.dtype, spec.head_dim))
+        used = method.kernel_used(device, q.dtype, spec.head_dim, head_dim_v=spec.head_dim_v, softcap=spec.softcap)
+        report = RankReport(rank=rank, checked=checked, kernel_used=used)
 
         # 1. Correctness against float64 attention on the unsharded inputs (padding rows excluded).
         if checked:
@@ -132,11 +135,13 @@ class AttentionWorkload(Workload):
         med = row[M.TIME_MS_MEDIAN]
         docs = spec.documents()
         if docs is None:  # padding (if any) excluded: the convention on the true length
-            flops = M.attention_flops(spec.batch, spec.seq_len, spec.heads, spec.head_dim, spec.causal, spec.pass_)
+            flops = M.attention_flops(
+                spec.batch, spec.seq_len, spec.heads, spec.head_dim, spec.causal, spec.pass_, spec.head_dim_v
+            )
         else:  # packed documents or a mask family: their exact visible pairs
             everything = torch.arange(spec.seq_len)
             pairs = docs.visible_pairs(everything, everything, spec.causal)
-            flops = M.pairs_flops(pairs, spec.heads, spec.head_dim, spec.pass_)
+            flops = M.pairs_flops(pairs, spec.heads, spec.head_dim, spec.pass_, spec.head_dim_v)
         row.update(balance_columns(spec, reports, spec.run_case(spec.build_method()).seq_len))
         row.update(breakdown_columns(reports, med))
         row.update(comm_columns(reports))
@@ -165,16 +170,19 @@ def _pad(x: torch.Tensor, n: int, dim: int = 1) -> torch.Tensor:
     return torch.cat([x, x.new_full(shape, fill)], dim=dim)
 
 
-def _where(real: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    return real.nonzero().flatten().to(like.device)
-
-
-def _extra(docs, sinks) -> dict[str, Any]:
-    """The optional arguments of `attention`, only those given (peer adapters refuse such trials)."""
+def _extra(spec: TrialSpec, docs, sinks=None) -> dict[str, Any]:
+    """Keyword arguments of a method's attention call beyond the plain ones, only when set: peer
+    adapters take neither documents, sinks nor a cap (they refuse such trials in `supports`)."""
     extra: dict[str, Any] = {"docs": docs} if docs is not None else {}
+    if spec.softcap:
+        extra["softcap"] = spec.softcap
     if sinks is not None:
         extra["sinks"] = sinks
     return extra
+
+
+def _where(real: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return real.nonzero().flatten().to(like.device)
 
 
 def _outputs(method, spec: TrialSpec, q, k, v, dout, comm: Comm, autograd: bool, docs, sinks=None) -> dict[str, Any]:
@@ -183,7 +191,7 @@ def _outputs(method, spec: TrialSpec, q, k, v, dout, comm: Comm, autograd: bool,
     dsink: a rank's gradient of the sinks is its own rows' share (methods/base.py `attention`);
     the check sums the shares over the ranks here, outside the counted and timed calls, so the
     methods' byte formulas stay those of one attention call."""
-    extra = _extra(docs, sinks)
+    extra = _extra(spec, docs, sinks)
     if spec.pass_ == "fwd":
         with torch.no_grad():
             out, lse = method.attention(q, k, v, causal=spec.causal, comm=comm, return_lse=True, **extra)
@@ -245,7 +253,7 @@ def _breakdown(method, step, comm: Comm, device: torch.device, repeats: int) -> 
 def _make_step(method, spec: TrialSpec, q, k, v, dout, autograd: bool, docs, sinks=None):
     """The timed unit: forward without an autograd graph, or forward + backward (with the sinks'
     gradient when there are sinks)."""
-    extra = _extra(docs, sinks)
+    extra = _extra(spec, docs, sinks)
     if spec.pass_ == "fwd":
 
         def step(c: Comm) -> None:
