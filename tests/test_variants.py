@@ -207,3 +207,40 @@ def test_a_sweep_plans_variants_and_keeps_the_plain_points_keys():
     assert mla and all(s.identity()["head_dim_v"] == 128 and s.identity()["softcap"] == 5.0 for s in mla)
     assert all("head_dim_v" not in s.identity() and "softcap" not in s.identity() for s in plain)
     assert "D=192/128 cap=5" in mla[0].label()
+
+
+def test_a_model_with_a_narrower_value_head_trains_like_the_single_device_baseline():
+    """The perplexity model with head_dim_v (its wv and wo projections at the values' dim, as MLA's):
+    a ring of 3 and Ulysses at 2 give every step's loss and the perplexity of the single-device
+    baseline (torch's SDPA) within the check's tolerance, and the narrower values are another model."""
+    import functools
+
+    import methods
+    from methods import layouts
+    from methods.comm import run_threads
+    from suite.perplexity.data import load_corpus
+    from suite.perplexity.model import ModelConfig, sdpa_attend
+    from suite.perplexity.train import TrainConfig, train_and_evaluate
+
+    corpus = load_corpus("stdlib", max_bytes=200_000)
+    tc = TrainConfig(steps=4, batch=2, seq_len=36, lr=3e-3, warmup_steps=1, eval_batches=1)
+    single = layouts.contiguous(tc.seq_len, 1)
+
+    def baseline(model):
+        return train_and_evaluate(model, tc, corpus, layout=single, comm=None, make_attend=lambda c: sdpa_attend)
+
+    mla = ModelConfig(heads=4, kv_heads=2, head_dim=12, layers=2, head_dim_v=8)
+    want, plain = baseline(mla), baseline(ModelConfig(heads=4, kv_heads=2, head_dim=12, layers=2))
+    assert want.losses != plain.losses
+    for name, world_size in (("ring", 3), ("ulysses", 2)):
+        m = methods.get_method(name)
+        layout = m.layout(Case(tc.batch, tc.seq_len, 4, 2, 12, "float32", True, world_size, head_dim_v=8))
+
+        def attend(c, m=m):
+            return functools.partial(m.attention, causal=True, comm=c)
+
+        got = run_threads(
+            world_size, lambda comm: train_and_evaluate(mla, tc, corpus, layout=layout, comm=comm, make_attend=attend)
+        )[0]
+        assert max(abs(a - b) / abs(b) for a, b in zip(got.losses, want.losses)) < 1e-4, (name, got.losses)
+        assert abs(got.perplexity / want.perplexity - 1) < 1e-3, name

@@ -40,6 +40,11 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     sinks: bool = False  # attention sinks: a learned logit per query head in every row's softmax
+    head_dim_v: Optional[int] = None  # the values' head dim (MLA-like); None: head_dim
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim_v or self.head_dim
 
     @property
     def dim(self) -> int:
@@ -80,8 +85,8 @@ class Attention(nn.Module):
         self.cfg = cfg
         self.wq = nn.Linear(cfg.dim, cfg.heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.dv, bias=False)  # head_dim_v: MLA's narrower values
+        self.wo = nn.Linear(cfg.heads * cfg.dv, cfg.dim, bias=False)
         # zero: at the start the sink weighs as much as one key of score 0 (init_weights draws only
         # the matrices, so the other weights are drawn the same with or without sinks)
         self.sinks = nn.Parameter(torch.zeros(cfg.heads)) if cfg.sinks else None
@@ -91,9 +96,9 @@ class Attention(nn.Module):
         c = self.cfg
         q = rope(self.wq(x).view(b, s, c.heads, c.head_dim), positions, c.rope_theta)
         k = rope(self.wk(x).view(b, s, c.kv_heads, c.head_dim), positions, c.rope_theta)
-        v = self.wv(x).view(b, s, c.kv_heads, c.head_dim)
+        v = self.wv(x).view(b, s, c.kv_heads, c.dv)
         out = attend(q, k, v) if self.sinks is None else attend(q, k, v, sinks=self.sinks)
-        return self.wo(out.reshape(b, s, c.heads * c.head_dim))
+        return self.wo(out.reshape(b, s, c.heads * c.dv))
 
 
 class MLP(nn.Module):

@@ -128,7 +128,9 @@ def _configs(spec: TrialSpec) -> tuple[ModelConfig, TrainConfig, Corpus]:
             f"than the one planned (sha256 {w['data']['sha256'][:12]}): every rank must see "
             f"the same data (same Python version for the stdlib corpus)"
         )
-    model = ModelConfig(heads=spec.heads, kv_heads=spec.kv_heads, head_dim=spec.head_dim, **w["model"])
+    model = ModelConfig(
+        heads=spec.heads, kv_heads=spec.kv_heads, head_dim=spec.head_dim, head_dim_v=spec.head_dim_v, **w["model"]
+    )
     train = TrainConfig(batch=spec.batch, seq_len=spec.seq_len, **w["train"])
     return model, train, corpus
 
