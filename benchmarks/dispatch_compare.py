@@ -35,14 +35,19 @@ def method_name(row: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("runs", type=Path, nargs="+", help="results folders of configs/simulate_dispatch.yaml")
+    ap.add_argument(
+        "runs", type=Path, nargs="+", help="results folders of configs/simulate_dispatch.yaml (later ones win)"
+    )
     args = ap.parse_args()
-    rows = [
-        json.loads(line)
-        for run in args.runs
-        for line in (run / "trials.jsonl").read_text().splitlines()
-        if line.strip()
-    ]
+    # a later run's row replaces an earlier one of the same trial (e.g. one method rerun after a change)
+    latest: dict[tuple, dict] = {}
+    for run in args.runs:
+        for line in (run / "trials.jsonl").read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                ident = (r["method"], r["options"], r["world_size"], r["seq_len"], r["mask"], r["workload"])
+                latest[ident] = r
+    rows = list(latest.values())
     groups: dict[tuple[int, str], list[dict]] = defaultdict(list)
     for r in rows:
         groups[(r["world_size"], label(r))].append(r)

@@ -22,8 +22,9 @@ The plan (`DispatchPlan`), from the mask alone, so every rank computes the same 
 
 Forward on rank r: post stage 0's exchange, compute the local block (r's queries against its own
 keys, under the mask) while it arrives; then for each stage s: wait for it, post stage s+1's
-exchange, compute one kernel call per received message (all local queries against the message's
-keys, with their block mask), merged by online softmax (`OutputAccumulator`).
+exchange, compute one kernel call per received message (the local queries from the first to the
+last local chunk that sees the message's keys, against those keys, with their block mask), merged
+by online softmax (`OutputAccumulator`).
 
 Backward: the same K/V exchange again (the remote K/V are not kept between passes), one block
 backward per message; each message's dK/dV partial goes back to its sender in the input dtype (one
@@ -75,6 +76,7 @@ class Message:
     dst: int
     rows: torch.Tensor  # LongTensor [n], CPU
     positions: torch.Tensor  # LongTensor [n], CPU
+    q_rows: slice  # the receiver's local rows from its first to its last chunk that sees these keys
 
     @property
     def keys(self) -> int:
@@ -124,10 +126,11 @@ class DispatchPlan:
         return self._masks[key]
 
     def mask(self, msg: Message) -> BlockMask:
-        """The mask of the receiver's queries against a message's keys (never empty, by the plan)."""
+        """The mask of the receiver's queries `msg.q_rows` against a message's keys (never empty, by
+        the plan)."""
         key = id(msg)
         if key not in self._masks:
-            self._masks[key] = self.docs.block(self.layout.positions(msg.dst), msg.positions, self.causal)
+            self._masks[key] = self.docs.block(self.layout.positions(msg.dst)[msg.q_rows], msg.positions, self.causal)
         return self._masks[key]
 
     def rows_on(self, msg: Message, device: torch.device) -> torch.Tensor:
@@ -175,7 +178,15 @@ def build_plan(docs: Documents, causal: bool, world_size: int, chunks: int, stag
             grouped.setdefault((stage, o), []).append(rows)
         for (stage, o), parts in sorted(grouped.items(), key=lambda kv: (kv[0][0], (kv[0][1] - r) % p)):
             rows = torch.cat(parts)
-            messages.append(Message(stage, o, r, rows, pos[o][rows]))
+            # only the receiver's chunks that see these keys compute with them (a narrower kernel call,
+            # and a merge over those rows only, not over every local row)
+            seeing = [
+                i
+                for i in range(local_chunks)
+                if docs.block(pos[r][i * size : (i + 1) * size], pos[o][rows], causal).pairs
+            ]
+            q_rows = slice(seeing[0] * size, (seeing[-1] + 1) * size)
+            messages.append(Message(stage, o, r, rows, pos[o][rows], q_rows))
     keys = torch.arange(docs.padded_len)
     areas = tuple(docs.visible_pairs(pos[r], keys, causal) for r in range(p))
     return DispatchPlan(docs, causal, lay, stages, tuple(messages), areas)
@@ -312,11 +323,12 @@ class Dispatch(Method):
             if stage + 1 < plan.stages:
                 finish = exchange.start(stage + 1)  # posted before this stage's kernels
             for msg, buf in arrived:
+                rows = msg.q_rows
                 block_out, block_lse = kernels.block_forward(
-                    q, buf[0], buf[1], scale=scale, causal_offset=None, kernel=self.kernel, mask=plan.mask(msg)
+                    q[:, rows], buf[0], buf[1], scale=scale, causal_offset=None, kernel=self.kernel, mask=plan.mask(msg)
                 )
                 done += 1
-                acc.add(ALL, block_out, block_lse, last=done == calls)
+                acc.add(rows, block_out, block_lse, last=done == calls)
             del arrived
         out, lse = acc.finish()
         return out, lse, (q, k, v, out, lse, docs)
@@ -364,12 +376,13 @@ class Dispatch(Method):
                 finish = exchange.start(stage + 1)
             ops = []
             for msg, buf in arrived:
+                rows = msg.q_rows
                 bdq, bdk, bdv = kernels.block_backward(
-                    dout, q, buf[0], buf[1], out, lse, scale=scale, causal_offset=None, kernel=self.kernel,
-                    mask=plan.mask(msg),
+                    dout[:, rows], q[:, rows], buf[0], buf[1], out[:, rows], lse[:, :, rows], scale=scale,
+                    causal_offset=None, kernel=self.kernel, mask=plan.mask(msg),
                 )  # fmt: skip
                 done += 1
-                dq.add(ALL, bdq, last=done == calls)
+                dq.add(rows, bdq, last=done == calls)
                 # the K/V just used are not needed again: the buffer carries the partial home
                 buf[0].copy_(bdk)
                 buf[1].copy_(bdv)
