@@ -94,7 +94,6 @@ class DispatchPlan:
     messages: tuple[Message, ...]
     areas: tuple[int, ...]  # visible pairs of each rank's queries (summed over the batch)
     _masks: dict = field(default_factory=dict)
-    _rows: dict = field(default_factory=dict)
 
     @property
     def world_size(self) -> int:
@@ -132,13 +131,6 @@ class DispatchPlan:
         if key not in self._masks:
             self._masks[key] = self.docs.block(self.layout.positions(msg.dst)[msg.q_rows], msg.positions, self.causal)
         return self._masks[key]
-
-    def rows_on(self, msg: Message, device: torch.device) -> torch.Tensor:
-        """The message's rows as an index tensor on `device` (kept: the timed calls reuse it)."""
-        key = (id(msg), str(device))
-        if key not in self._rows:
-            self._rows[key] = msg.rows.to(device)
-        return self._rows[key]
 
 
 @functools.lru_cache(maxsize=16)
@@ -206,7 +198,7 @@ class _Exchange:
         ops = []
         for msg in plan.sent(comm.rank, stage):
             buf = k.new_empty(2, b, msg.keys, h, d)
-            rows = plan.rows_on(msg, k.device)
+            rows = msg.rows.to(k.device)
             torch.index_select(k, 1, rows, out=buf[0])
             torch.index_select(v, 1, rows, out=buf[1])
             ops.append(P2P("send", buf, msg.dst))
@@ -361,7 +353,7 @@ class Dispatch(Method):
             for work, partials in returns[home:until]:
                 work.wait()
                 for msg, buf in partials:
-                    rows = plan.rows_on(msg, k.device)
+                    rows = msg.rows.to(k.device)
                     dk.index_add_(1, rows, buf[0].to(accd))
                     dv.index_add_(1, rows, buf[1].to(accd))
             return max(home, until)
