@@ -42,6 +42,12 @@ point-to-point messages, and the backward sends partials in the input dtype wher
 reduce-scatters fp32. Under the causal mask n_in is the keys before r's last chunk that r does not
 hold; under packed documents, only the documents r's chunks touch.
 
+Limits: the layout follows the mask, so a model whose layers mask differently (a window layer
+and a global one) cannot share one sharding of its tokens (the perplexity workload and the HF path
+refuse it, `check_one_layout`). The area deal ignores locality: under a sliding window, chunks of
+equal area go round the ranks and each chunk's window lies on another rank, so a contiguous ring
+that stops early moves fewer bytes (reports/recorded/dispatch_compare.md).
+
 Memory beyond inputs and outputs: the received K/V of two stages at most in the forward (the
 stage being computed and the next one arriving), in the backward also the dK/dV partials in
 flight (in the receive buffers themselves) and the fp32 dK/dV sums. Without a mask a stage holds
