@@ -12,6 +12,7 @@ This package never imports `suite` or Hydra.
 from methods import (  # noqa: E402,F401
     allgather_kv,
     burst,
+    dispatch,
     peers,  # noqa: E402,F401  (registered only where the library imports)
     reference,
     ring,

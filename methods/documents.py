@@ -150,6 +150,17 @@ class Documents:
             return self.batch * len(k_pos)
         return sum(len(k_pos) - int(self._seen(b, q_pos, k_pos, causal).sum()) for b in range(self.batch))
 
+    def seen_keys(self, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> torch.Tensor:
+        """[Sk] bool: the keys at `k_pos` (both increasing) that some query at `q_pos` sees in some
+        batch element: what a rank holding those queries must receive, and no more."""
+        q_pos, k_pos = q_pos.to("cpu", torch.int64), k_pos.to("cpu", torch.int64)
+        seen = torch.zeros(len(k_pos), dtype=torch.bool)
+        if len(k_pos) == 0 or len(q_pos) == 0:
+            return seen
+        for b in range(self.batch):
+            seen |= self._seen(b, q_pos, k_pos, causal)
+        return seen
+
     def _seen(self, b: int, q_pos: torch.Tensor, k_pos: torch.Tensor, causal: bool) -> torch.Tensor:
         """[Sk] bool: the keys of batch element b that some query sees."""
         if self.mask is not None:

@@ -386,6 +386,11 @@ OPTION_VALUES: dict[str, Callable[[Question], list[Any]]] = {
     "ulysses_degree": lambda q: q.ulysses_degrees or _divisors(q.world_size),
     "ranks_per_node": lambda q: [0] + ([q.topology.gpus_per_node] if q.nodes > 1 else []),
     "sharding": lambda q: ["sequence"] + (["documents"] if q.workload is not None else []),
+    # dispatch's exchange in one stage (no overlap) or cut in 2 or 4 overlapped with the kernels
+    "stages": lambda q: [1, 2, 4],
+    # dispatch's chunks: 4 per rank (0, automatic), and 8 per rank where they fit (a finer balance,
+    # smaller kernels)
+    "chunk": lambda q: [0] + ([q.seq_len // (8 * q.world_size)] if q.seq_len % (8 * q.world_size) == 0 else []),
 }
 
 

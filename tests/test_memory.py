@@ -97,7 +97,10 @@ def test_peak_memory_does_not_grow_with_world_size(name, options):
         )
     (f1, b1), (f2, b2) = (peaks(name, options, p, local) for p in sizes)
     if methods.method_class(name).gathers_whole_sequence:
-        assert f2 > 1.8 * f1 and b2 > 1.8 * b1  # the whole sequence's K/V, by design
+        # the whole sequence's K/V (all-gather), or the keys a rank's queries see (dispatch: under the
+        # causal mask most of the sequence for the ranks holding late chunks), by design; in the backward
+        # the fixed part (fp32 dQ, dK, dV, the saved output) dilutes the growth
+        assert f2 > 1.8 * f1 and b2 > 1.5 * b1, ((f1, b1), (f2, b2))
     else:
         assert f2 <= f1 * 1.05 and b2 <= b1 * 1.05, ((f1, b1), (f2, b2))
         # and it is a handful of blocks: the blocks in flight, accumulators, temporaries
