@@ -18,7 +18,9 @@ The plan (`DispatchPlan`), from the mask alone, so every rank computes the same 
    one element and not in another counts as unseen in that one: the union is sent).
 3. Stages: the (sender, chunk) pieces a rank receives, ordered by sender distance (o - r) mod P
    and chunk, are cut into `stages` runs of about equal keys; one message per (stage, sender,
-   receiver) carries K and V stacked, [2, B, n, Hkv, D].
+   receiver) carries K and V side by side in the last dim, [B, n, Hkv, D + Dv] (a value head dim
+   other than the keys', MLA's, travels as it is: no padding on the wire); a rank's K and V are
+   concatenated so once per call, and each message is one index_select of them.
 
 Forward on rank r: post stage 0's exchange, compute the local block (r's queries against its own
 keys, under the mask) while it arrives; then for each stage s: wait for it, post stage s+1's
@@ -190,25 +192,30 @@ def build_plan(docs: Documents, causal: bool, world_size: int, chunks: int, stag
     return DispatchPlan(docs, causal, lay, stages, tuple(messages), areas)
 
 
+def split_kv(buf: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K [B, n, Hkv, D] and V [B, n, Hkv, Dv] of a message buffer [B, n, Hkv, D + Dv] (views)."""
+    return buf[..., :d], buf[..., d:]
+
+
 class _Exchange:
-    """Starts one stage's K/V messages of rank `rank`: its sends (rows of k and v stacked into
-    [2, B, n, Hkv, D]) and its receives (into fresh buffers of that shape)."""
+    """Starts one stage's K/V messages of rank `rank`: its sends (rows of k and v side by side in
+    the last dim, [B, n, Hkv, D + Dv]: one message, whatever the value head dim) and its receives
+    (into fresh buffers of that shape)."""
 
     def __init__(self, comm: Comm, plan: DispatchPlan, k: torch.Tensor, v: torch.Tensor):
-        self.comm, self.plan, self.k, self.v = comm, plan, k, v
+        self.comm, self.plan = comm, plan
+        self.kv = torch.cat((k, v), dim=-1)  # once per call: each message is then one index_select
 
     def start(self, stage: int):
-        """Post stage `stage`; returns finish() giving [(message, buffer [2, B, n, Hkv, D])] received."""
-        comm, plan, k, v = self.comm, self.plan, self.k, self.v
-        b, _, h, d = k.shape
+        """Post stage `stage`; returns finish() giving [(message, buffer [B, n, Hkv, D + Dv])] received."""
+        comm, plan, kv = self.comm, self.plan, self.kv
+        b, _, h, dd = kv.shape
         ops = []
         for msg in plan.sent(comm.rank, stage):
-            buf = k.new_empty(2, b, msg.keys, h, d)
-            rows = msg.rows.to(k.device)
-            torch.index_select(k, 1, rows, out=buf[0])
-            torch.index_select(v, 1, rows, out=buf[1])
+            buf = kv.new_empty(b, msg.keys, h, dd)
+            torch.index_select(kv, 1, msg.rows.to(kv.device), out=buf)
             ops.append(P2P("send", buf, msg.dst))
-        arrived = [(msg, k.new_empty(2, b, msg.keys, h, d)) for msg in plan.received(comm.rank, stage)]
+        arrived = [(msg, kv.new_empty(b, msg.keys, h, dd)) for msg in plan.received(comm.rank, stage)]
         ops += [P2P("recv", buf, msg.src) for msg, buf in arrived]
         work = comm.exchange(ops) if ops else DoneWork()
 
@@ -226,6 +233,7 @@ class Dispatch(Method):
     layout_kind = "area"
     gathers_whole_sequence = True  # without a mask every rank receives every key (module docstring)
     test_variants = ({}, {"stages": 1}, {"stages": 3}, {"chunk": 2}, {"chunk": 3, "stages": 4})
+    supports_sinks = True  # folds the sinks once per row (merge.fold_sink) after its last merge
 
     def __init__(self, kernel: str = "auto", chunk: int = 0, stages: int = 2):
         super().__init__(kernel)
@@ -280,7 +288,8 @@ class Dispatch(Method):
     def expected_rank_bytes(self, case: Case, pass_: str, rank: int) -> tuple[int, int]:
         keys_out, keys_in = self.case_plan(case).keys_out_in(rank)
         e, _ = element_bytes(case)
-        per_key = 2 * case.batch * case.kv_heads * case.head_dim * e  # K and V of one key, over the batch
+        # K and V of one key, over the batch (V at the value head dim)
+        per_key = case.batch * case.kv_heads * (case.head_dim + (case.head_dim_v or case.head_dim)) * e
         if pass_ == "fwd_bwd":
             return (2 * keys_out + keys_in) * per_key, (2 * keys_in + keys_out) * per_key
         return keys_out * per_key, keys_in * per_key
@@ -301,7 +310,7 @@ class Dispatch(Method):
         docs = docs or Documents.single(q.shape[0], q.shape[1] * comm.world_size)
         return self.plan(docs, causal, comm.world_size)
 
-    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None):
+    def forward(self, q, k, v, *, comm, causal, scale, return_lse, docs=None, sinks=None):
         plan = self._plan_of(q, comm, causal, docs)
         rank = comm.rank
         local = plan.local_mask(rank)
@@ -322,13 +331,16 @@ class Dispatch(Method):
                 finish = exchange.start(stage + 1)  # posted before this stage's kernels
             for msg, buf in arrived:
                 rows = msg.q_rows
+                bk, bv = split_kv(buf, k.shape[-1])
                 block_out, block_lse = kernels.block_forward(
-                    q[:, rows], buf[0], buf[1], scale=scale, causal_offset=None, kernel=self.kernel, mask=plan.mask(msg)
+                    q[:, rows], bk, bv, scale=scale, causal_offset=None, kernel=self.kernel, mask=plan.mask(msg)
                 )
                 done += 1
                 acc.add(rows, block_out, block_lse, last=done == calls)
             del arrived
         out, lse = acc.finish()
+        if sinks is not None:  # once per row, after the last merge (docs/DESIGN.md section 4)
+            out, lse = merge.fold_sink(out, lse, sinks)
         return out, lse, (q, k, v, out, lse, docs)
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
@@ -360,8 +372,9 @@ class Dispatch(Method):
                 work.wait()
                 for msg, buf in partials:
                     rows = msg.rows.to(k.device)
-                    dk.index_add_(1, rows, buf[0].to(accd))
-                    dv.index_add_(1, rows, buf[1].to(accd))
+                    pk, pv = split_kv(buf, k.shape[-1])
+                    dk.index_add_(1, rows, pk.to(accd))
+                    dv.index_add_(1, rows, pv.to(accd))
             return max(home, until)
 
         for stage in range(plan.stages):
@@ -375,18 +388,19 @@ class Dispatch(Method):
             ops = []
             for msg, buf in arrived:
                 rows = msg.q_rows
+                bk, bv = split_kv(buf, k.shape[-1])
                 bdq, bdk, bdv = kernels.block_backward(
-                    dout[:, rows], q[:, rows], buf[0], buf[1], out[:, rows], lse[:, :, rows], scale=scale,
+                    dout[:, rows], q[:, rows], bk, bv, out[:, rows], lse[:, :, rows], scale=scale,
                     causal_offset=None, kernel=self.kernel, mask=plan.mask(msg),
                 )  # fmt: skip
                 done += 1
                 dq.add(rows, bdq, last=done == calls)
                 # the K/V just used are not needed again: the buffer carries the partial home
-                buf[0].copy_(bdk)
-                buf[1].copy_(bdv)
+                bk.copy_(bdk)
+                bv.copy_(bdv)
                 ops.append(P2P("send", buf, msg.src))
-            b, _, h, d = k.shape
-            partials = [(msg, k.new_empty(2, b, msg.keys, h, d)) for msg in plan.sent(rank, stage)]
+            b, _, h, _ = k.shape
+            partials = [(msg, k.new_empty(b, msg.keys, h, k.shape[-1] + v.shape[-1])) for msg in plan.sent(rank, stage)]
             ops += [P2P("recv", buf, msg.dst) for msg, buf in partials]
             returns.append((comm.exchange(ops) if ops else DoneWork(), partials))
             del arrived
