@@ -32,7 +32,7 @@ def make_executor(cfg: SuiteConfig, *, dry_run: bool = False) -> Executor:
     if r.executor == "sim":
         from suite.executors.sim import SimExecutor
 
-        return SimExecutor(cfg.sim.topology)
+        return SimExecutor(cfg.sim.topology, r.timeout_s)
     device = resolve_device(r.device)
     if device == "cuda" and not torch.cuda.is_available() and not dry_run:
         raise ConfigError(

@@ -34,12 +34,12 @@ class SimExecutor(Executor):
     name = "sim"
     device = "cpu"  # traces run on meta tensors: the device here is irrelevant to what is predicted
 
-    def __init__(self, topologies: list[str]):
+    def __init__(self, topologies: list[str], timeout_s: float = 120.0):
         self.topologies = {}
         for t in topologies:
             topo = load_topology(t)
             self.topologies[topo.name] = (topo, ComputeModel(topo))
-        self.traces = TraceCache()
+        self.traces = TraceCache(timeout_s)  # run.timeout_s bounds each trace
         self.bands = load_bands()
 
     def places(self) -> list[Place]:

@@ -193,7 +193,10 @@ class TraceCache:
     """Traces for many sweep points from four small traces per schedule shape (method, options,
     world size, mask, pass, heads, head dim, dtype): a 200-point sweep costs a few dozen traces."""
 
-    def __init__(self):
+    def __init__(self, timeout_s: float = 120.0):
+        # how long one trace's virtual ranks may run before it counts as a hang: the sweep's
+        # run.timeout_s (a schedule of 16 ranks x 128 chunks takes minutes on 2 cores)
+        self.timeout_s = float(timeout_s)
         self._templates: dict[tuple, dict[tuple[int, int], Trace]] = {}
         # cases traced as they are (packed documents, padding, document sharding): the same case is
         # asked for once per topology of a sweep, and a trace does not depend on the topology
@@ -204,7 +207,7 @@ class TraceCache:
         key = (method_name, case, pass_, tuple(sorted(options.items())))
         if key not in self._direct:
             self.traced += 1
-            self._direct[key] = trace(method_name, case, pass_, options)
+            self._direct[key] = trace(method_name, case, pass_, options, self.timeout_s)
         return self._direct[key]
 
     def get(self, method_name: str, case: Case, pass_: str, options: Optional[dict[str, Any]] = None) -> Trace:
@@ -236,7 +239,7 @@ class TraceCache:
         )
         if key not in self._templates:
             self._templates[key] = {
-                (b, s): trace(method_name, replace(case, batch=b, seq_len=s), traced_pass, options)
+                (b, s): trace(method_name, replace(case, batch=b, seq_len=s), traced_pass, options, self.timeout_s)
                 for b in batches
                 for s in (s0, 2 * s0)
             }
