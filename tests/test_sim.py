@@ -370,9 +370,9 @@ def test_a_sweep_traces_once_per_schedule_shape_not_per_point(tmp_path, monkeypa
     traced = []
     real_trace = sim_trace.trace
 
-    def counting(method_name, case, pass_, options=None):
+    def counting(method_name, case, pass_, options=None, timeout_s=120.0):
         traced.append((method_name, case.batch, case.seq_len))
-        return real_trace(method_name, case, pass_, options)
+        return real_trace(method_name, case, pass_, options, timeout_s)
 
     monkeypatch.setattr(sim_trace, "trace", counting)
     cfg_path = tmp_path / "speed.yaml"
