@@ -31,6 +31,15 @@ def _heads(world_size: int) -> tuple[int, int]:
     return (6, 3) if world_size == 3 else (6, 2)
 
 
+def sink_problem(batch, seq_len, heads, kv_heads, causal, *extra, dtype="float32", reference=True, **kw):
+    """The inputs (and, with `reference`, the float64 reference) of a head-dim-8 problem with sinks."""
+    cpu = torch.device("cpu")
+    return build_problem(
+        batch, seq_len, heads, kv_heads, 8, dtype, causal, *extra, seed=0, device=cpu, with_reference=reference,
+        sinks=True, **kw,
+    )  # fmt: skip
+
+
 def _case(method, world_size, causal, seq_len, lengths=None, mask=None, batch=2, dv=None, cap=0.0):
     """The case `method` runs (padded to its granule with documents when any) and the true
     documents of the reference (None: plain). dv, cap: a value head dim and a soft cap."""
@@ -95,22 +104,8 @@ def check(name, options, world_size, causal, seq_len, lengths=None, mask=None, b
     if not ok:
         return why
     extra = ("docs",) if true_docs is not None else ()
-    prob = build_problem(
-        case.batch,
-        seq_len,
-        case.heads,
-        case.kv_heads,
-        8,
-        "float32",
-        causal,
-        *extra,
-        seed=0,
-        device=torch.device("cpu"),
-        with_reference=True,
-        documents=true_docs,
-        sinks=True,
-        head_dim_v=dv,
-        softcap=cap,
+    prob = sink_problem(
+        case.batch, seq_len, case.heads, case.kv_heads, causal, *extra, documents=true_docs, head_dim_v=dv, softcap=cap
     )
     bad = {t: e for t, e in errors(m, case, prob, seq_len).items() if not e[0] <= e[1]}
     assert not bad, f"{name} {options} P={world_size} causal={causal}: (error, tolerance) {bad}"
@@ -182,19 +177,7 @@ def test_a_sink_counted_once_per_rank_fails_the_check():
     m = SinkPerRank()
     for world_size, wrong in ((1, False), (3, True)):
         case, _ = _case(m, world_size, True, 6 * world_size)
-        prob = build_problem(
-            2,
-            case.seq_len,
-            6,
-            case.kv_heads,
-            8,
-            "float32",
-            True,
-            seed=0,
-            device=torch.device("cpu"),
-            with_reference=True,
-            sinks=True,
-        )
+        prob = sink_problem(2, case.seq_len, 6, case.kv_heads, True)
         errs = errors(m, case, prob, case.seq_len)
         if not wrong:
             assert all(e <= tol for e, tol in errs.values()), errs
@@ -277,19 +260,7 @@ def test_counted_bytes_with_sinks_equal_the_declared_formula(name, options, worl
     case = Case(2, seq_len, heads, kv_heads, 8, "bfloat16", True, world_size, sinks=True)
     if not m.supports(case)[0]:
         return
-    prob = build_problem(
-        2,
-        seq_len,
-        heads,
-        kv_heads,
-        8,
-        "bfloat16",
-        True,
-        seed=0,
-        device=torch.device("cpu"),
-        with_reference=False,
-        sinks=True,
-    )
+    prob = sink_problem(2, seq_len, heads, kv_heads, True, dtype="bfloat16", reference=False)
     lay = m.layout(case)
 
     def rank(comm):
@@ -384,19 +355,7 @@ def test_direct_forward_backward_gives_what_autograd_gives_with_sinks(name, worl
         world_size,
         sinks=True,
     )
-    prob = build_problem(
-        2,
-        case.seq_len,
-        heads,
-        kv_heads,
-        8,
-        "float32",
-        True,
-        seed=0,
-        device=torch.device("cpu"),
-        with_reference=False,
-        sinks=True,
-    )
+    prob = sink_problem(2, case.seq_len, heads, kv_heads, True, reference=False)
     lay = m.layout(case)
 
     def both(comm):
