@@ -83,8 +83,14 @@ def peaks(name, options, world_size, local):
     return max(f for f, _ in per_rank) / kv_block, max(b for _, b in per_rank) / kv_block
 
 
+# dispatch's variants (stages, chunk) change how many received keys are in flight, not that a rank
+# holds the keys its queries see, which grows with the world by design (the property checked for it);
+# its default stands for them: each variant's peak measurement takes 30-45 s on 2 cores
+MEMORY_VARIANTS = [(n, o) for n, o in own_variants() if not (n == "dispatch" and o)]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name,options", own_variants(), ids=[variant_id(n, o) for n, o in own_variants()])
+@pytest.mark.parametrize("name,options", MEMORY_VARIANTS, ids=[variant_id(n, o) for n, o in MEMORY_VARIANTS])
 def test_peak_memory_does_not_grow_with_world_size(name, options):
     local = local_tokens(name, options)
     m = methods.get_method(name, **options)
