@@ -650,3 +650,26 @@ def test_busy_trials_are_flagged_and_overlap_out_of_range_is_explained(tmp_path)
     calm = build_tables(frame_of(tmp_path / "calm", [row("ring", 2, 512), row("ulysses", 2, 512)]), "ring")
     assert "medians of different runs" not in markdown(calm["communication"])
     assert "busy" not in calm["throughput_by_seq_len"].caption()
+
+
+def test_variant_identity_read_back_as_text_keeps_its_meaning():
+    """Rows read back from MLflow carry their identity as text (params): "False" is no sinks, "4" a
+    value head dim, "5.0" a cap; rows from before the variants get the plain values."""
+    import pandas as pd
+
+    from suite.reports.load import normalise
+
+    df = pd.DataFrame(
+        {
+            "head_dim": [8, 8, 8],
+            "head_dim_v": [None, "4", None],
+            "softcap": [None, "5.0", None],
+            "sinks": ["False", "true", None],
+            "workload": ["", "", ""],
+            "method": ["ring"] * 3,
+            "status": ["ok"] * 3,
+        }
+    )
+    out = normalise(df)
+    assert list(out["sinks"]) == [False, True, False]
+    assert list(out["head_dim_v"]) == [8, 4, 8] and list(out["softcap"]) == [0.0, 5.0, 0.0]

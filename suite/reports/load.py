@@ -191,10 +191,12 @@ def load_mlflow(experiment: str, uri: Optional[str] = None) -> ResultSet:
         "heads",
         "kv_heads",
         "head_dim",
+        "head_dim_v",
+        "softcap",
     ):
         if col in out:
             out[col] = pd.to_numeric(out[col], errors="coerce")
-    for col in ("causal", M.CHECKED):
+    for col in ("causal", "sinks", M.CHECKED):  # params are text: "False" must not read as true
         if col in out:
             out[col] = out[col].map(lambda v: str(v).lower() == "true")
     out["sweep"], out["run_dir"] = experiment, f"mlflow:{experiment}"
@@ -230,7 +232,7 @@ def normalise(df: pd.DataFrame) -> pd.DataFrame:
     cap = df["softcap"] if "softcap" in df else pd.Series(None, index=df.index, dtype=object)
     df["softcap"] = [float(c) if pd.notna(c) else 0.0 for c in cap]
     sinks = df["sinks"] if "sinks" in df else pd.Series(None, index=df.index, dtype=object)
-    df["sinks"] = [bool(on) if pd.notna(on) else False for on in sinks]  # rows from before sinks: none
+    df["sinks"] = [on is True or str(on).lower() == "true" for on in sinks]  # rows from before sinks: none
     df["mix"] = df["workload"].map(M.workload_label)
     # the row's own column: the full, parseable name ("" for the plain masks, whose flag is `causal`,
     # and rows from before the column)
