@@ -18,9 +18,9 @@ The plan (`DispatchPlan`), from the mask alone, so every rank computes the same 
    one element and not in another counts as unseen in that one: the union is sent).
 3. Stages: the (sender, chunk) pieces a rank receives, ordered by sender distance (o - r) mod P
    and chunk, are cut into `stages` runs of about equal keys; one message per (stage, sender,
-   receiver) carries K and V side by side in the last dim, [B, n, Hkv, D + Dv] (a value head dim
-   other than the keys', MLA's, travels as it is: no padding on the wire); a rank's K and V are
-   concatenated so once per call, and each message is one index_select of them.
+   receiver) carries K then V in one flat buffer, each half contiguous [B, n, Hkv, D] and
+   [B, n, Hkv, Dv] (a value head dim other than the keys', MLA's, travels as it is: no padding on
+   the wire); each half is one index_select straight into it, no other copy.
 
 Forward on rank r: post stage 0's exchange, compute the local block (r's queries against its own
 keys, under the mask) while it arrives; then for each stage s: wait for it, post stage s+1's
@@ -192,30 +192,41 @@ def build_plan(docs: Documents, causal: bool, world_size: int, chunks: int, stag
     return DispatchPlan(docs, causal, lay, stages, tuple(messages), areas)
 
 
-def split_kv(buf: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """K [B, n, Hkv, D] and V [B, n, Hkv, Dv] of a message buffer [B, n, Hkv, D + Dv] (views)."""
-    return buf[..., :d], buf[..., d:]
+def kv_buffer(like: torch.Tensor, keys: int, d: int, dv: int) -> torch.Tensor:
+    """One message's flat buffer: the K rows of `keys` keys, then their V rows."""
+    b, _, h, _ = like.shape
+    return like.new_empty(b * keys * h * (d + dv))
+
+
+def split_kv(buf: torch.Tensor, k: torch.Tensor, keys: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """K [B, n, Hkv, D] and V [B, n, Hkv, Dv] of a flat message buffer of `keys` keys (k: a rank's
+    K, for B, Hkv and D): two contiguous views."""
+    b, _, h, d = k.shape
+    n_k = b * keys * h * d
+    return buf[:n_k].view(b, keys, h, d), buf[n_k:].view(b, keys, h, -1)
 
 
 class _Exchange:
-    """Starts one stage's K/V messages of rank `rank`: its sends (rows of k and v side by side in
-    the last dim, [B, n, Hkv, D + Dv]: one message, whatever the value head dim) and its receives
-    (into fresh buffers of that shape)."""
+    """Starts one stage's K/V messages of rank `rank`: its sends (the rows of k, then those of v, in
+    one flat buffer: one message whatever the value head dim, each half contiguous) and its receives
+    (into fresh buffers of that size)."""
 
     def __init__(self, comm: Comm, plan: DispatchPlan, k: torch.Tensor, v: torch.Tensor):
-        self.comm, self.plan = comm, plan
-        self.kv = torch.cat((k, v), dim=-1)  # once per call: each message is then one index_select
+        self.comm, self.plan, self.k, self.v = comm, plan, k, v
 
     def start(self, stage: int):
-        """Post stage `stage`; returns finish() giving [(message, buffer [B, n, Hkv, D + Dv])] received."""
-        comm, plan, kv = self.comm, self.plan, self.kv
-        b, _, h, dd = kv.shape
+        """Post stage `stage`; returns finish() giving [(message, flat buffer)] received."""
+        comm, plan, k, v = self.comm, self.plan, self.k, self.v
+        d, dv = k.shape[-1], v.shape[-1]
         ops = []
         for msg in plan.sent(comm.rank, stage):
-            buf = kv.new_empty(b, msg.keys, h, dd)
-            torch.index_select(kv, 1, msg.rows.to(kv.device), out=buf)
+            buf = kv_buffer(k, msg.keys, d, dv)
+            rows = msg.rows.to(k.device)
+            bk, bv = split_kv(buf, k, msg.keys)
+            torch.index_select(k, 1, rows, out=bk)
+            torch.index_select(v, 1, rows, out=bv)
             ops.append(P2P("send", buf, msg.dst))
-        arrived = [(msg, kv.new_empty(b, msg.keys, h, dd)) for msg in plan.received(comm.rank, stage)]
+        arrived = [(msg, kv_buffer(k, msg.keys, d, dv)) for msg in plan.received(comm.rank, stage)]
         ops += [P2P("recv", buf, msg.src) for msg, buf in arrived]
         work = comm.exchange(ops) if ops else DoneWork()
 
@@ -331,7 +342,7 @@ class Dispatch(Method):
                 finish = exchange.start(stage + 1)  # posted before this stage's kernels
             for msg, buf in arrived:
                 rows = msg.q_rows
-                bk, bv = split_kv(buf, k.shape[-1])
+                bk, bv = split_kv(buf, k, msg.keys)
                 block_out, block_lse = kernels.block_forward(
                     q[:, rows], bk, bv, scale=scale, causal_offset=None, kernel=self.kernel, mask=plan.mask(msg)
                 )
@@ -372,7 +383,7 @@ class Dispatch(Method):
                 work.wait()
                 for msg, buf in partials:
                     rows = msg.rows.to(k.device)
-                    pk, pv = split_kv(buf, k.shape[-1])
+                    pk, pv = split_kv(buf, k, msg.keys)
                     dk.index_add_(1, rows, pk.to(accd))
                     dv.index_add_(1, rows, pv.to(accd))
             return max(home, until)
@@ -388,7 +399,7 @@ class Dispatch(Method):
             ops = []
             for msg, buf in arrived:
                 rows = msg.q_rows
-                bk, bv = split_kv(buf, k.shape[-1])
+                bk, bv = split_kv(buf, k, msg.keys)
                 bdq, bdk, bdv = kernels.block_backward(
                     dout[:, rows], q[:, rows], bk, bv, out[:, rows], lse[:, :, rows], scale=scale,
                     causal_offset=None, kernel=self.kernel, mask=plan.mask(msg),
@@ -399,8 +410,7 @@ class Dispatch(Method):
                 bk.copy_(bdk)
                 bv.copy_(bdv)
                 ops.append(P2P("send", buf, msg.src))
-            b, _, h, _ = k.shape
-            partials = [(msg, k.new_empty(b, msg.keys, h, k.shape[-1] + v.shape[-1])) for msg in plan.sent(rank, stage)]
+            partials = [(msg, kv_buffer(k, msg.keys, k.shape[-1], v.shape[-1])) for msg in plan.sent(rank, stage)]
             ops += [P2P("recv", buf, msg.dst) for msg, buf in partials]
             returns.append((comm.exchange(ops) if ops else DoneWork(), partials))
             del arrived
