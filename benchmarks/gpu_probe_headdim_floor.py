@@ -2,30 +2,19 @@
 value head dim unlike q/k's (MLA: 192/128), and the per-call floor of the flash op. Needs a CUDA device;
 writes probe4.json to $OUT (or the current folder)."""
 
+import functools
 import json
 import os
 
 import torch
+from gpu_kernel_grid import median_ms  # beside this file (run as a script from the repository root)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 out = {"torch": torch.__version__, "device": torch.cuda.get_device_name(0)}
 A = torch.ops.aten
 dev = "cuda"
 dt = torch.bfloat16
-
-
-def t(fn, n=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for a, b in ev:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    xs = sorted(a.elapsed_time(b) for a, b in ev)
-    return xs[len(xs) // 2]
+t = functools.partial(median_ms, n=20)  # CUDA-event median of 20 calls after 3 warm-up calls
 
 
 def mk(b, h, s, d, dv=None):
