@@ -11,7 +11,7 @@ import methods
 from methods.base import Case
 from methods.documents import Documents
 from methods.kernels import visible_pairs
-from suite.sim.compute import ComputeModel, _bench_measured, _bench_time, makespan, unit_tiles
+from suite.sim.compute import ComputeModel, _bench_measured, _bench_time, dispatch_in_order, makespan, unit_tiles
 from suite.sim.engine import replay
 from suite.sim.record import Compute
 from suite.sim.topology import available_topologies, load_topology
@@ -67,15 +67,62 @@ def test_equal_units_take_whole_waves_and_longest_first_fills_the_last():
     assert makespan(np.array([5.0, 1.0]), np.array([132, 1]), 1, 132) == 6.0
 
 
+def test_dispatch_in_grid_order_is_greedy_list_scheduling():
+    """FA2's CTAs go, in grid order, to the SM that frees first: exact greedy list scheduling on
+    small grids, and on large ones (only the last units simulated, the work before them spread
+    evenly) within 0.3 % of it. A causal forward's rows grow along a head, so the last head's
+    longest rows start last: a tail that longest-first dispatch (FA3) does not have."""
+    import heapq
+
+    def greedy(values, repeat, sms):
+        free = [0.0] * sms
+        for _ in range(repeat):
+            for t in values:
+                heapq.heapreplace(free, free[0] + t)
+        return max(free)
+
+    for per, repeat, sms in itertools.product((7, 64, 256, 1024), (1, 5, 32, 128), (108, 132)):
+        for values in (np.arange(1, per + 1) * 1e-6, np.arange(per, 0, -1) * 1e-6):
+            exact = greedy(list(values), repeat, sms)
+            assert dispatch_in_order(values, repeat, sms) == pytest.approx(exact, rel=3e-3), (per, repeat, sms)
+    # units of 1..4 time units, one head: four SMs take them at once, the longest ends last
+    assert dispatch_in_order(np.array([1.0, 2.0, 3.0, 4.0]), 1, 4) == 4.0
+    # two heads of rows 1..4 on 4 SMs: the second head's rows go to the SMs as they free (at 1, 2, 2,
+    # 3), and its row of 4 starts last, at 3; longest first the same units take 5.5 (waves of 4)
+    assert dispatch_in_order(np.array([1.0, 2.0, 3.0, 4.0]), 2, 4) == 7.0
+    assert makespan(np.array([4.0, 3.0, 2.0, 1.0]), np.full(4, 2), 1, 4) == 5.5
+    # equal units: whole waves in any order
+    assert dispatch_in_order(np.full(10, 2.0), 27, 132) == 6.0
+
+
+def _work(cm: ComputeModel, e: Compute) -> float:
+    """A plain block's work: its units' times summed and spread over the SMs, plus its launch (what it
+    would take if no SM ever idled)."""
+    full, causal = cm.costs(e.op, e.head_dim)
+    cost = full if e.causal_offset is None or e.causal_offset >= e.sk - 1 else causal
+    f, m = unit_tiles(e.op, e.sq, e.sk, e.causal_offset, cost.tile)
+    t = (cost.unit_s + cost.tile_s * (f + m * (1.0 + cost.diag)))[(f + m) > 0]
+    return cm.launch_s + float(t.sum()) * e.batch * e.heads / cm.sms if t.size else 0.0
+
+
 @pytest.mark.parametrize("label,cm", MODELS, ids=[m[0] for m in MODELS])
-def test_splitting_a_call_into_blocks_never_makes_it_faster(label, cm):
+def test_splitting_a_call_into_blocks_never_beats_its_work(label, cm):
     """Property 1: the P blocks of one call (by queries, by keys, or both, as ring schedules cut it)
-    take at least as long together as the call, for every mask class and P = 2..16."""
+    never take less than the call's work (its units spread over the SMs with none idle: splitting
+    adds launches, partial waves and cut tiles, never less work), for every mask class and
+    P = 2..16. A kernel that hands out its longest units first (FA3, cuDNN) is never beaten by its
+    blocks at all. FA2's grid order gives a causal call a tail, its longest rows starting last, which
+    its blocks share out (each has a shorter one): they may take less than the call itself, by at
+    most that tail (here under 10 %, at 1000 tokens; tests/test_sim.py and the tests below hold
+    every own method at or under 100 % of ideal all the same)."""
+    grid = cm.order == "grid"
     for op, (b, h, d), s, mask in itertools.product(
         ("fwd", "bwd"), ((1, 32, 128), (2, 5, 64)), (1000, 8064, 131072), MASKS
     ):
         c = MASKS[mask](s)
-        one = cm.time(block(op, b, h, d, s, s, c))
+        call = block(op, b, h, d, s, s, c)
+        one, work = cm.time(call), _work(cm, call)
+        assert work <= one * (1 + 1e-12)
         for p in range(2, 17):
             cuts = [(i * s // p, (i + 1) * s // p) for i in range(p)]
             for split in ("q", "k", "qk"):
@@ -85,7 +132,9 @@ def test_splitting_a_call_into_blocks_never_makes_it_faster(label, cm):
                     cm.time(block(op, b, h, d, qb - qa, kb - ka, None if c is None else c + qa - ka))
                     for (qa, qb), (ka, kb) in itertools.product(qs, ks)
                 )
-                assert total >= one * (1 - 1e-12), (label, op, b, h, d, s, mask, p, split, total / one)
+                where = (label, op, b, h, d, s, mask, p, split, total / one)
+                assert total >= work * (1 - 1e-12), where
+                assert total >= one * (1 - 1e-12) or (grid and total >= 0.9 * one), where
 
 
 @pytest.mark.parametrize("label,cm", MODELS, ids=[m[0] for m in MODELS])
@@ -117,12 +166,17 @@ def test_a_packed_block_costs_its_documents_tiles():
         assert sum(n * visible_pairs(sq, sk, off) for (sq, sk, off, _), n in e.pieces) == e.doc_pairs
         calls = sum(n * cm.time(block("fwd", 1, e.heads, e.head_dim, sq, sk, off)) for (sq, sk, off, _), n in e.pieces)
         assert cm.time(e) == pytest.approx(calls)
-    # eight documents of 1K in one 8K causal sequence: about an eighth of the whole causal call, more than
-    # the visible pairs alone at the full block's rate
+    # eight documents of 1K in one 8K causal sequence: an eighth of the whole causal call's pairs, in eight
+    # short calls (256 units each on 132 SMs, each with its launch and causal tail): more than an eighth of
+    # its time, well under a third
     pieces = (((1024, 1024, 0, None), 8),)
     e = Compute("fwd", 1, 8192, 8192, 32, 8, 128, None, "bfloat16", doc_pairs=8 * 1024 * 1025 // 2, pieces=pieces)
     whole = cm.time(block("fwd", 1, 32, 128, 8192, 8192, 0))
-    assert 1 / 8 < cm.time(e) / whole < 1 / 4
+    assert 1 / 8 < cm.time(e) / whole < 0.3
+    # the same documents in one varlen call (a peer library's: one launch, every document's units in one
+    # grid) cost less than eight calls and more than the pairs at the whole call's rate
+    one_call = replace(e, varlen=True)
+    assert whole / 8 < cm.time(one_call) < cm.time(e)
     # without its pieces, the visible pairs bound the tiles from below
     bare = replace(e, pieces=None)
     assert cm.time(bare) <= cm.time(e) and cm.time(bare) > whole * e.pairs / (8192 * 8193 / 2) * 0.9
@@ -299,9 +353,9 @@ def test_the_h100_tile_model_against_kernel_times_measured_on_an_h100():
     """reports/recorded/h100_torch_flash.blocks.yaml: 108 block shapes of the main sweep timed by
     `suite calibrate` on one H100 (PyTorch's FA2, reports/recorded/gpu_h100.md). The h100_sxm tile
     model, built from published FA2 figures and fitted to none of these, holds the error it had when
-    recorded on the large blocks (both sides >= 8064; mean |error| 10.2 %), and no block beats the
-    measured kernel by more than the recorded worst (the model is optimistic: small grids and
-    per-call costs)."""
+    recorded on the large blocks (both sides >= 8064; mean |error| 10.2 % with longest-first
+    dispatch, 8.7 % in FA2's grid order), and no block beats the measured kernel by more than the
+    recorded worst (the model is optimistic: per-call costs, and two CTAs sharing an SM)."""
     import statistics
     from pathlib import Path
 
@@ -318,15 +372,49 @@ def test_the_h100_tile_model_against_kernel_times_measured_on_an_h100():
         if min(b["sq"], b["sk"]) >= 8064:
             large.append(error)
     assert len(large) == 26
-    assert statistics.mean(abs(x) for x in large) <= 0.11, statistics.mean(abs(x) for x in large)
-    assert max(abs(x) for x in large) <= 0.55
+    assert statistics.mean(abs(x) for x in large) <= 0.09, statistics.mean(abs(x) for x in large)
+    assert max(abs(x) for x in large) <= 0.40
+
+
+def test_fa2s_causal_tail_on_a_short_grid_as_measured_on_an_h100():
+    """A causal forward of 4 heads (batch 1) is a short grid: on one H100, PyTorch's FA2 took 0.97 of
+    the full block's time at 8064 tokens, 0.63 at 32256 and 0.55 at 129024
+    (reports/recorded/h100_torch_flash.blocks.yaml), far from the half a causal mask saves, because
+    the last head's longest rows start last. Dispatched in grid order the model comes closer to each
+    ratio than handed out longest first, and never above it (its tail is a lower bound: one CTA per
+    SM)."""
+    from pathlib import Path
+
+    import yaml
+
+    table = yaml.safe_load((Path(__file__).parents[1] / "reports/recorded/h100_torch_flash.blocks.yaml").read_text())
+    secs = {
+        (b["sq"], b["causal_offset"]): b["seconds"] for b in table["blocks"] if b["op"] == "fwd" and b["heads"] == 4
+    }
+    cm = ComputeModel(load_topology("h100_sxm:torch_flash"))
+    lpt = _longest_first(cm)
+    for s in (8064, 32256, 129024):
+        measured = secs[(s, 0)] / secs[(s, None)]
+        ratio = {
+            m: m.time(block("fwd", 1, 4, 128, s, s, 0)) / m.time(block("fwd", 1, 4, 128, s, s, None)) for m in (cm, lpt)
+        }
+        assert ratio[lpt] < ratio[cm] <= measured, (s, measured, ratio)
+    assert ratio[cm] > 0.5  # still the tail at 129024: 4 x 1008 units on 132 SMs
+
+
+def _longest_first(cm: ComputeModel) -> ComputeModel:
+    """The same kernel with its units handed out longest first (no dispatch tail)."""
+    topo = cm.topology
+    gens = {**topo.compute["kernels"], cm.kernel: {**cm.gen, "dispatch": "longest_first"}}
+    return ComputeModel(replace(topo, compute={**topo.compute, "kernel": cm.kernel, "kernels": gens}))
 
 
 def test_a_kernel_generation_is_chosen_by_name_and_the_measured_one_fits_its_own_kernel():
     """`h100_sxm:torch_flash` is h100_sxm with its block kernel swapped for PyTorch's CUDA flash
     attention, whose figures were measured on flash-attention's grid (reports/recorded/h100_kernel_grid.md).
     On the 26 large blocks `suite calibrate` timed in another call (h100_torch_flash.blocks.yaml),
-    fitted to none of them, it is closer than the published-FA2 model (recorded: 6.9 % vs 10.2 %)."""
+    fitted to none of them, it is closer than the published-FA2 model (recorded: 6.9 % vs 10.2 % with
+    longest-first dispatch; 5.2 % vs 8.7 % in FA2's grid order)."""
     import statistics
     from pathlib import Path
 
@@ -344,4 +432,4 @@ def test_a_kernel_generation_is_chosen_by_name_and_the_measured_one_fits_its_own
     for name in ("h100_sxm", "h100_sxm:torch_flash"):
         cm = ComputeModel(load_topology(name))
         err[name] = statistics.mean(abs(cm.time(Compute.from_row(b)) / b["seconds"] - 1.0) for b in large)
-    assert err["h100_sxm:torch_flash"] <= 0.075 and err["h100_sxm:torch_flash"] < err["h100_sxm"] - 0.02, err
+    assert err["h100_sxm:torch_flash"] <= 0.055 and err["h100_sxm:torch_flash"] < err["h100_sxm"] - 0.02, err

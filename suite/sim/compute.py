@@ -16,15 +16,20 @@ Two sources, per topology (`compute:` section of its YAML):
   * a unit costs `unit` (loading its own tile, writing its result) + `tile` per fully visible
     tile + `tile x (1 + diag)` per partially visible (masked) tile, the diagonal's and ragged
     edges' tiles;
-  * units run on the GPU's SMs in waves, longest first: wave k (the next S units) starts when
-    the work before it, spread over the S SMs, is done, and lasts its longest unit:
-    time = max_k (work before wave k / S + longest unit of wave k), which is ceil(N / S) waves for
-    N equal units. Longest first is FA3's causal scheduler; FA2 dispatches in grid order, which
-    leaves a causal call's longest rows for last, a tail that splitting the call would shorten, so
-    a model with that tail lets P blocks beat the one call (tests/test_sim_compute.py); its cost
-    (about 5 % of a causal FA2 call on the benchmark grid) goes into the fitted masked-tile cost;
+  * units run on the GPU's SMs in the order the kernel hands them out (`DISPATCH`): FA2 (and
+    PyTorch's copy of it) launches a grid whose CTAs the GPU gives, in grid order, to the SM that
+    frees first (`dispatch_in_order`): a causal forward's units grow along each head's query rows,
+    so the last head's longest rows start last and finish alone, a tail that grows as batch x heads
+    shrinks (4 heads of 8K causal rows take as long as the full block on an H100). FA3 hands a
+    causal call's longest units out first: wave k (the next S units) starts when the work before
+    it, spread over the S SMs, is done, and lasts its longest unit (`makespan`), ceil(N / S) waves
+    for N equal units. A split of one FA2 call can recover part of that call's tail (each block
+    has a shorter one), never more: the blocks together never beat the call dispatched longest
+    first (tests/test_sim_compute.py);
   * plus one launch per call; a block of packed documents that our code runs piece by piece (one
-    call per document piece, `Compute.pieces`) costs its pieces' calls.
+    call per document piece, `Compute.pieces`) costs its pieces' calls, and a varlen call of a peer
+    library (`Compute.varlen`: one launch whose grid holds every document's units) its documents'
+    units dispatched together.
 
   `tile`, `unit` and `diag` are derived, once per GPU, generation, op and head dim, from the
   generation's published single-GPU throughput on flash-attention's benchmark grid (the figures in
@@ -40,8 +45,9 @@ tensor work between blocks (`Memory` events) costs `op_us` per operation plus it
 from __future__ import annotations
 
 import bisect
+import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -53,6 +59,15 @@ from suite.sim.record import Compute, Memory
 from suite.sim.topology import Topology, TopologyError
 
 GENERATIONS = ("fa2", "fa3", "cudnn", "torch_flash")  # torch_flash: PyTorch's own CUDA flash attention
+# How each generation hands its work units to the SMs (a generation's `dispatch:` in a topology overrides it):
+# - grid: one CTA per unit, launched as a grid whose fastest index is the query tile row (forward) or key
+#   tile column (backward), then batch, then head (flash-attention 2: flash_fwd_launch_template.h
+#   `dim3 grid(num_m_block, params.b, params.h)` with `m_block = blockIdx.x`; flash_bwd_launch_template.h
+#   `dim3 grid_n(num_n_block, params.b, params.h)` [P]); PyTorch vendors the same templates [P]. The GPU
+#   hands CTAs out in that order to the SM that frees first, so a causal forward's longest rows go last;
+# - longest_first: FA3's persistent tile scheduler takes a causal call's longest query tiles first
+#   (hopper/tile_scheduler.hpp, the LPT order for causal [P]); cuDNN's order is unpublished [assumed].
+DISPATCH = {"fa2": "grid", "torch_flash": "grid", "fa3": "longest_first", "cudnn": "longest_first"}
 BENCH_TOKENS = 16384  # flash-attention's benchmark grid: batch x sequence length = 16K tokens,
 BENCH_HIDDEN = 2048  # and heads x head dim = 2048 (benchmarks/benchmark_flash_attention.py)
 
@@ -169,6 +184,31 @@ def makespan(values: np.ndarray, counts: np.ndarray, repeat: int, sms: int) -> f
     return best
 
 
+def dispatch_in_order(values: np.ndarray, repeat: int, sms: int, span: int = 64) -> float:
+    """Time of the work units `repeat` x values (one (batch, head)'s units, in grid order) when the
+    GPU hands each unit, in grid order, to the SM that frees first (a CUDA grid's block scheduler;
+    flash-attention 2's launch order). A causal forward's units grow along a head's query rows, so
+    the last head's longest rows start last and run alone: the tail that leaves a short grid's SMs
+    idle (4 heads of 8K causal rows take as long as the full block on an H100,
+    reports/recorded/h100_torch_flash.blocks.yaml). Exact greedy list scheduling over the last
+    `span` x `sms` units (whole repeats), the work before them spread evenly over the SMs: within
+    0.3 % of the exact schedule of every unit (tests/test_sim_compute.py)."""
+    per = len(values)
+    if per == 0 or repeat == 0:
+        return 0.0
+    if float(np.ptp(values)) == 0.0:  # equal units: whole waves in any order
+        return makespan(np.asarray(values[:1], dtype=float), np.array([per]), repeat, sms)
+    vals = [float(v) for v in values]
+    k = repeat if per * repeat <= 2 * span * sms else min(repeat, -(-span * sms // per))
+    start = (repeat - k) * sum(vals) / sms
+    free = [start] * sms
+    put = heapq.heapreplace
+    for _ in range(k):
+        for t in vals:
+            put(free, free[0] + t)
+    return max(free)
+
+
 @dataclass(frozen=True)
 class TileCost:
     """One generation's kernel for one op, head dim and mask kind: its tile and the derived costs."""
@@ -177,14 +217,20 @@ class TileCost:
     tile_s: float  # one fully visible tile on one SM
     unit_s: float  # a work unit's fixed cost
     diag: float  # a masked tile costs tile_s x (1 + diag)
+    order: str = "longest_first"  # how the kernel hands its units to the SMs: DISPATCH
 
     def call(self, op: str, units: int, sq: int, sk: int, causal_offset: Optional[int], sms: int) -> float:
         """Time of one call of `units` (batch x heads) copies of the block's unit pattern, launch excluded."""
         full, masked = unit_tiles(op, sq, sk, causal_offset, self.tile)
-        t = self.unit_s + self.tile_s * (full + masked * (1.0 + self.diag))
-        t = t[(full + masked) > 0]  # units that see no key exit at once
+        return self.run(self.unit_s + self.tile_s * (full + masked * (1.0 + self.diag)), full + masked, units, sms)
+
+    def run(self, t: np.ndarray, tiles: np.ndarray, units: int, sms: int) -> float:
+        """Time of `units` copies of the unit times `t` (grid order) on the SMs, in this kernel's order."""
+        t = t[tiles > 0]  # units that see no key exit at once
         if t.size == 0:
             return 0.0
+        if self.order == "grid":
+            return dispatch_in_order(t, units, sms)
         vals, cnts = np.unique(t, return_counts=True)
         return makespan(vals[::-1], cnts[::-1] * units, 1, sms)
 
@@ -215,8 +261,10 @@ def derive(
     diag_default: float,
     sms: int,
     peak_tflops: float,
+    order: str = "longest_first",
 ) -> tuple[TileCost, TileCost]:
-    """(full-mask cost, causal cost) of one generation, op and head dim from its published figures.
+    """(full-mask cost, causal cost) of one generation, op and head dim from its published figures,
+    its units dispatched in `order` (the full-mask figures do not depend on it: equal units).
     `tile_s` and `unit_s`: least squares on the relative error of the full-mask figures (the model
     is linear in both); `diag`: golden-section search on the causal figures (or `diag_default`
     when none are published). The tile's rate is capped at the GPU's peak."""
@@ -238,13 +286,13 @@ def derive(
         tile_s = float(a.sum() / (a * a).sum())
     floor = 4.0 * tile[0] * tile[1] * d * (2.5 if op == "bwd" else 1.0) * sms / (peak_tflops * 1e12)
     tile_s = max(float(tile_s), floor)  # never faster than the tensor cores' peak
-    base = TileCost(tile, tile_s, float(unit_s), 0.0)
+    base = TileCost(tile, tile_s, float(unit_s), 0.0, order)
     # the causal tile (FA3 picks a squarer one) costs in proportion to its area
     ctile_s = tile_s * causal_tile[0] * causal_tile[1] / (tile[0] * tile[1])
     cpts = [(s, v) for s, v in zip(tokens, causal) if v]
 
     def loss(diag: float) -> float:
-        cost = TileCost(causal_tile, ctile_s, float(unit_s), diag)
+        cost = TileCost(causal_tile, ctile_s, float(unit_s), diag, order)
         return sum(
             (_bench_time(cost, op, d, s, True, sms) / _bench_measured(op, d, s, True, v) - 1.0) ** 2 for s, v in cpts
         )
@@ -260,7 +308,7 @@ def derive(
             else:
                 lo = m1
         diag = (lo + hi) / 2
-    return base, TileCost(causal_tile, ctile_s, float(unit_s), diag)
+    return base, TileCost(causal_tile, ctile_s, float(unit_s), diag, order)
 
 
 class ComputeModel:
@@ -292,6 +340,12 @@ class ComputeModel:
         if self.kernel not in GENERATIONS:
             raise TopologyError(f"topology {topology.name}: compute.kernel must be one of {', '.join(GENERATIONS)}")
         self.gen = gens[self.kernel]
+        self.order = str(self.gen.get("dispatch", DISPATCH[self.kernel]))
+        if self.order not in ("grid", "longest_first"):
+            raise TopologyError(
+                f"topology {topology.name}: kernels.{self.kernel}.dispatch must be grid or longest_first, "
+                f"got {self.order!r}"
+            )
         self.source = f"tile model {self.kernel} {topology.gpu}"
 
     def _load_table(self, path: Path) -> None:
@@ -361,6 +415,7 @@ class ComputeModel:
             diag_default,
             self.sms,
             max(self.peak.values()),
+            self.order,
         )
 
     def costs(self, op: str, head_dim: int) -> tuple[TileCost, TileCost]:
@@ -372,8 +427,8 @@ class ComputeModel:
         full, causal = self._derived(op, near, f, diag_default)
         if near != head_dim:
             k = head_dim / near
-            full = TileCost(full.tile, full.tile_s * k, full.unit_s, full.diag)
-            causal = TileCost(causal.tile, causal.tile_s * k, causal.unit_s, causal.diag)
+            full = replace(full, tile_s=full.tile_s * k)
+            causal = replace(causal, tile_s=causal.tile_s * k)
         return full, causal
 
     def _call(
@@ -402,14 +457,33 @@ class ComputeModel:
         block."""
         _, causal = self.costs(op, head_dim)
         full, masked = band_tiles(op, sq, sk, off, lower, causal.tile)
-        t = causal.unit_s + causal.tile_s * (full + masked * (1.0 + causal.diag))
-        t = t[(full + masked) > 0]
-        if t.size == 0:
-            return 0.0
-        vals, cnts = np.unique(t, return_counts=True)
-        return self.launch_s + makespan(vals[::-1], cnts[::-1] * bh, 1, self.sms)
+        t = causal.run(
+            causal.unit_s + causal.tile_s * (full + masked * (1.0 + causal.diag)), full + masked, bh, self.sms
+        )
+        return self.launch_s + t if t > 0 else 0.0
+
+    def _varlen_call(self, e: Compute) -> float:
+        """One varlen launch (flash-attn's varlen kernels): its grid holds every document's work units,
+        document after document within each head, dispatched together, plus one launch. A causal
+        call takes the causal kernel's costs for every document."""
+        assert e.pieces is not None
+        full, causal = self.costs(e.op, e.width)
+        masked = any(off is not None and off < sk - 1 for (_, sk, off, _), _ in e.pieces)
+        cost = causal if masked else full
+        times, tiles = [], []
+        for (sq, sk, off, lower), n in e.pieces:
+            if lower is not None:
+                f, m = band_tiles(e.op, sq, sk, off, lower, cost.tile)
+            else:
+                f, m = unit_tiles(e.op, sq, sk, off, cost.tile)
+            times += [cost.unit_s + cost.tile_s * (f + m * (1.0 + cost.diag))] * n
+            tiles += [f + m] * n
+        t = cost.run(np.concatenate(times), np.concatenate(tiles), e.batch * e.heads, self.sms)
+        return self.launch_s + t if t > 0 else 0.0
 
     def _tile_time(self, e: Compute) -> float:
+        if e.pieces is not None and e.varlen:
+            return self._varlen_call(e)
         if e.pieces is not None:  # packed documents our code runs piece by piece: one call each
             return sum(
                 n * self._call(e.op, 1, e.heads, e.width, sq, sk, off, lower) for (sq, sk, off, lower), n in e.pieces

@@ -57,7 +57,8 @@ def _dense(op: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> Compute:
 
 
 def _varlen(op: str, q, k, cu_seqlens_q, cu_seqlens_k, causal: bool) -> Compute:
-    """One packed call: a plain block when it holds one sequence, else its documents' pairs."""
+    """One packed call: a plain block when it holds one sequence, else its documents' pairs and,
+    in document order, the documents' blocks (one launch: `Compute.varlen`)."""
     cq, ck = [int(x) for x in cu_seqlens_q.tolist()], [int(x) for x in cu_seqlens_k.tolist()]
     if len(cq) != len(ck):
         raise ValueError(f"cu_seqlens_q has {len(cq) - 1} sequences and cu_seqlens_k {len(ck) - 1}")
@@ -68,7 +69,27 @@ def _varlen(op: str, q, k, cu_seqlens_q, cu_seqlens_k, causal: bool) -> Compute:
         sq, sk = segments[0]
         return Compute(op, 1, sq, sk, h, kv_heads, dim, _offset(sq, sk, causal), dtype_name(q.dtype))
     pairs = sum(visible_pairs(sq, sk, _offset(sq, sk, causal)) for sq, sk in segments)
-    return Compute(op, 1, total_q, total_k, h, kv_heads, dim, None, dtype_name(q.dtype), doc_pairs=pairs)
+    pieces: list[tuple[tuple[int, int, Optional[int], None], int]] = []
+    for sq, sk in segments:  # in document order, runs of equal documents merged
+        piece = (sq, sk, _offset(sq, sk, causal), None)
+        if pieces and pieces[-1][0] == piece:
+            pieces[-1] = (piece, pieces[-1][1] + 1)
+        else:
+            pieces.append((piece, 1))
+    return Compute(
+        op,
+        1,
+        total_q,
+        total_k,
+        h,
+        kv_heads,
+        dim,
+        None,
+        dtype_name(q.dtype),
+        doc_pairs=pairs,
+        pieces=tuple(pieces),
+        varlen=True,
+    )
 
 
 def _flash_attn_forward(

@@ -51,6 +51,9 @@ class Compute:
     # batch element, with how many times it occurs over the batch; what its tiles are counted from
     pieces: Optional[tuple[tuple[tuple[int, int, Optional[int], Optional[int]], int], ...]] = None
     head_dim_v: Optional[int] = None  # the values' head dim, None: head_dim (MLA differs)
+    # the pieces are the documents of one varlen call (flash-attn's varlen kernels: one launch whose grid
+    # holds every document's work units, in document order), not one call each
+    varlen: bool = False
 
     @classmethod
     def from_row(cls, row: dict) -> "Compute":
