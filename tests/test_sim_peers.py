@@ -15,6 +15,7 @@ from methods.base import Case
 from methods.comm import CountingComm, run_threads
 from methods.comm.counting import CommRecord
 from methods.documents import Documents
+from methods.kernels import visible_pairs
 from suite.sim import fake_dist
 from suite.sim.record import Compute, Memory, Wait
 from suite.sim.trace import TraceCache, trace
@@ -270,6 +271,33 @@ def test_packed_documents_are_computed_pair_for_pair(world_size):
         tr = trace(name, case, "fwd_bwd")
         assert tr.flops(op="fwd") == 4 * 4 * 16 * pairs, name
         assert tr.flops(op="bwd") == 2.5 * 4 * 4 * 16 * pairs, name
+
+
+def test_a_varlen_call_carries_its_documents_in_order():
+    """A varlen call of several documents is one launch: its event lists the documents' blocks in
+    document order (their pairs are the call's), so the simulator dispatches every document's units
+    in one grid, as flash-attn's varlen kernel does."""
+    case = _packed_case(4)
+    for name in PACKED:
+        calls = [e for r in range(4) for e in trace(name, case, "fwd_bwd").compute(r) if e.doc_pairs is not None]
+        assert calls, name
+        for e in calls:
+            assert e.varlen and e.pieces is not None, (name, e)
+            assert sum(n * sq for (sq, _, _, _), n in e.pieces) == e.sq, (name, e)
+            assert sum(n * visible_pairs(sq, sk, off) for (sq, sk, off, _), n in e.pieces) == e.doc_pairs, (name, e)
+
+
+def test_llama3_gathers_the_next_heads_while_it_computes_the_current_ones():
+    """ring-flash-attn's llama3 posts the all-gather of the next heads' K/V (async_op=True) and waits
+    for it after the current heads' kernel: every all-gather's event is named by a later Wait, with a
+    kernel between them after the first pair, so the simulator runs the gather beside that kernel."""
+    case = _case(4, seq_len=128, heads=8, kv_heads=4)
+    for r, events in enumerate(trace("rfa_llama3", case, "fwd").ranks):
+        gathers = [i for i, e in enumerate(events) if isinstance(e, CommRecord) and e.kind == "all_gather"]
+        waits = {e.handle: i for i, e in enumerate(events) if isinstance(e, Wait)}
+        assert gathers and set(gathers) <= set(waits), r
+        overlapped = [g for g in gathers if any(isinstance(e, Compute) for e in events[g : waits[g]])]
+        assert len(overlapped) == len(gathers) - 2, (r, gathers, waits)  # all but the first K and V
 
 
 def _traceable(name, opts, case) -> bool:

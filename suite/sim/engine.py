@@ -9,10 +9,13 @@ Each rank runs its traced events in order (`suite/sim/trace.py`):
   receive from this rank (first posted with first posted, per ordered pair) and becomes a flow
   once both are posted, after the path's per-message latency;
 - `Wait`: the rank blocks until every flow of that exchange (its sends and its receives) is done;
-- collectives (all_to_all, all_gather, reduce_scatter, all_reduce) block: once every member has
+- collectives (all_to_all, all_gather, reduce_scatter, all_reduce): once every member has
   called it, each member sends its share to every other member directly, after (P-1) x the
   group's latency (2(P-1) for all_reduce) - the textbook alpha-beta cost of the ring/pairwise
-  algorithms, with the bandwidth term set by how the flows share the fabric.
+  algorithms, with the bandwidth term set by how the flows share the fabric. A collective blocks
+  the rank where it is called, unless a later `Wait` names its event (a collective posted with
+  async_op=True, whose handle the code waits on later): then it runs beside the rank's work until
+  that `Wait`, as an exchange does.
 
 Concurrent flows share every link, port and NIC they cross max-min fairly (progressive filling),
 each also capped by its own single-flow limit (`Topology.path`). So on an NVSwitch node 7 flows
@@ -145,7 +148,13 @@ class _Sim:
         self.sends: dict[tuple[int, int], deque] = defaultdict(deque)
         self.recvs: dict[tuple[int, int], deque] = defaultdict(deque)
         self.coll_seq: dict[tuple, int] = defaultdict(int)
-        self.coll_posted: dict[tuple, dict[int, CommRecord]] = {}
+        self.coll_posted: dict[tuple, dict[int, tuple[CommRecord, Optional[_Handle]]]] = {}
+        # per rank, the collectives some later Wait names: posted asynchronously
+        self.async_colls = [
+            {e.handle for e in events if isinstance(e, Wait)}
+            & {i for i, e in enumerate(events) if isinstance(e, CommRecord) and e.kind in COLLECTIVES}
+            for events in trace.ranks
+        ]
         self.flows: list[Flow] = []
         self.timers: list = []
         self.tick = 0
@@ -219,7 +228,7 @@ class _Sim:
             elif e.kind == "p2p":
                 self.post_exchange(r, i, e)
             elif e.kind in COLLECTIVES:
-                self.post_collective(r, e)
+                self.post_collective(r, e, i if i in self.async_colls[r] else None)
             else:
                 raise SimError(f"unknown communication kind {e.kind!r}")
         if self.pc[r] == len(events) and self.blocked[r] is None:
@@ -277,21 +286,41 @@ class _Sim:
             # the communication stream first waits for the compute stream's event (sync_s)
             self.at(max(ts, tr) + lat + self.sync_s, start)
 
-    def post_collective(self, r: int, e: CommRecord) -> None:
+    def post_collective(self, r: int, e: CommRecord, handle: Optional[int] = None) -> None:
+        """Post rank r's part of a collective: blocking, or (`handle`: the event's index, which a
+        later Wait names) running beside the rank's work until that Wait."""
         group = tuple(e.peers)
         seq_key = (r, e.kind, group)
         key = (e.kind, group, self.coll_seq[seq_key])
         self.coll_seq[seq_key] += 1
         posted = self.coll_posted.setdefault(key, {})
-        posted[r] = e
-        self.block(r, "collective")
+        if handle is None:
+            posted[r] = (e, None)
+            self.block(r, "collective")
+        else:
+            h = self.handles[(r, handle)] = _Handle(r)
+            h.pending, h.synced = 1, self.with_comm and len(group) > 1
+            posted[r] = (e, h)
         if len(posted) < len(group):
             return
         del self.coll_posted[key]
         p = len(group)
+
+        def finish(q: int, delay: float) -> None:
+            h = posted[q][1]
+            if h is not None:  # posted asynchronously: done, and its Wait may already be waiting
+                h.pending -= 1
+                if not h.waiting:
+                    return
+                h.waiting = False
+            if delay:
+                self.at(self.t + delay, lambda q=q: self.unblock(q))
+            else:
+                self.unblock(q)
+
         if not self.with_comm or p == 1:
             for q in group:
-                self.unblock(q)
+                finish(q, 0.0)
             return
         steps = (p - 1) * (2 if e.kind == "all_reduce" else 1)
         lat = steps * max(self.topo.path(a, b)[2] for a in group for b in group if a != b)
@@ -301,11 +330,11 @@ class _Sim:
             state["left"] -= 1
             if not state["left"]:
                 for q in group:  # each member's compute stream waits on the collective's event
-                    self.at(self.t + self.sync_s, lambda q=q: self.unblock(q))
+                    finish(q, self.sync_s)
 
         def start() -> None:
             for a in group:
-                share = posted[a].bytes_sent / (p - 1)
+                share = posted[a][0].bytes_sent / (p - 1)
                 for b in group:
                     if a != b:
                         res, cap, _ = self.topo.path(a, b)

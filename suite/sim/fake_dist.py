@@ -10,8 +10,10 @@ the rank's trace exactly as an own method's would:
 - `P2POp` + `batch_isend_irecv`, `isend`, `irecv` -> one `exchange` per call; the first `wait()` on
   any of its requests is the rank's `Wait` (ring-flash-attn waits on every request of a batch);
 - `all_to_all_single`, `all_gather_into_tensor` / `all_gather`, `reduce_scatter_tensor` /
-  `reduce_scatter`, `all_reduce`, `barrier` -> the comm's collective (an `async_op=True` handle
-  is already complete: the simulator replays collectives as blocking where they are posted);
+  `reduce_scatter`, `all_reduce`, `barrier` -> the comm's collective; called with `async_op=True`,
+  the handle's first `wait()` is the rank's `Wait` on it, so the simulator runs the collective
+  beside what the rank does until then (ring-flash-attn's llama3 gathers the next heads' K/V while
+  it computes the current ones), as it runs an exchange until its `Wait`;
 - `new_group`, `get_rank`, `get_world_size`, `get_global_rank`, `get_group_rank`,
   `get_process_group_ranks`, `is_initialized`, `get_backend` -> answered from the virtual ranks.
 
@@ -36,7 +38,9 @@ import torch
 import torch.distributed as dist
 
 from methods.comm.base import P2P, Comm
+from methods.comm.counting import CommRecord
 from methods.comm.threads import ThreadWorld
+from suite.sim.record import Wait
 
 _local = threading.local()  # .rank: the _VirtualRank of a virtual-rank thread
 _INSTALL = threading.Lock()  # one trace at a time patches torch.distributed
@@ -173,7 +177,8 @@ class _Exchange:
 
 
 class _Done:
-    """The handle of a collective called with async_op=True: it completed when it was called."""
+    """A handle with nothing to wait for (a batch of messages to itself only, or a collective on a
+    comm that records no events)."""
 
     def wait(self, timeout=None) -> bool:
         return True
@@ -247,8 +252,33 @@ def irecv(tensor, src=None, group=None, tag=0, group_src=None):
     return _Request(_post([FakeP2POp(irecv, tensor, src, group, tag, group_src)]))
 
 
-def _collective_result(async_op: bool):
-    return _Done() if async_op else None
+class _Posted:
+    """The handle of a collective called with async_op=True on a recording comm: its first `wait()`
+    appends the rank's `Wait` on the collective's event (the event's index in the rank's trace)."""
+
+    def __init__(self, ledger, index: int):
+        self._ledger, self._index, self.done = ledger, index, False
+
+    def wait(self, timeout=None) -> bool:
+        if not self.done:
+            self.done = True
+            self._ledger.add(Wait(self._index))
+        return True
+
+    def is_completed(self) -> bool:
+        return self.done
+
+
+def _collective_result(async_op: bool, comm: Optional[Comm] = None):
+    """What a collective returns: None, or for async_op=True a handle whose wait the trace records
+    (the collective is the last event of the rank's trace when this is called)."""
+    if not async_op:
+        return None
+    ledger = getattr(comm, "ledger", None)
+    events = getattr(ledger, "events", None)
+    if not events or not isinstance(events[-1], CommRecord):
+        return _Done()
+    return _Posted(ledger, len(events) - 1)
 
 
 def all_to_all_single(
@@ -259,16 +289,18 @@ def all_to_all_single(
         return _REAL["all_to_all_single"](output, input, output_split_sizes, input_split_sizes, group, async_op)
     if output_split_sizes is not None or input_split_sizes is not None:
         raise NotImplementedError("the fake torch.distributed traces equal-split all_to_all_single only")
-    vr.comm_of(group).all_to_all(output, input)
-    return _collective_result(async_op)
+    comm = vr.comm_of(group)
+    comm.all_to_all(output, input)
+    return _collective_result(async_op, comm)
 
 
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op=False, **kwargs):
     vr = _current()
     if vr is None:
         return _REAL["all_gather_into_tensor"](output_tensor, input_tensor, group, async_op)
-    vr.comm_of(group).all_gather(output_tensor, input_tensor)
-    return _collective_result(async_op)
+    comm = vr.comm_of(group)
+    comm.all_gather(output_tensor, input_tensor)
+    return _collective_result(async_op, comm)
 
 
 def all_gather(tensor_list, tensor, group=None, async_op=False):
@@ -280,10 +312,11 @@ def all_gather(tensor_list, tensor, group=None, async_op=False):
         out = tensor.new_empty((len(tensor_list), *tensor.shape))
         source = tensor.contiguous()
     comm.all_gather(out, source)
+    handle = _collective_result(async_op, comm)
     with _paused(comm):
         for dst, part in zip(tensor_list, out):
             dst.copy_(part)
-    return _collective_result(async_op)
+    return handle
 
 
 def reduce_scatter_tensor(output, input, op=None, group=None, async_op=False):
@@ -293,8 +326,9 @@ def reduce_scatter_tensor(output, input, op=None, group=None, async_op=False):
             output, input, op if op is not None else dist.ReduceOp.SUM, group, async_op
         )
     _sum_only(op)
-    vr.comm_of(group).reduce_scatter(output, input)
-    return _collective_result(async_op)
+    comm = vr.comm_of(group)
+    comm.reduce_scatter(output, input)
+    return _collective_result(async_op, comm)
 
 
 def reduce_scatter(output, input_list, op=None, group=None, async_op=False):
@@ -306,7 +340,7 @@ def reduce_scatter(output, input_list, op=None, group=None, async_op=False):
     with _paused(comm):
         stacked = torch.cat([t.reshape(-1) for t in input_list])
     comm.reduce_scatter(output.view(-1), stacked)
-    return _collective_result(async_op)
+    return _collective_result(async_op, comm)
 
 
 def all_reduce(tensor, op=None, group=None, async_op=False):
@@ -314,8 +348,9 @@ def all_reduce(tensor, op=None, group=None, async_op=False):
     if vr is None:
         return _REAL["all_reduce"](tensor, op if op is not None else dist.ReduceOp.SUM, group, async_op)
     _sum_only(op)
-    vr.comm_of(group).all_reduce(tensor)
-    return _collective_result(async_op)
+    comm = vr.comm_of(group)
+    comm.all_reduce(tensor)
+    return _collective_result(async_op, comm)
 
 
 def barrier(group=None, async_op=False, device_ids=None):
