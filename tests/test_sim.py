@@ -3,6 +3,7 @@ the `sim` executor end to end. (The measured check against CPU gloo runs is `mak
 figures are in reports/recorded/sim_check_cpu.md.)"""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import yaml
@@ -10,9 +11,10 @@ import yaml
 import methods
 from methods.base import Case
 from methods.comm.counting import CommRecord
+from methods.documents import Documents
 from suite.sim.compute import ComputeModel
 from suite.sim.engine import Flow, SimError, max_min_rates, replay
-from suite.sim.record import Compute, Memory, Trace, Wait
+from suite.sim.record import Compute, HostSync, Memory, Trace, Wait
 from suite.sim.topology import Topology, TopologyError, available_topologies, load_topology
 from suite.sim.trace import TraceCache, trace
 from tests.helpers import own_methods
@@ -162,6 +164,37 @@ def test_a_collective_waited_for_later_runs_beside_the_compute():
     # compute alone: the collective is free either way
     alone = replay(synthetic([[gather, blk, Wait(0)] for _ in range(p)]), topo(), lambda e: secs, comm=False)
     assert alone.time_s == pytest.approx(secs)
+
+
+def test_a_host_synchronization_idles_the_device_and_is_not_communication():
+    """A HostSync (the code made the host wait for the device) costs the topology's host_sync_us of
+    idle device time: in the full and compute-only replays, not in the comm-only one, and never
+    counted as time blocked on communication."""
+    blk = Compute("fwd", 1, 8, 8, 1, 1, 8, None, "float32")
+    t = replace(topo(), compute={**topo().compute, "host_sync_us": 30})
+    ranks = [[blk, HostSync(), HostSync(), blk]]
+    r = replay(synthetic(ranks), t, lambda e: 1e-3)
+    assert r.time_s == pytest.approx(2e-3 + 60e-6) and r.blocked_s == [0.0] and r.kernel_s[0] == pytest.approx(2e-3)
+    assert replay(synthetic(ranks), t, lambda e: 1e-3, comm=False).time_s == pytest.approx(2e-3 + 60e-6)
+    assert replay(synthetic(ranks), t, lambda e: 1e-3, compute=False).time_s == 0.0
+    assert replay(synthetic(ranks), topo(), lambda e: 1e-3).time_s == pytest.approx(2e-3)  # default: free
+
+
+def test_own_methods_never_make_the_host_wait_for_the_device():
+    """No own method indexes device data with a host tensor or reads a device value back (a HostSync
+    in its trace), with plain or packed documents, causal or full: their index tensors are built on
+    the device. ring-flash-attn's varlen zigzag does (its CPU boolean masks), and its trace shows it."""
+    docs = Documents(((96, 32, 64, 48, 16),), 256)
+    for name in own_methods():
+        for causal, d in itertools.product((True, False), (None, docs)):
+            case = Case(
+                batch=1, seq_len=256, heads=4, kv_heads=2, head_dim=16, dtype="bfloat16", causal=causal, world_size=4
+            )
+            try:
+                tr = trace(name, replace(case, documents=d), "fwd_bwd")
+            except ValueError:  # the method does not take this case
+                continue
+            assert not any(isinstance(e, HostSync) for r in tr.ranks for e in r), (name, causal, d is not None)
 
 
 def test_unmatched_messages_are_reported_not_hung():

@@ -17,7 +17,7 @@ from methods.comm.counting import CommRecord
 from methods.documents import Documents
 from methods.kernels import visible_pairs
 from suite.sim import fake_dist
-from suite.sim.record import Compute, Memory, Wait
+from suite.sim.record import Compute, HostSync, Memory, Wait
 from suite.sim.trace import TraceCache, trace
 from tests.helpers import run_dist
 
@@ -298,6 +298,38 @@ def test_llama3_gathers_the_next_heads_while_it_computes_the_current_ones():
         assert gathers and set(gathers) <= set(waits), r
         overlapped = [g for g in gathers if any(isinstance(e, Compute) for e in events[g : waits[g]])]
         assert len(overlapped) == len(gathers) - 2, (r, gathers, waits)  # all but the first K and V
+
+
+def test_llama3_gathers_as_many_kv_heads_at_a_time_as_its_stride():
+    """`heads_k_stride` (the benchmark's 4) is passed to the library: with 4 KV heads, a stride of 2
+    gathers K and V twice per forward instead of four times, each gather twice the bytes; a stride
+    that does not divide the KV heads is refused before anything runs."""
+    case = _case(4, seq_len=128, heads=8, kv_heads=4)
+    gathers = {}
+    for stride in (1, 2):
+        fwd = trace("rfa_llama3", case, "fwd", {"heads_k_stride": stride})
+        gathers[stride] = [e.bytes_sent for e in fwd.comm(0) if e.kind == "all_gather"]
+    assert len(gathers[1]) == 2 * 4 and len(gathers[2]) == 2 * 2
+    assert gathers[2][0] == 2 * gathers[1][0]
+    from suite.sim.trace import traced_method
+
+    ok, why = traced_method("rfa_llama3", {"heads_k_stride": 3}).supports(case)
+    assert not ok and "heads_k_stride=3" in why
+    with pytest.raises(ValueError, match="heads_k_stride must be >= 1"):
+        methods.get_method("rfa_llama3", heads_k_stride=0)
+
+
+def test_ring_flash_attns_varlen_zigzag_makes_the_host_wait_and_its_ring_does_not():
+    """ring-flash-attn's varlen zigzag indexes its device tensors with CPU boolean masks (get_half_index)
+    once documents are packed: each such op makes the host wait for the device (a HostSync in the
+    trace); its varlen ring and llama3 do not, nor does the zigzag with one document per sequence."""
+    for name in PACKED:
+        n = {
+            packed: sum(isinstance(e, HostSync) for r in trace(name, c, "fwd_bwd").ranks for e in r)
+            for packed, c in ((True, _packed_case(4)), (False, _case(4)))
+        }
+        assert n[False] == 0, name
+        assert (n[True] > 0) == (name == "rfa_zigzag"), (name, n)
 
 
 def _traceable(name, opts, case) -> bool:

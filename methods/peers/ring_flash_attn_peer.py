@@ -116,9 +116,25 @@ class _RFA(PeerMethod):
 class _Llama3(_RFA):
     supports_documents = True  # its varlen entry takes the packed documents' cu_seqlens
 
+    def __init__(self, kernel: str = "auto", heads_k_stride: int = 1):
+        super().__init__(kernel)
+        if heads_k_stride < 1:
+            raise ValueError(f"{self.name}: heads_k_stride must be >= 1, got {heads_k_stride}")
+        # KV heads per slice: the library all-gathers one slice's K/V while it computes the previous one
+        # (its benchmark passes 4)
+        self.heads_k_stride = int(heads_k_stride)
+
+    def options(self) -> dict:
+        return {**super().options(), "heads_k_stride": self.heads_k_stride}
+
     def supports(self, case: Case) -> tuple[bool, str]:
         if case.batch != 1:
             return False, "rfa_llama3 packs one sequence per call here: batch must be 1"
+        if case.kv_heads % self.heads_k_stride:
+            return False, (
+                f"rfa_llama3 gathers K/V in slices of heads_k_stride={self.heads_k_stride} KV heads: "
+                f"kv_heads ({case.kv_heads}) must be divisible by it"
+            )
         return super().supports(case)
 
     def _call(self, q, k, v, causal: bool, scale: float, docs=None):
@@ -143,7 +159,7 @@ class _Llama3(_RFA):
             cu_k,
             max_q,
             max_k,
-            heads_k_stride=1,
+            heads_k_stride=self.heads_k_stride,
             local_k_slice=local_k_slice,
             softmax_scale=scale,
             causal=causal,

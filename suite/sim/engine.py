@@ -9,6 +9,9 @@ Each rank runs its traced events in order (`suite/sim/trace.py`):
   receive from this rank (first posted with first posted, per ordered pair) and becomes a flow
   once both are posted, after the path's per-message latency;
 - `Wait`: the rank blocks until every flow of that exchange (its sends and its receives) is done;
+- `HostSync`: the code made the host wait for the device (a host index moved to the device, a value
+  read back); the device then idles `compute.host_sync_us` while the host turns round and issues
+  the next kernel;
 - collectives (all_to_all, all_gather, reduce_scatter, all_reduce): once every member has
   called it, each member sends its share to every other member directly, after (P-1) x the
   group's latency (2(P-1) for all_reduce) - the textbook alpha-beta cost of the ring/pairwise
@@ -43,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from methods.comm.counting import CommRecord
-from suite.sim.record import Compute, Memory, Trace, Wait
+from suite.sim.record import Compute, HostSync, Memory, Trace, Wait
 
 COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
 
@@ -164,6 +167,7 @@ class _Sim:
         overlap = getattr(topology, "overlap", None) or {}
         self.slowdown = float(overlap.get("compute_slowdown", 0.0))
         self.sync_s = float(overlap.get("sync_us", 0.0)) * 1e-6
+        self.host_sync_s = float((getattr(topology, "compute", None) or {}).get("host_sync_us", 0.0)) * 1e-6
 
     # -- scheduling primitives ------------------------------------------------------------------
     def at(self, when: float, fn: Callable[[], None]) -> None:
@@ -197,7 +201,7 @@ class _Sim:
                 f.cap = f.base_cap / (1.0 + self.slowdown) if f.computing in talking else f.base_cap
 
     def unblock(self, rank: int) -> None:
-        if self.blocked[rank] != "compute":  # computing is not waiting on communication
+        if self.blocked[rank] not in ("compute", "host"):  # computing is not waiting on communication
             self.blocked_s[rank] += self.t - self.blocked_since[rank]
         self.blocked[rank] = None
         self.ready.append(rank)
@@ -216,6 +220,10 @@ class _Sim:
                     res, cap = self.topo.compute_resource(r)
                     done = self.kernel_done(r, self.t) if isinstance(e, Compute) else (lambda r=r: self.unblock(r))
                     self.start_flow(res, cap, secs, done, computing=r)
+            elif isinstance(e, HostSync):
+                if self.with_compute and self.host_sync_s > 0:  # the device idles while the host turns round
+                    self.block(r, "host")
+                    self.at(self.t + self.host_sync_s, lambda r=r: self.unblock(r))
             elif isinstance(e, Wait):
                 h = self.handles[(r, e.handle)]
                 if h.pending:

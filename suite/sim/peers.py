@@ -9,7 +9,9 @@ dist, forward and (for fwd_bwd) the library's own autograd backward, with three 
 - flash-attn is the trace stand-in of suite/sim/flash_attn_stub.py: each block-kernel call is a
   `Compute` with the shapes and causal alignment the library asked for;
 - everything else the library does between kernels (ring-flash-attn's out/LSE merge, its
-  dtype casts, yunchang's all-to-all reshapes) is seen by the tracer's dispatch mode as `Memory`.
+  dtype casts, yunchang's all-to-all reshapes) is seen by the tracer's dispatch mode as `Memory`,
+  and an op that makes the host wait for the device (ring-flash-attn's varlen zigzag indexing with
+  CPU boolean masks) as a `HostSync`.
 
 ring-flash-attn imports flash-attn when it is imported, so the simulator loads its own copy of the
 installed package (under another module name, against the stand-in): the machine's

@@ -6,8 +6,8 @@ one that records each call (`Compute`: which block, its mask, its FLOPs) and ret
 and the comm is a counting comm (`methods/comm/counting.py`, so bytes follow the suite's one
 convention) that also records when each exchange is waited for. The result is, per rank, the
 ordered events the simulator replays: `Compute`, `CommRecord` (with a handle id for exchanges),
-`Wait`, and `Memory` (the method's own tensor work between them, seen by a thread-local dispatch
-mode). Since it is the method's own code that runs, a trace cannot drift from the method.
+`Wait`, `Memory` (the method's own tensor work between them, seen by a thread-local dispatch
+mode) and `HostSync` (an op that makes the host wait for the device). Since it is the method's own code that runs, a trace cannot drift from the method.
 
 FLOPs per block follow flash-attention's convention on the *visible* (query, key) pairs of the
 block: forward 4 * B * H * D * pairs, backward 2.5x that.
@@ -99,7 +99,15 @@ class Memory:
     ops: int
 
 
-Event = Union[Compute, CommRecord, Wait, Memory]
+@dataclass(frozen=True)
+class HostSync:
+    """The code made the host wait for the device: an op that moves a host tensor to the device's data
+    or reads the device's back (indexing device tensors with a CPU index or boolean mask, as
+    ring-flash-attn's varlen zigzag does; `.item()`), which the real run's stream must drain for. In
+    the trace the device's data lives on meta and the host's on CPU, so it is an op over both."""
+
+
+Event = Union[Compute, CommRecord, Wait, Memory, HostSync]
 
 
 class _Tap(list):
@@ -138,6 +146,10 @@ class TraceLedger(CommLedger):
         if not self.paused:
             self._bytes += nbytes
             self._ops += 1
+
+    def host_sync(self) -> None:
+        if not self.paused:
+            self.add(HostSync())
 
     @contextlib.contextmanager
     def pause(self):
@@ -214,6 +226,18 @@ def _on_meta(x) -> bool:
     return False
 
 
+def _on_host(x) -> bool:
+    """A host (CPU) tensor with elements of its own (a 0-dim one is passed to a device kernel as a
+    scalar, no copy)."""
+    if isinstance(x, torch.Tensor):
+        return x.device.type == "cpu" and x.dim() > 0
+    if isinstance(x, (list, tuple)):
+        return any(_on_host(y) for y in x)
+    if isinstance(x, dict):
+        return any(_on_host(y) for y in x.values())
+    return False
+
+
 class _Bookkeeping(TorchDispatchMode):
     """Sees every aten op of the rank's thread (dispatch modes are thread-local) and charges the
     non-view ones to the ledger."""
@@ -225,7 +249,10 @@ class _Bookkeeping(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         # the traced data lives on meta; real (CPU) tensors are the host's index arithmetic (packed
-        # documents' masks, positions), not device work
+        # documents' masks, positions), not device work; an op over both moves host data to the device
+        # (or back) and synchronizes the host with the device
+        if _on_meta([args, kwargs]) and _on_host([args, kwargs]):
+            self._ledger.host_sync()
         if not func.is_view and str(func) not in _FREE and _on_meta([args, kwargs, out]):
             nbytes = (
                 _tensor_bytes(list(args))

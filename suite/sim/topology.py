@@ -30,7 +30,8 @@ A topology is one node type repeated `nodes` times (as many as a world size need
 - `compute`: the tile model (`peak_tflops` per dtype, `sms`, `kernel` and each generation's tiles
   and published throughput under `kernels`, `launch_us`; suite/sim/compute.py), or a `table` of
   measured block times (`python -m suite calibrate`); `shared_cores` when the
-  ranks share CPU cores instead of owning a GPU each.
+  ranks share CPU cores instead of owning a GPU each; `host_sync_us`: what the device idles each
+  time the code makes the host wait for it (suite/sim/engine.py `HostSync`; default 0).
 
 GB/s are 1e9 bytes per second, one direction. Every number in the shipped files carries its
 source in a comment, tagged [P] (a primary source: the vendor's or the library's own
