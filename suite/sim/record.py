@@ -7,7 +7,8 @@ and the comm is a counting comm (`methods/comm/counting.py`, so bytes follow the
 convention) that also records when each exchange is waited for. The result is, per rank, the
 ordered events the simulator replays: `Compute`, `CommRecord` (with a handle id for exchanges),
 `Wait`, `Memory` (the method's own tensor work between them, seen by a thread-local dispatch
-mode) and `HostSync` (an op that makes the host wait for the device). Since it is the method's own code that runs, a trace cannot drift from the method.
+mode) and `HostSync` (an op that makes the host wait for the device). Since it is the method's
+own code that runs, a trace cannot drift from the method.
 
 FLOPs per block follow flash-attention's convention on the *visible* (query, key) pairs of the
 block: forward 4 * B * H * D * pairs, backward 2.5x that.
