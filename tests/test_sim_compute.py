@@ -101,7 +101,7 @@ def _work(cm: ComputeModel, e: Compute) -> float:
     full, causal = cm.costs(e.op, e.head_dim)
     cost = full if e.causal_offset is None or e.causal_offset >= e.sk - 1 else causal
     f, m = unit_tiles(e.op, e.sq, e.sk, e.causal_offset, cost.tile)
-    t = (cost.unit_s + cost.tile_s * (f + m * (1.0 + cost.diag)))[(f + m) > 0]
+    t = cost.unit_times(f, m)[(f + m) > 0]
     return cm.launch_s + float(t.sum()) * e.batch * e.heads / cm.sms if t.size else 0.0
 
 

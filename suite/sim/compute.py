@@ -222,7 +222,11 @@ class TileCost:
     def call(self, op: str, units: int, sq: int, sk: int, causal_offset: Optional[int], sms: int) -> float:
         """Time of one call of `units` (batch x heads) copies of the block's unit pattern, launch excluded."""
         full, masked = unit_tiles(op, sq, sk, causal_offset, self.tile)
-        return self.run(self.unit_s + self.tile_s * (full + masked * (1.0 + self.diag)), full + masked, units, sms)
+        return self.run(self.unit_times(full, masked), full + masked, units, sms)
+
+    def unit_times(self, full: np.ndarray, masked: np.ndarray) -> np.ndarray:
+        """Each work unit's time from its full and masked tiles."""
+        return self.unit_s + self.tile_s * (full + masked * (1.0 + self.diag))
 
     def run(self, t: np.ndarray, tiles: np.ndarray, units: int, sms: int) -> float:
         """Time of `units` copies of the unit times `t` (grid order) on the SMs, in this kernel's order."""
@@ -457,9 +461,7 @@ class ComputeModel:
         block."""
         _, causal = self.costs(op, head_dim)
         full, masked = band_tiles(op, sq, sk, off, lower, causal.tile)
-        t = causal.run(
-            causal.unit_s + causal.tile_s * (full + masked * (1.0 + causal.diag)), full + masked, bh, self.sms
-        )
+        t = causal.run(causal.unit_times(full, masked), full + masked, bh, self.sms)
         return self.launch_s + t if t > 0 else 0.0
 
     def _varlen_call(self, e: Compute) -> float:
@@ -476,7 +478,7 @@ class ComputeModel:
                 f, m = band_tiles(e.op, sq, sk, off, lower, cost.tile)
             else:
                 f, m = unit_tiles(e.op, sq, sk, off, cost.tile)
-            times += [cost.unit_s + cost.tile_s * (f + m * (1.0 + cost.diag))] * n
+            times += [cost.unit_times(f, m)] * n
             tiles += [f + m] * n
         t = cost.run(np.concatenate(times), np.concatenate(tiles), e.batch * e.heads, self.sms)
         return self.launch_s + t if t > 0 else 0.0
