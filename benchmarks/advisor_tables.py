@@ -2,7 +2,10 @@
 (simulated, executor=sim), each question's top three, token_ring's rank and the last configuration,
 as a Markdown table on stdout.
 
-    python benchmarks/advisor_tables.py > /tmp/advisor_tables.md        # about 4 minutes on 2 cores
+    python benchmarks/advisor_tables.py > /tmp/advisor_tables.md
+
+About 45 minutes on 2 cores (2026-11-29; most of it tracing `dispatch` at 16 ranks, 25-37 s a trial on
+the two-node questions).
 
 Every number is a prediction with the simulator's validated error band beside it (± %).
 """
