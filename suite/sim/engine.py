@@ -9,8 +9,8 @@ Each rank runs its traced events in order (`suite/sim/trace.py`):
   receive from this rank (first posted with first posted, per ordered pair) and becomes a flow
   once both are posted, after the path's per-message latency;
 - `Wait`: the rank blocks until every flow of that exchange (its sends and its receives) is done;
-- `HostSync`: the code made the host wait for the device (a host index moved to the device, a value
-  read back); the device then idles `compute.host_sync_us` while the host turns round and issues
+- `HostSync`: the code made the host wait for the device (device data indexed with a host tensor);
+  the device then idles `compute.host_sync_us` while the host turns round and issues
   the next kernel;
 - collectives (all_to_all, all_gather, reduce_scatter, all_reduce): once every member has
   called it, each member sends its share to every other member directly, after (P-1) x the
@@ -200,6 +200,20 @@ class _Sim:
             if f.computing is not None:
                 f.cap = f.base_cap / (1.0 + self.slowdown) if f.computing in talking else f.base_cap
 
+    def wake(self, rank: int, delay: float) -> None:
+        """Unblock `rank` now, or after `delay` (the compute stream's wait on a communication event)."""
+        if delay > 0:
+            self.at(self.t + delay, lambda: self.unblock(rank))
+        else:
+            self.unblock(rank)
+
+    def settle(self, h: _Handle, delay: float) -> None:
+        """One part of handle `h`'s communication is done; the last one wakes a rank waiting on it."""
+        h.pending -= 1
+        if not h.pending and h.waiting:
+            h.waiting = False
+            self.wake(h.rank, delay)
+
     def unblock(self, rank: int) -> None:
         if self.blocked[rank] not in ("compute", "host"):  # computing is not waiting on communication
             self.blocked_s[rank] += self.t - self.blocked_since[rank]
@@ -280,13 +294,7 @@ class _Sim:
 
             def done(hs=hs, hr=hr) -> None:
                 for h in (hs, hr):
-                    h.pending -= 1
-                    if not h.pending and h.waiting:
-                        h.waiting = False
-                        if self.sync_s > 0:  # the compute stream's wait on the exchange's event
-                            self.at(self.t + self.sync_s, lambda r=h.rank: self.unblock(r))
-                        else:
-                            self.unblock(h.rank)
+                    self.settle(h, self.sync_s)  # the compute stream's wait on the exchange's event
 
             def start(res=res, cap=cap, n=n, done=done, ranks=(src, dst)) -> None:
                 self.start_flow(res, cap, n, done, ranks=ranks)
@@ -316,15 +324,10 @@ class _Sim:
 
         def finish(q: int, delay: float) -> None:
             h = posted[q][1]
-            if h is not None:  # posted asynchronously: done, and its Wait may already be waiting
-                h.pending -= 1
-                if not h.waiting:
-                    return
-                h.waiting = False
-            if delay:
-                self.at(self.t + delay, lambda q=q: self.unblock(q))
-            else:
-                self.unblock(q)
+            if h is None:  # a blocked member goes on
+                self.wake(q, delay)
+            else:  # posted asynchronously: done, and its Wait may already be waiting
+                self.settle(h, delay)
 
         if not self.with_comm or p == 1:
             for q in group:

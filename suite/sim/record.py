@@ -102,10 +102,11 @@ class Memory:
 
 @dataclass(frozen=True)
 class HostSync:
-    """The code made the host wait for the device: an op that moves a host tensor to the device's data
-    or reads the device's back (indexing device tensors with a CPU index or boolean mask, as
-    ring-flash-attn's varlen zigzag does; `.item()`), which the real run's stream must drain for. In
-    the trace the device's data lives on meta and the host's on CPU, so it is an op over both."""
+    """The code made the host wait for the device: an op that brings a host tensor to the device's data
+    (indexing device tensors with a CPU index or boolean mask, as ring-flash-attn's varlen zigzag
+    does), which the real run's stream must drain for. In the trace the device's data lives on meta
+    and the host's on CPU, so it is an op over both. A read-back of a value the real run keeps on the
+    device (`.item()` of a cu_seqlens) is not seen: in the trace that value is a host tensor."""
 
 
 Event = Union[Compute, CommRecord, Wait, Memory, HostSync]
@@ -217,26 +218,25 @@ def _out_argument_bytes(func, args, kwargs) -> int:
     return n
 
 
-def _on_meta(x) -> bool:
+def _any_tensor(x, pred) -> bool:
+    """Whether any tensor in `x` (nested lists, tuples, dicts) satisfies `pred`."""
     if isinstance(x, torch.Tensor):
-        return x.device.type == "meta"
+        return pred(x)
     if isinstance(x, (list, tuple)):
-        return any(_on_meta(y) for y in x)
+        return any(_any_tensor(y, pred) for y in x)
     if isinstance(x, dict):
-        return any(_on_meta(y) for y in x.values())
+        return any(_any_tensor(y, pred) for y in x.values())
     return False
+
+
+def _on_meta(x) -> bool:
+    return _any_tensor(x, lambda t: t.device.type == "meta")
 
 
 def _on_host(x) -> bool:
     """A host (CPU) tensor with elements of its own (a 0-dim one is passed to a device kernel as a
     scalar, no copy)."""
-    if isinstance(x, torch.Tensor):
-        return x.device.type == "cpu" and x.dim() > 0
-    if isinstance(x, (list, tuple)):
-        return any(_on_host(y) for y in x)
-    if isinstance(x, dict):
-        return any(_on_host(y) for y in x.values())
-    return False
+    return _any_tensor(x, lambda t: t.device.type == "cpu" and t.dim() > 0)
 
 
 class _Bookkeeping(TorchDispatchMode):
