@@ -353,6 +353,61 @@ def test_ring_flash_attn_fp32_gradients_are_caught_wrong(write_config, restore_m
     assert r[M.ERR["out"]] <= r[M.TOL["out"]] and r[M.ERR["dq"]] > 1000 * r[M.TOL["dq"]]
 
 
+@needs_rfa
+def test_ring_flash_attn_imports_beside_transformers_5_where_flash_attn_does():
+    """As on a GPU node: with flash_attn importable (the simulator's stand-in, flash-attn 2's
+    private names) ring-flash-attn imports beside the transformers the extras install, although
+    transformers 5 lacks the name its Hugging Face adapter imports, and `suite list` says every
+    rfa_* runs here. The name the adapter provides answers from the installed flash-attn."""
+    pytest.importorskip("transformers", reason="the extras test and hf install transformers")
+    out = _python(
+        "import sys\n"
+        "from suite.sim import flash_attn_stub\n"
+        "sys.modules.update(flash_attn_stub.modules())\n"
+        "from methods.peers import ring_flash_attn_peer\n"
+        "ring_flash_attn_peer.register_methods()  # first registered on import, before the stand-in\n"
+        "from suite.cli import main\n"
+        "main(['list'])\n"
+        "import transformers.modeling_flash_attention_utils as fa_utils\n"
+        "provided = getattr(fa_utils, 'is_flash_attn_greater_or_equal_2_10', None)\n"
+        "print('answer', provided and provided())\n"
+    )
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line for line in out.stdout.splitlines() if line.startswith("rfa_")}
+    assert sorted(rows) == ["rfa_llama3", "rfa_ring", "rfa_stripe", "rfa_zigzag"], out.stdout
+    for line in rows.values():
+        assert " yes " in line and "not importable" not in line, line
+    if importlib.util.find_spec("flash_attn") is None:  # no flash-attn distribution: below 2.1.0
+        assert "answer False" in out.stdout
+
+
+def test_ring_flash_attn_keeps_a_transformers_name_that_exists(monkeypatch):
+    """A transformers (4.x) that still has the name keeps its own function."""
+    fa_utils = pytest.importorskip("transformers.modeling_flash_attention_utils")
+    from methods.peers import ring_flash_attn_peer
+
+    def own() -> bool:
+        return True
+
+    monkeypatch.setattr(fa_utils, "is_flash_attn_greater_or_equal_2_10", own, raising=False)
+    assert not ring_flash_attn_peer._provide_removed_transformers_name()
+    assert fa_utils.is_flash_attn_greater_or_equal_2_10 is own
+
+
+@pytest.mark.parametrize(
+    "installed, answer",
+    [("2.7.4.post1", True), ("2.1.0", True), ("2.0.9", False), ("2.1.0.dev0", False), (None, False)],
+)
+def test_ring_flash_attn_provided_name_reads_the_installed_flash_attn(monkeypatch, installed, answer):
+    """The provided `is_flash_attn_greater_or_equal_2_10` ("2_10" is 2.1.0) compares the installed
+    flash-attn distribution's version, as transformers 4's did."""
+    pytest.importorskip("packaging")
+    from methods.peers import ring_flash_attn_peer
+
+    monkeypatch.setattr(ring_flash_attn_peer, "version_of", lambda name: installed if name == "flash-attn" else None)
+    assert ring_flash_attn_peer._flash_attn_at_least_2_1() is answer
+
+
 def test_the_test_double_does_not_leak_into_later_tests():
     """Runs after the rfa sweeps (file order): flash_attn is what this machine really has."""
     if importlib.util.find_spec("flash_attn") is None:

@@ -1,12 +1,15 @@
 """ring-flash-attn (zhuzilin): `rfa_ring`, `rfa_zigzag`, `rfa_stripe` (batch API) and `rfa_llama3`
 (the Llama 3 style all-gather varlen path), through the library.
 
-The library needs flash-attn's CUDA kernels: importing it imports `flash_attn` (no CPU build) and
-`transformers` helpers that transformers 5.x removed, so on a CPU machine these methods are listed
-as unavailable with the import error. Inputs must be bf16/fp16: with fp32 its dq/dk buffers alias
-(`.to(float32)` returns the same tensor) and the gradients are wrong; those points are skipped
-with the reason. zigzag and stripe assert causal=True. `rfa_llama3` runs one packed sequence per
-call (batch 1) on the contiguous layout: cu_seqlens [0, S], or the packed documents' boundaries.
+The library needs flash-attn's CUDA kernels: importing it imports `flash_attn` (no CPU build), so on
+a CPU machine these methods are listed as unavailable with the import error. Its package also
+imports its Hugging Face adapter, which imports `is_flash_attn_greater_or_equal_2_10` from
+`transformers.modeling_flash_attention_utils`, a name transformers 5 no longer has there; where that
+alone stops the import, the adapter gives transformers the name (`_import_library`). Inputs must be
+bf16/fp16: with fp32 its dq/dk buffers alias (`.to(float32)` returns the same tensor) and the
+gradients are wrong; those points are skipped with the reason. zigzag and stripe assert causal=True.
+`rfa_llama3` runs one packed sequence per call (batch 1) on the contiguous layout:
+cu_seqlens [0, S], or the packed documents' boundaries.
 
 Packed documents through ring and zigzag: the library's varlen versions of them
 (`ring_flash_attn_varlen_func`, `zigzag_ring_flash_attn_varlen_func`) take each rank's pieces of
@@ -33,6 +36,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import itertools
+from types import ModuleType
 from typing import ClassVar
 
 import torch
@@ -46,13 +50,60 @@ from methods.registry import register, register_unavailable
 VERSION = version_of("ring-flash-attn")
 
 
+_TRANSFORMERS_FA_UTILS = "transformers.modeling_flash_attention_utils"
+_REMOVED_NAME = "is_flash_attn_greater_or_equal_2_10"
+
+
+def _flash_attn_at_least_2_1() -> bool:
+    """transformers 4's `is_flash_attn_greater_or_equal_2_10` ("2_10" is version 2.1.0): whether the
+    installed flash-attn distribution is 2.1.0 or newer (False where none is installed)."""
+    from packaging.version import InvalidVersion, Version  # a dependency of transformers
+
+    installed = version_of("flash-attn")
+    try:
+        return installed is not None and Version(installed) >= Version("2.1.0")
+    except InvalidVersion:
+        return False
+
+
+def _provide_removed_transformers_name() -> bool:
+    """Give transformers' flash-attention utilities the name ring-flash-attn imports from them, if
+    they lack it; True if it was added. transformers 4 re-exported the function there; transformers 5
+    does not, and ring-flash-attn 0.1.8's package `__init__` imports its Hugging Face adapter
+    (`adapters/hf_adapter.py`), which imports it, so the whole library fails to import although none
+    of the functions this adapter calls uses it. An existing attribute is never replaced."""
+    try:
+        utils = importlib.import_module(_TRANSFORMERS_FA_UTILS)
+    except Exception:  # noqa: BLE001 - no (or a broken) transformers: the library's own error stands
+        return False
+    if hasattr(utils, _REMOVED_NAME):
+        return False
+    setattr(utils, _REMOVED_NAME, _flash_attn_at_least_2_1)
+    return True
+
+
+def _import_library() -> ModuleType:
+    """`import ring_flash_attn`; if that fails importing from transformers' flash-attention utilities
+    and they lack the name above, once more with the name provided. The failed import leaves the
+    library's modules that did import (its ring functions) in sys.modules; the second one runs its
+    package `__init__` again over them."""
+    try:
+        return importlib.import_module("ring_flash_attn")
+    except ImportError as exc:
+        # `from transformers.modeling_flash_attention_utils import ...` names that module; checked
+        # first, so that a machine without flash_attn (which fails earlier) never imports transformers
+        if exc.name != _TRANSFORMERS_FA_UTILS or not _provide_removed_transformers_name():
+            raise
+    return importlib.import_module("ring_flash_attn")
+
+
 def _import_error() -> str | None:
     try:
-        import ring_flash_attn  # noqa: F401
+        _import_library()
     except Exception as exc:  # noqa: BLE001 - ImportError, or whatever its import chain raises
         return (
             f"ring-flash-attn is not importable here ({type(exc).__name__}: {str(exc)[:200]}); it imports "
-            f"flash_attn (CUDA only) and transformers<5 helpers at import time"
+            f"flash_attn (CUDA only) at import time"
         )
     return None
 
@@ -105,7 +156,7 @@ class _RFA(PeerMethod):
         return "suite cpu kernel (test double)" if self.shim else "ring-flash-attn flash_attn"
 
     def _library(self):
-        return self.module or importlib.import_module("ring_flash_attn")
+        return self.module or _import_library()
 
     def _call(self, q, k, v, causal: bool, scale: float):
         fn = getattr(self._library(), self.function)
