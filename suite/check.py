@@ -24,6 +24,7 @@ The reference is computed in chunks of query rows, so its memory stays bounded
 
 from __future__ import annotations
 
+import hashlib
 import math
 import threading
 import zlib
@@ -55,21 +56,106 @@ class Problem:
 
     def tolerance(self, name: str, world_size: int) -> float:
         """The pass-rule bound for tensor `name` of a method running on `world_size` ranks."""
-        eps = torch.finfo(self.q.dtype).eps
-        eps_acc = torch.finfo(merge.acc_dtype(self.q.dtype)).eps
-        floor = 4 * eps + 4 * max(1, world_size) * eps_acc
-        if self.q.dtype == torch.float64:
-            # the naive error is 0 here (the naive computation is the reference), so nothing in the
-            # bound grew with the reduction length as it does for the other dtypes; a kernel's sums
-            # over S keys (or queries) round like a random walk, ~sqrt(S) roundings (the CPU flash
-            # kernel measured 15-30 eps at S = 40..130, D = 80, above the fixed floor)
-            floor += 2 * math.sqrt(self.q.shape[1]) * eps
-        return 2.0 * self.naive_err[name] + floor * self.ref_scale[name]
+        floor = pass_floor(self.q.dtype, self.q.shape[1], world_size)
+        return tolerance(self.naive_err[name], self.ref_scale[name], floor)
+
+
+def pass_floor(dtype: torch.dtype, seq_len: int, world_size: int) -> float:
+    """The floor of the pass rule (module docstring), per unit of the reference's magnitude."""
+    eps = torch.finfo(dtype).eps
+    eps_acc = torch.finfo(merge.acc_dtype(dtype)).eps
+    floor = 4 * eps + 4 * max(1, world_size) * eps_acc
+    if dtype == torch.float64:
+        # the naive error is 0 here (the naive computation is the reference), so nothing in the
+        # bound grew with the reduction length as it does for the other dtypes; a kernel's sums
+        # over S keys (or queries) round like a random walk, ~sqrt(S) roundings (the CPU flash
+        # kernel measured 15-30 eps at S = 40..130, D = 80, above the fixed floor)
+        floor += 2 * math.sqrt(seq_len) * eps
+    return floor
+
+
+def tolerance(naive_err: float, ref_scale: float, floor: float) -> float:
+    """2 * max|naive - ref64| + floor * max(1, max|ref64|) (`ref_scale` is the latter)."""
+    return 2.0 * naive_err + floor * ref_scale
 
 
 def problem_seed(seed: int, problem_key: tuple) -> int:
     """A per-problem seed, stable across processes and Python runs (no hash randomisation)."""
     return (seed * 1_000_003 + zlib.crc32(repr(problem_key).encode())) % 2**63
+
+
+INPUT_NAMES = ("q", "k", "v", "dout")
+INPUT_BLOCK = 1024  # tokens per independently seeded block of an input tensor
+
+
+def _block_seed(seed: int, tensor: int, b: int, block: int) -> int:
+    digest = hashlib.blake2b(f"{seed}/{tensor}/{b}/{block}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**63
+
+
+class InputSource:
+    """The inputs q, k, v, dout of one problem, drawn by rows: any rank draws exactly the rows it
+    holds, and they equal, bit for bit, the same rows of the global tensors (`full`).
+
+    Each tensor is a sequence of blocks of INPUT_BLOCK tokens per batch element, each block drawn
+    ~N(0, 1) in float32 from its own seed (the problem's seed, the tensor, the batch element, the
+    block index) and cast to the dtype: a block is the same whoever draws it, and a rank holds
+    at most one block beyond its shard while drawing. Rows at positions >= seq_len (a layout's
+    tail padding) are zeros, as the methods expect. The reference's tiles keep a few recent blocks
+    (`rows(keep=True)`), so that drawing rows tile by tile does not redraw a block per tile."""
+
+    _KEEP = 8
+
+    def __init__(self, batch, seq_len, heads, kv_heads, head_dim, dtype, seed, device, head_dim_v=None):
+        self.batch, self.seq_len, self.seed, self.device = batch, seq_len, seed, torch.device(device)
+        self.dtype = torch_dtype(dtype)
+        dv = head_dim_v or head_dim
+        self.dims = {"q": (heads, head_dim), "k": (kv_heads, head_dim), "v": (kv_heads, dv), "dout": (heads, dv)}
+        self._recent: dict[tuple, torch.Tensor] = {}
+        self._lock = threading.Lock()  # virtual ranks (threads) share one source
+
+    def _block(self, name: str, b: int, j: int, keep: bool) -> torch.Tensor:
+        key = (name, b, j)
+        with self._lock:
+            hit = self._recent.get(key)
+        if hit is not None:
+            return hit
+        h, d = self.dims[name]
+        gen = torch.Generator(device=self.device).manual_seed(_block_seed(self.seed, INPUT_NAMES.index(name), b, j))
+        blk = torch.randn(INPUT_BLOCK, h, d, generator=gen, device=self.device)
+        if not keep:
+            return blk
+        with self._lock:
+            if len(self._recent) >= self._KEEP:
+                self._recent.pop(next(iter(self._recent)))
+            self._recent[key] = blk
+        return blk
+
+    def rows(self, name: str, positions: torch.Tensor, batch: Optional[int] = None, keep: bool = False) -> torch.Tensor:
+        """[B, n, h, d] in the dtype (B = 1 with `batch`: that element only): the rows of tensor
+        `name` at global `positions` (any order; >= seq_len: zeros). `keep`: keep the blocks drawn
+        among the recent ones (for a caller that draws the same blocks tile by tile)."""
+        positions = positions.to("cpu", torch.int64)
+        h, d = self.dims[name]
+        elements = range(self.batch) if batch is None else [batch]
+        out = torch.zeros(len(elements), len(positions), h, d, device=self.device)
+        real = positions < self.seq_len
+        blocks = torch.div(positions, INPUT_BLOCK, rounding_mode="floor")
+        for j in torch.unique(blocks[real]).tolist():
+            where = (real & (blocks == j)).nonzero().flatten()
+            within = (positions[where] - j * INPUT_BLOCK).to(self.device)
+            where = where.to(self.device)
+            for i, b in enumerate(elements):
+                out[i].index_copy_(0, where, self._block(name, b, j, keep).index_select(0, within))
+        return out.to(self.dtype)
+
+    def full(self, name: str) -> torch.Tensor:
+        return self.rows(name, torch.arange(self.seq_len))
+
+    def forget(self) -> None:
+        """Drop the recent blocks (`rows(keep=True)`)."""
+        with self._lock:
+            self._recent.clear()
 
 
 def make_inputs(
@@ -83,17 +169,10 @@ def make_inputs(
     device: torch.device,
     head_dim_v: Optional[int] = None,
 ) -> tuple[torch.Tensor, ...]:
-    """q, k, v, dout ~ N(0, 1), generated in float32 on `device` from `seed`, cast to `dtype`; v
-    and dout (the output's gradient) have the values' head dim `head_dim_v` (None: head_dim).
-    Drawn in the same order whatever the head dims, so equal dims give the inputs they always gave."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    dt = torch_dtype(dtype)
-
-    def rnd(h: int, d: int = head_dim) -> torch.Tensor:
-        return torch.randn(batch, seq_len, h, d, generator=gen, device=device).to(dt)
-
-    dv = head_dim_v or head_dim
-    return rnd(heads), rnd(kv_heads), rnd(kv_heads, dv), rnd(heads, dv)
+    """The global q, k, v, dout of a problem (`InputSource`; ~N(0, 1) drawn in float32, cast to
+    `dtype`); v and dout have the values' head dim `head_dim_v` (None: head_dim)."""
+    src = InputSource(batch, seq_len, heads, kv_heads, head_dim, dtype, seed, device, head_dim_v)
+    return tuple(src.full(n) for n in INPUT_NAMES)
 
 
 def make_sinks(heads: int, seq_len: int, seed: int, device: torch.device) -> torch.Tensor:
@@ -221,7 +300,7 @@ def _reference_with_sinks(
     """`reference_attention` with sinks, in query-row chunks (as there); each chunk's gradients of
     k, v and the sinks add up, since every row's softmax is its own."""
     cd = torch.float64 if upcast else q.dtype  # the reference, or the naive same-dtype computation
-    acc = merge.acc_dtype(q.dtype)
+    acc = torch.float64 if upcast else merge.acc_dtype(q.dtype)  # the reference's chunks add up in float64
     b, s, h, _ = q.shape
     rows = max(1, min(s, _CHUNK_BYTES // max(1, 4 * b * h * s * 8)))  # scores, probs and their grads
     outs, lses, dqs = [], [], []

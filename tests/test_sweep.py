@@ -339,7 +339,7 @@ def test_a_rank_reports_prepared_after_its_inputs_and_before_the_method_runs(mon
     from tests.test_trial import spec as trial_spec
 
     events: list[tuple[str, int]] = []
-    build, ring = attention.build_problem, type(methods.get_method("ring"))
+    build, ring = attention.build_sharded_problem, type(methods.get_method("ring"))
     forward = ring.forward
 
     def built(*args, **kwargs):
@@ -351,7 +351,7 @@ def test_a_rank_reports_prepared_after_its_inputs_and_before_the_method_runs(mon
         events.append(("method", threading.get_ident()))
         return forward(self, *args, **kwargs)
 
-    monkeypatch.setattr(attention, "build_problem", built)
+    monkeypatch.setattr(attention, "build_sharded_problem", built)
     monkeypatch.setattr(ring, "forward", counted_forward)
     settings = RunSettings(warmup=1, repeats=1, check=True, check_max_seq_len=1 << 20, seed=0, breakdown=False)
     reports = run_threads(

@@ -7,7 +7,7 @@ from methods.comm import run_threads
 from suite import metrics as M
 from suite.check import ProblemCache
 from suite.plan import RunSettings, TrialSpec
-from suite.records import Breakdown, Outcome, RankReport, RowContext, skipped_row
+from suite.records import Breakdown, Outcome, RankReport, RowContext, check_columns, skipped_row
 from suite.trial import run_trial
 from suite.workloads.attention import AttentionWorkload
 
@@ -49,10 +49,10 @@ def test_ranks_report_errors_bytes_and_samples(autograd):
     s = spec()
     cache = ProblemCache()
     reports = run_threads(2, lambda c: run_trial(s, SETTINGS, c, torch.device("cpu"), cache, autograd=autograd))
+    assert not check_columns(reports)[1]  # every error within the bound the ranks' parts give
     for r in reports:
         assert r.ok, r.traceback
         assert set(r.errors) == {"out", "lse", "dq", "dk", "dv"}
-        assert all(r.errors[t] <= r.tol[t] for t in r.errors)
         assert len(r.samples_ms) == 3 and r.kernel_used == "cpu_flash"
         # ring, P=2, fwd+bwd, one K block = B*L*Hkv*D*4 bytes: forward K,V; backward K,V again
         # plus the fp32 dK,dV accumulators on P=2 hops; 1 + 3 exchanges

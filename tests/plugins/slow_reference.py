@@ -6,7 +6,7 @@ import time
 
 import suite.workloads.attention
 
-_build = suite.workloads.attention.build_problem
+_build = suite.workloads.attention.build_sharded_problem
 
 
 def _slow_build(*args, **kwargs):
@@ -14,4 +14,4 @@ def _slow_build(*args, **kwargs):
     return _build(*args, **kwargs)
 
 
-suite.workloads.attention.build_problem = _slow_build
+suite.workloads.attention.build_sharded_problem = _slow_build
