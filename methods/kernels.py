@@ -776,7 +776,7 @@ def cpu_block_working_set(
         outputs += inputs * dv * e + results(dv, dv)
     fused = isinstance(keys, _BandKeys) and keys.lower is None and not _cpu_needs_mask(sq, sk, keys.offset)
     if kernel == "cpu_flash" and fused:
-        return outputs
+        return outputs + (batch * heads * sq * a if op == "fwd" else 0)  # the op's strided lse, made contiguous
     tiles = _tiles(keys, batch, heads, sq, sk, CPU_TILING)
     if tiles is None:
         tiles = [(0, sq, 0, sk)]

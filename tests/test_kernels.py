@@ -376,3 +376,35 @@ def test_a_long_window_block_runs_in_memory_that_follows_its_band(kernel):
         )
         assert tracker.peak_bytes <= stated <= bound, (op, tracker.peak_bytes, stated)
     assert 10 * max(fwd.peak_bytes, bwd.peak_bytes) < b * s * s  # under a tenth of a byte per (query, key)
+
+
+WORKING_SETS = [  # (B, H, Hkv, D, Dv, Sq, Sk, causal offset, lower)
+    (1, 4, 2, 32, 32, 2000, 2000, 0, -31),
+    (1, 4, 2, 32, 32, 1500, 1700, 300, None),
+    (1, 4, 2, 32, 32, 3000, 3000, 0, None),
+    (2, 6, 3, 16, 24, 700, 900, None, None),
+    (2, 6, 3, 16, 24, 200, 150, 40, -20),
+    (2, 6, 3, 16, 16, 1201, 1199, -1, None),
+]
+
+
+@pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
+@pytest.mark.parametrize("case", WORKING_SETS)
+def test_cpu_block_working_set_bounds_the_tracked_peak(kernel, case):
+    """The stated working set of a block call is never below the peak suite.memtrack tracks, and
+    at most 4 times it: one tile and whole blocks, bands, offsets, GQA, Dv != D (padded on cpu_flash)."""
+    from suite.memtrack import TensorMemoryTracker
+
+    b, h, hkv, d, dv, sq, sk, offset, lower = case
+    torch.manual_seed(4)
+    q, k, v = torch.randn(b, sq, h, d), torch.randn(b, sk, hkv, d), torch.randn(b, sk, hkv, dv)
+    with TensorMemoryTracker() as fwd:
+        out, lse = kernels.block_forward(q, k, v, scale=0.2, causal_offset=offset, lower=lower, kernel=kernel)
+    dout = torch.randn_like(out)
+    with TensorMemoryTracker() as bwd:
+        kernels.block_backward(dout, q, k, v, out, lse, scale=0.2, causal_offset=offset, lower=lower, kernel=kernel)
+    for op, tracker in (("fwd", fwd), ("bwd", bwd)):
+        stated = kernels.cpu_block_working_set(
+            b, sq, sk, h, hkv, d, dv, op=op, causal_offset=offset, lower=lower, kernel=kernel
+        )
+        assert tracker.peak_bytes <= stated <= 4 * tracker.peak_bytes, (op, tracker.peak_bytes, stated)
