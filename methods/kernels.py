@@ -23,6 +23,8 @@ Conventions (docs/DESIGN.md sections 4 and 6):
 Backends:
 - "math": explicit matrix products in float32 (float64 for float64 inputs); the reference path.
 - "cpu_flash": aten._scaled_dot_product_flash_attention_for_cpu and its backward.
+  Both run a large block in tiles of query rows, each against only the keys its rows see, where
+  they would otherwise build [Sq, Sk] scores or masks (`Tiling`; docs/DESIGN.md section 6).
 - "flash_attn": flash-attn 2 on CUDA (fp16/bf16), when importable; see methods/_flash_attn.py.
 - "torch_flash": PyTorch's own CUDA flash attention (fp16/bf16), its private ops that return and
   take the lse; see methods/_torch_flash.py. A band (sliding-window) block runs on math.

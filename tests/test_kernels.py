@@ -408,3 +408,19 @@ def test_cpu_block_working_set_bounds_the_tracked_peak(kernel, case):
             b, sq, sk, h, hkv, d, dv, op=op, causal_offset=offset, lower=lower, kernel=kernel
         )
         assert tracker.peak_bytes <= stated <= 4 * tracker.peak_bytes, (op, tracker.peak_bytes, stated)
+
+
+def test_tiled_math_soft_caps_as_the_untiled_kernel(monkeypatch):
+    """A soft cap rides on the scale into every tile (forward and the backward's chain rule)."""
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(2, 39, h, 8, dtype=torch.float64) for h in (6, 3, 3))
+    dout = torch.randn(2, 39, 6, 8, dtype=torch.float64)
+    scale = kernels.ScoreScale(0.9, softcap=2.0)
+    results = []
+    for tiling in (kernels.Tiling(), kernels.Tiling(rows=5, elements=2 * 6 * 5 * 12)):
+        monkeypatch.setattr(kernels, "CPU_TILING", tiling)
+        out, lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=0, lower=-9, kernel="math")
+        grads = kernels.block_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=0, lower=-9, kernel="math")
+        results.append((out, lse) + grads)
+    for untiled, tiled in zip(*results):
+        torch.testing.assert_close(tiled, untiled, rtol=0, atol=1e-12)
