@@ -290,23 +290,65 @@ class BlockMask:
         return _index_band(self.q_pos, self.k_pos, lo, hi)
 
     # -- what the kernels run -------------------------------------------------------------------
-    def dense(self, device=None) -> torch.Tensor:
-        """[B, Sq, Sk] bool: the visible pairs (for the kernels that take a mask)."""
+    def dense(self, device=None, rows: slice = slice(None), cols: slice = slice(None)) -> torch.Tensor:
+        """[B, Sq, Sk] bool: the visible pairs (for the kernels that take a mask); with `rows` and
+        `cols` (slices of query and key rows), only that tile of it: [B, rows, cols]."""
+        q_pos, k_pos = self.q_pos[rows], self.k_pos[cols]
         if self.docs.mask is not None:
-            vis = torch.zeros(self.docs.batch, len(self.q_pos), len(self.k_pos), dtype=torch.bool)
+            vis = torch.zeros(self.docs.batch, len(q_pos), len(k_pos), dtype=torch.bool)
             for b in range(self.docs.batch):
                 for qa, qb, ka, kb, lo, hi in self._slices(b).tolist():
-                    r0, r1 = _rows_in(self.q_pos, qa, qb)
-                    c0, c1 = _rows_in(self.k_pos, ka, kb)
-                    d = self.q_pos[r0:r1].unsqueeze(1) - self.k_pos[c0:c1].unsqueeze(0)
+                    r0, r1 = _rows_in(q_pos, qa, qb)
+                    c0, c1 = _rows_in(k_pos, ka, kb)
+                    d = q_pos[r0:r1].unsqueeze(1) - k_pos[c0:c1].unsqueeze(0)
                     vis[b, r0:r1, c0:c1] |= (d >= lo) & (d <= hi)
             return vis.to(device) if device is not None else vis
         ids = self.docs.doc_ids
-        qd, kd = ids[:, self.q_pos], ids[:, self.k_pos]  # [B, Sq], [B, Sk]
+        qd, kd = ids[:, q_pos], ids[:, k_pos]  # [B, rows], [B, cols]
         vis = (qd.unsqueeze(2) == kd.unsqueeze(1)) & (qd != PAD).unsqueeze(2)
         if self.causal:
-            vis &= self.k_pos.unsqueeze(0) <= self.q_pos.unsqueeze(1)
+            vis &= k_pos.unsqueeze(0) <= q_pos.unsqueeze(1)
         return vis.to(device) if device is not None else vis
+
+    @cached_property
+    def key_bounds(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """([Sq], [Sq]) int64: for each query row, the first key row it sees and one past the last,
+        in any batch element (the hull over the batch; first >= last where the row sees no key).
+        Between them a row may still skip keys (another document's, a question's gap); outside
+        them it sees none: what a kernel that cuts the block into query tiles may leave out. From
+        searches over sorted positions, without the [B, Sq, Sk] mask."""
+        sq, sk = len(self.q_pos), len(self.k_pos)
+        first = torch.full((sq,), sk, dtype=torch.int64)
+        last = torch.zeros(sq, dtype=torch.int64)
+        for b in range(self.docs.batch):
+            f, e = self._key_bounds(b)
+            seen = f < e
+            first = torch.where(seen, torch.minimum(first, f), first)
+            last = torch.where(seen, torch.maximum(last, e), last)
+        return first, last
+
+    def _key_bounds(self, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Batch element b's ([Sq], [Sq]) first and one-past-last key rows of each query row."""
+        sq, sk = len(self.q_pos), len(self.k_pos)
+        if self.docs.mask is not None:
+            first = torch.full((sq,), sk, dtype=torch.int64)
+            last = torch.zeros(sq, dtype=torch.int64)
+            qi, c0, c1 = _slice_rows(self._slices(b), self.q_pos, self.k_pos)
+            hit = c1 > c0
+            first.scatter_reduce_(0, qi[hit], c0[hit], "amin")
+            last.scatter_reduce_(0, qi[hit], c1[hit], "amax")
+            return first, last
+        # the keys of a query's document are one run of key rows (sorted by (document, position))
+        ids = self.docs.doc_ids[b]
+        n = self.docs.padded_len + 1
+        qd, kd = ids[self.q_pos], ids[self.k_pos]
+        kkey = torch.where(kd == PAD, self.docs.padded_len, kd) * n + self.k_pos
+        first = torch.searchsorted(kkey, qd * n)
+        if self.causal:
+            last = torch.searchsorted(kkey, qd * n + self.q_pos, right=True)
+        else:
+            last = torch.searchsorted(kkey, (qd + 1) * n)
+        return first, torch.where(qd != PAD, last, first)
 
     def pieces(self, b: int) -> Iterator[tuple[slice, slice, Optional[int], Optional[int]]]:
         """Batch element b's visible part as (query rows, key rows, causal offset, lower) pieces:
@@ -377,24 +419,33 @@ def _rows_in(pos: torch.Tensor, a: int, b: int) -> tuple[int, int]:
 
 
 def _slice_pairs(t: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor) -> int:
-    """Visible pairs of queries at q_pos against keys at k_pos under slices t ([m, 6]): for every
-    (slice, query of its rows), the keys of its rows inside the band, by binary search."""
+    """Visible pairs of queries at q_pos against keys at k_pos under slices t ([m, 6])."""
+    _, c0, c1 = _slice_rows(t, q_pos, k_pos)
+    return int((c1 - c0).clamp_min(0).sum())
+
+
+def _slice_rows(
+    t: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """For every (slice of t ([m, 6]), query of its rows): the query row and the key rows [c0, c1)
+    of the slice's keys inside its band (c1 <= c0: none), by binary search (a band's keys at
+    increasing positions are one run of rows). Three [n] int64 tensors."""
+    none = torch.zeros(0, dtype=torch.int64)
     if t.shape[0] == 0:
-        return 0
+        return none, none, none
     qa, qb, ka, kb, lo, hi = (c.contiguous() for c in t.unbind(1))
     first = torch.searchsorted(q_pos, qa)
     count = torch.searchsorted(q_pos, qb) - first
     total = int(count.sum())
     if total == 0:
-        return 0
+        return none, none, none
     sid = torch.repeat_interleave(torch.arange(t.shape[0]), count)
     start = torch.cumsum(count, 0) - count
     qi = torch.arange(total) - start[sid] + first[sid]
     qp = q_pos[qi]
     k_from = torch.maximum(ka[sid], qp - hi[sid])
     k_to = torch.minimum(kb[sid], qp - lo[sid] + 1)  # exclusive
-    n = torch.searchsorted(k_pos, k_to) - torch.searchsorted(k_pos, k_from)
-    return int(n.clamp_min(0).sum())
+    return qi, torch.searchsorted(k_pos, k_from), torch.searchsorted(k_pos, k_to)
 
 
 def _index_band(

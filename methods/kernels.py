@@ -23,6 +23,8 @@ Conventions (docs/DESIGN.md sections 4 and 6):
 Backends:
 - "math": explicit matrix products in float32 (float64 for float64 inputs); the reference path.
 - "cpu_flash": aten._scaled_dot_product_flash_attention_for_cpu and its backward.
+  Both run a large block in tiles of query rows, each against only the keys its rows see, where
+  they would otherwise build [Sq, Sk] scores or masks (`Tiling`; docs/DESIGN.md section 6).
 - "flash_attn": flash-attn 2 on CUDA (fp16/bf16), when importable; see methods/_flash_attn.py.
 - "torch_flash": PyTorch's own CUDA flash attention (fp16/bf16), its private ops that return and
   take the lse; see methods/_torch_flash.py. A band (sliding-window) block runs on math.
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass
 from typing import Iterator, Optional, Union
 
 import torch
@@ -371,6 +374,26 @@ def math_backward(
     backward: dS = P * (dP - rowsum(dO * O))); `delta` [B, H, Sq] may replace `out`. With a soft
     cap (as in `math_forward`), dS is taken through the cap by the chain rule: d(cap * tanh(x /
     cap))/dx = 1 - tanh(x / cap)^2 = 1 - (capped / cap)^2."""
+    dq, dk, dv = _math_grads(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        scale=scale,
+        causal_offset=causal_offset,
+        upcast=upcast,
+        delta=delta,
+        visible=visible,
+        softcap=softcap,
+    )
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _math_grads(dout, q, k, v, out, lse, *, scale, causal_offset, upcast, delta, visible, softcap):
+    """`math_backward`'s gradients in its compute dtype (float32, float64 for float64): the tiled
+    backward adds up the dk, dv of its tiles before the one cast to the input dtype."""
     cd = _compute_dtype(q.dtype, upcast)
     cap = softcap_of(scale) if softcap is None else softcap
     h, hkv = q.shape[2], k.shape[2]
@@ -392,10 +415,7 @@ def math_backward(
         ds = ds * torch.where(torch.isfinite(s), 1 - (s / cap).square(), torch.zeros_like(s))
     dq = torch.matmul(ds, kh) * float(scale)  # [B, H, Sq, D]
     dk = torch.matmul(ds.transpose(-1, -2), qh) * float(scale)  # [B, H, Sk, D]
-    dq = dq.transpose(1, 2)
-    dk = _sum_kv_groups(dk.transpose(1, 2), hkv)
-    dv = _sum_kv_groups(dv.transpose(1, 2), hkv)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return dq.transpose(1, 2), _sum_kv_groups(dk.transpose(1, 2), hkv), _sum_kv_groups(dv.transpose(1, 2), hkv)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -479,6 +499,314 @@ def _cpu_backward(dout, q, k, v, out, lse, *, scale, causal_offset):
 
 
 # ---------------------------------------------------------------------------------------------
+# Query tiles: the memory of a CPU block follows a tile of rows and the keys it sees
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Tiling:
+    """How the math kernel, and cpu_flash where it needs a mask, cut a block into tiles of query rows.
+
+    A tile holds at most `rows` query rows, and fewer where the keys its rows see are so many that
+    one [B, H, rows, keys] score tensor would pass `elements` (never fewer than one row). A tile
+    computes only the key rows its queries can see (a band's, a causal offset's, a document's), so
+    its scores, probabilities and mask are [B, H, tile rows, those keys] and a sliding window's work
+    and memory follow the band. A block whose whole [B, H, Sq, Sk] scores fit `elements` is one call,
+    exactly the untiled kernel (the same products, the same bits)."""
+
+    rows: int = 128
+    elements: int = 1 << 23  # 32 MiB of float32 scores per tile
+
+
+CPU_TILING = Tiling()
+
+
+class _RowKeys:
+    """Which keys the query rows of a block see: for a row range, the hull of their key rows, and
+    a tile's mask as (causal offset, None) or (None, a [B, rows, keys] bool mask)."""
+
+    def key_range(self, r0: int, r1: int) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def whole(self, device) -> tuple[Optional[int], Optional[torch.Tensor]]:
+        """The untiled block's mask, as the kernels built it before they were tiled."""
+        raise NotImplementedError
+
+    def tile(self, r0: int, r1: int, c0: int, c1: int, device) -> tuple[Optional[int], Optional[torch.Tensor]]:
+        raise NotImplementedError
+
+
+class _BandKeys(_RowKeys):
+    """lower <= j - i <= offset (None: that side open): a causal offset, a window's band, or all."""
+
+    def __init__(self, batch: int, sq: int, sk: int, offset: Optional[int], lower: Optional[int]):
+        self.batch, self.sq, self.sk, self.offset, self.lower = batch, sq, sk, offset, lower
+
+    def key_range(self, r0: int, r1: int) -> tuple[int, int]:
+        c0 = 0 if self.lower is None else min(max(r0 + self.lower, 0), self.sk)
+        c1 = self.sk if self.offset is None else min(max(r1 + self.offset, 0), self.sk)  # row r1 - 1's last + 1
+        return c0, max(c0, c1)
+
+    def whole(self, device):
+        if self.lower is None:
+            return self.offset, None
+        return None, band_visible(self.sq, self.sk, self.offset, self.lower, device).expand(self.batch, -1, -1)
+
+    def tile(self, r0, r1, c0, c1, device):
+        # tile row i' = i - r0, key row j' = j - c0: j - i = j' - i' + (c0 - r0)
+        rows, keys = r1 - r0, c1 - c0
+        offset = None if self.offset is None or self.offset + r0 - c0 >= keys - 1 else self.offset + r0 - c0
+        lower = None if self.lower is None or self.lower + r0 - c0 <= -(rows - 1) else self.lower + r0 - c0
+        if lower is None:
+            return offset, None
+        return None, band_visible(rows, keys, offset, lower, device).expand(self.batch, -1, -1)
+
+
+class _MaskKeys(_RowKeys):
+    """A partly visible block of packed documents (or a mask family): its rows' key bounds
+    (`BlockMask.key_bounds`) and its dense mask, tile by tile."""
+
+    def __init__(self, mask: BlockMask):
+        self.mask = mask
+
+    def key_range(self, r0: int, r1: int) -> tuple[int, int]:
+        first, last = self.mask.key_bounds
+        f, e = first[r0:r1], last[r0:r1]
+        seen = f < e
+        if not bool(seen.any()):
+            return 0, 0
+        return int(f[seen].min()), int(e[seen].max())
+
+    def whole(self, device):
+        return None, self.mask.dense(device)
+
+    def tile(self, r0, r1, c0, c1, device):
+        return None, self.mask.dense(device, slice(r0, r1), slice(c0, c1))
+
+
+def _tiles(keys: _RowKeys, batch: int, heads: int, sq: int, sk: int, tiling: Tiling):
+    """The tiles (r0, r1, c0, c1) of a block: query rows [r0, r1) against key rows [c0, c1) (c0 ==
+    c1: the rows see no key), or None where the whole block is one call (`Tiling`)."""
+    per_key = batch * heads  # score elements per (query row, key row)
+    if per_key * sq * sk <= tiling.elements:
+        return None
+    tiles = []
+    r0 = 0
+    while r0 < sq:
+        n = min(tiling.rows, sq - r0)
+        c0, c1 = keys.key_range(r0, r0 + n)
+        while n > 1 and per_key * n * (c1 - c0) > tiling.elements:
+            n = max(1, min(n // 2, tiling.elements // (per_key * (c1 - c0))))
+            c0, c1 = keys.key_range(r0, r0 + n)
+        tiles.append((r0, r0 + n, c0, c1))
+        r0 += n
+    return tiles
+
+
+def _tiled_forward(q, k, v, *, scale: float, keys: _RowKeys, backend: str):
+    """`block_forward` of a block whose visible keys `keys` states, tile by tile (`Tiling`). Every
+    query row's keys lie in its tile's key range, so a tile's rows are final: no merge."""
+    b, sq, h, _ = q.shape
+    tiles = _tiles(keys, b, h, sq, k.shape[1], CPU_TILING)
+    if tiles is None:
+        offset, visible = keys.whole(q.device)
+        return _tile_forward(q, k, v, scale=scale, offset=offset, visible=visible, backend=backend)
+    out = q.new_zeros(b, sq, h, v.shape[-1])  # [B, Sq, H, Dv]; rows that see no key stay 0
+    lse = torch.full((b, h, sq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device)
+    for r0, r1, c0, c1 in tiles:
+        if c0 == c1:
+            continue
+        offset, visible = keys.tile(r0, r1, c0, c1, q.device)
+        out[:, r0:r1], lse[..., r0:r1] = _tile_forward(
+            q[:, r0:r1], k[:, c0:c1], v[:, c0:c1], scale=scale, offset=offset, visible=visible, backend=backend
+        )
+    return out, lse
+
+
+def _tile_forward(q, k, v, *, scale: float, offset: Optional[int], visible: Optional[torch.Tensor], backend: str):
+    if visible is not None:
+        return _dense_forward(q, k, v, scale=scale, visible=visible, backend=backend)
+    if is_empty(q.shape[1], k.shape[1], offset):
+        return _zero_out(q, v), torch.full(
+            (q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device
+        )
+    if backend == "cpu_flash":
+        return _cpu_forward(q, k, v, scale=scale, causal_offset=offset)
+    return math_forward(q, k, v, scale=scale, causal_offset=offset)
+
+
+def _tiled_backward(dout, q, k, v, out, lse, *, scale: float, keys: _RowKeys, backend: str, delta):
+    """`block_backward` tile by tile, as `_tiled_forward`: dq rows are final per tile, dk and dv
+    add up over the tiles that see their keys (in float32, float64 for float64), cast once."""
+    b, sq, h, _ = q.shape
+    tiles = _tiles(keys, b, h, sq, k.shape[1], CPU_TILING)
+    if tiles is None:
+        offset, visible = keys.whole(q.device)
+        grads = _tile_backward(
+            dout, q, k, v, out, lse, scale=scale, offset=offset, visible=visible, backend=backend, delta=delta
+        )
+        return tuple(g.to(x.dtype) for g, x in zip(grads, (q, k, v)))
+    acc = acc_dtype(q.dtype)
+    dq = torch.zeros_like(q)
+    dk = torch.zeros(k.shape, dtype=acc, device=k.device)
+    dv = torch.zeros(v.shape, dtype=acc, device=v.device)
+    for r0, r1, c0, c1 in tiles:
+        if c0 == c1:
+            continue
+        offset, visible = keys.tile(r0, r1, c0, c1, q.device)
+        rows = slice(r0, r1)
+        gq, gk, gv = _tile_backward(
+            dout[:, rows],
+            q[:, rows],
+            k[:, c0:c1],
+            v[:, c0:c1],
+            None if out is None else out[:, rows],
+            lse[..., rows].contiguous(),
+            scale=scale,
+            offset=offset,
+            visible=visible,
+            backend=backend,
+            delta=None if delta is None else delta[..., rows].contiguous(),
+        )
+        dq[:, rows] = gq
+        dk[:, c0:c1] += gk
+        dv[:, c0:c1] += gv
+    return dq, dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _tile_backward(dout, q, k, v, out, lse, *, scale, offset, visible, backend: str, delta):
+    """One tile's (dq, dk, dv): cpu_flash's in the input dtype, math's in its compute dtype."""
+    if visible is not None:
+        if backend == "cpu_flash":
+            return _dense_backward(dout, q, k, v, out, lse, scale=scale, visible=visible, backend=backend, delta=delta)
+        return _math_grads(
+            dout,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            scale=scale,
+            causal_offset=None,
+            upcast=True,
+            delta=delta,
+            visible=visible,
+            softcap=None,
+        )
+    if is_empty(q.shape[1], k.shape[1], offset):
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if backend == "cpu_flash":
+        if out is None:
+            out = out_with_delta(dout, delta)
+        return _cpu_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=offset)
+    return _math_grads(
+        dout,
+        q,
+        k,
+        v,
+        out,
+        lse,
+        scale=scale,
+        causal_offset=offset,
+        upcast=True,
+        delta=delta,
+        visible=None,
+        softcap=None,
+    )
+
+
+def cpu_block_working_set(
+    batch: int,
+    sq: int,
+    sk: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    head_dim_v: Optional[int] = None,
+    *,
+    dtype: torch.dtype = torch.float32,
+    op: str = "fwd",
+    causal_offset: Optional[int] = None,
+    lower: Optional[int] = None,
+    mask: Optional[BlockMask] = None,
+    kernel: str = "math",
+) -> int:
+    """Bytes of the tensors one CPU block call allocates at its peak, beyond its inputs: what a
+    per-trial memory prediction adds for a rank's largest block (the ring steps of a method run
+    one block at a time). It follows the kernels' own tile plan (`Tiling`, `CPU_TILING`):
+
+        outputs + max over tiles of the tile's temporaries
+
+    - outputs: forward out [B, Sq, H, Dv] in the input dtype (e bytes) and lse [B, H, Sq] (a bytes:
+      4, 8 for float64), twice for one-call math (its result is copied to a contiguous layout);
+      backward dq [B, Sq, H, D] (e) and dk, dv [B, Sk, Hkv, D or Dv] (a, and e more for their cast).
+    - a tile of r query rows that sees c key rows (the block's whole Sq x Sk where it is one call),
+      n = B * H * r * c score elements of a bytes and m = B * r * c mask elements:
+      math: 3 n (forward: scores, their masked or capped copy, probabilities) or 7 n (backward:
+      scores, probabilities, dP, dS and their temporaries) times a, 2 m bytes of bool mask, and the
+      tile's q, k, v (and dout) in head-major float copies, twice (GQA repeat, matmul layout);
+      cpu_flash with a mask (a band, documents, an offset other than 0): its bool mask and additive
+      mask, (2 + e) m bytes, twice in the backward, and the op's results for the tile.
+    - cpu_flash without a mask (full, causal offset 0, the strictly-lower shift) is the fused
+      flash op: its results only (its per-thread tiles never become tensors).
+    - cpu_flash with Dv != D runs padded to the wider head dim: the padded inputs and the padded
+      results come on top.
+
+    `op` is "fwd" or "bwd"; `causal_offset`, `lower` and `mask` (a `BlockMask`, which replaces
+    them as in `block_forward`) say which keys each query sees; `kernel` is the resolved backend,
+    "math" or "cpu_flash". Checked against the peak that suite.memtrack tracks in
+    tests/test_kernels.py. Intermediate tensors that live inside one op are not counted."""
+    if op not in ("fwd", "bwd") or kernel not in ("math", "cpu_flash"):
+        raise ValueError(f"op must be 'fwd' or 'bwd' and kernel 'math' or 'cpu_flash', got {op!r}, {kernel!r}")
+    dv = head_dim if head_dim_v is None else head_dim_v
+    e, a = dtype.itemsize, acc_dtype(dtype).itemsize
+    keys: _RowKeys = _BandKeys(batch, sq, sk, causal_offset, lower)
+    if mask is not None:
+        if mask.kind == PARTIAL:
+            keys = _MaskKeys(mask)
+        else:
+            offset = _plain_offset(mask, sq)
+            keys = _BandKeys(batch, sq, sk, offset, mask.lower if mask.kind == BAND else None)
+
+    def results(d: int, d_v: int) -> int:
+        if op == "fwd":
+            return batch * sq * heads * d_v * e + batch * heads * sq * a
+        return batch * sq * heads * d * e + batch * sk * kv_heads * (d + d_v) * (a + e)
+
+    outputs = results(head_dim, dv)
+    if kernel == "cpu_flash" and dv != head_dim:  # run padded to the wider head dim (module docstring)
+        head_dim = dv = max(head_dim, dv)
+        inputs = batch * sq * heads * (1 if op == "fwd" else 3) + 2 * batch * sk * kv_heads  # q (dout, out), k, v
+        outputs += inputs * dv * e + results(dv, dv)
+    fused = isinstance(keys, _BandKeys) and keys.lower is None and not _cpu_needs_mask(sq, sk, keys.offset)
+    if kernel == "cpu_flash" and fused:
+        return outputs + (batch * heads * sq * a if op == "fwd" else 0)  # the op's strided lse, made contiguous
+    tiles = _tiles(keys, batch, heads, sq, sk, CPU_TILING)
+    if tiles is None:
+        tiles = [(0, sq, 0, sk)]
+        if kernel == "math" and op == "fwd":
+            outputs += batch * sq * heads * dv * e + batch * heads * sq * a
+    worst = 0
+    for r0, r1, c0, c1 in tiles:
+        r, c = r1 - r0, c1 - c0
+        if c == 0:
+            continue
+        n, m = batch * heads * r * c, batch * r * c
+        rows = batch * r * heads * (head_dim + 2 * dv)  # q, out (or dout and out) of the tile's rows
+        cols = batch * c * heads * (head_dim + dv)  # k, v of its keys, GQA-repeated
+        if kernel == "math":
+            tile = (3 if op == "fwd" else 7) * n * a + 2 * m + 2 * (rows + cols) * a
+        else:
+            tile = (1 if op == "fwd" else 2) * (2 + e) * m + rows * e + (cols * e if op == "bwd" else 0)
+        worst = max(worst, tile)
+    return outputs + worst
+
+
+def _cpu_needs_mask(sq: int, sk: int, causal_offset: Optional[int]) -> bool:
+    """Whether the CPU flash op needs an [Sq, Sk] additive mask for this offset (`_cpu_mask`): not
+    full, not the aligned causal block, not the strictly-lower block of the shift trick."""
+    return not is_full(sq, sk, causal_offset) and causal_offset != 0 and not _shift(sq, sk, causal_offset)
+
+
+# ---------------------------------------------------------------------------------------------
 # Public block API
 # ---------------------------------------------------------------------------------------------
 KernelChoice = Union[str, TimedKernel]
@@ -551,9 +879,7 @@ def block_forward(
             torch.full((q.shape[0], q.shape[2], sq), float("-inf"), dtype=acc_dtype(q.dtype), device=q.device),
         )
     backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1], head_dim_v=v.shape[-1], softcap=softcap_of(scale))
-    if backend == "cpu_flash":
-        out, lse = _cpu_forward(q, k, v, scale=scale, causal_offset=causal_offset)
-    elif backend == "flash_attn":
+    if backend == "flash_attn":
         from methods import _flash_attn
 
         out, lse = _flash_attn.forward(q, k, v, scale=scale, causal_offset=causal_offset)
@@ -561,8 +887,11 @@ def block_forward(
         from methods import _torch_flash
 
         out, lse = _torch_flash.forward(q, k, v, scale=scale, causal_offset=causal_offset)
-    else:
-        out, lse = math_forward(q, k, v, scale=scale, causal_offset=causal_offset)
+    elif backend == "cpu_flash" and not _cpu_needs_mask(sq, sk, causal_offset):
+        out, lse = _cpu_forward(q, k, v, scale=scale, causal_offset=causal_offset)
+    else:  # math, and cpu_flash where it needs a mask: tile by tile (`Tiling`)
+        keys = _BandKeys(q.shape[0], sq, sk, causal_offset, None)
+        out, lse = _tiled_forward(q, k, v, scale=scale, keys=keys, backend=backend)
     # Contiguous results (the CPU op's lse is strided, math's out a transposed view): methods
     # send them as they are, and communication needs contiguous buffers. An output laid out
     # exactly as a dense q (a kernel that allocates it like q) keeps that layout: Ulysses gives
@@ -693,8 +1022,9 @@ def block_backward(
     if is_empty(sq, sk, causal_offset) or kernel == NOOP:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1], head_dim_v=v.shape[-1], softcap=softcap_of(scale))
-    if backend == "math":
-        return math_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=causal_offset, delta=delta)
+    if backend == "math" or (backend == "cpu_flash" and _cpu_needs_mask(sq, sk, causal_offset)):
+        keys = _BandKeys(q.shape[0], sq, sk, causal_offset, None)
+        return _tiled_backward(dout, q, k, v, out, lse, scale=scale, keys=keys, backend=backend, delta=delta)
     if delta is not None:  # exactly one of out and delta: the kernels below take out
         out = out_with_delta(dout, delta)
     if backend == "cpu_flash":
@@ -726,7 +1056,7 @@ def _partial_forward(q, k, v, *, scale: float, mask: BlockMask, kernel: str):
     backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1], head_dim_v=v.shape[-1], softcap=softcap_of(scale))
     if backend in ("flash_attn", "torch_flash"):  # they take no dense mask: one call per document piece
         return forward_by_pieces(q, k, v, scale=scale, mask=mask, kernel=backend)
-    return _dense_forward(q, k, v, scale=scale, visible=mask.dense(q.device), backend=backend)
+    return _tiled_forward(q, k, v, scale=scale, keys=_MaskKeys(mask), backend=backend)
 
 
 def band_visible(sq: int, sk: int, causal_offset: Optional[int], lower: Optional[int], device=None) -> torch.Tensor:
@@ -751,8 +1081,8 @@ def _band_forward(q, k, v, *, scale: float, causal_offset: Optional[int], lower:
             return _flash_attn.forward(q, k, v, scale=scale, causal_offset=causal_offset, lower=lower)
         except NotImplementedError:  # a band flash-attn's window cannot say: the math kernel
             backend = "math"
-    visible = band_visible(sq, sk, causal_offset, lower, q.device).expand(q.shape[0], sq, sk)
-    return _dense_forward(q, k, v, scale=scale, visible=visible, backend=backend)
+    keys = _BandKeys(q.shape[0], sq, sk, causal_offset, lower)
+    return _tiled_forward(q, k, v, scale=scale, keys=keys, backend=backend)
 
 
 def _band_backward(dout, q, k, v, out, lse, *, scale: float, causal_offset, lower: int, kernel: str, delta):
@@ -766,8 +1096,8 @@ def _band_backward(dout, q, k, v, out, lse, *, scale: float, causal_offset, lowe
             return _flash_attn.backward(dout, q, k, v, o, lse, scale=scale, causal_offset=causal_offset, lower=lower)
         except NotImplementedError:  # as in _band_forward
             backend = "math"
-    visible = band_visible(sq, sk, causal_offset, lower, q.device).expand(q.shape[0], sq, sk)
-    return _dense_backward(dout, q, k, v, out, lse, scale=scale, visible=visible, backend=backend, delta=delta)
+    keys = _BandKeys(q.shape[0], sq, sk, causal_offset, lower)
+    return _tiled_backward(dout, q, k, v, out, lse, scale=scale, keys=keys, backend=backend, delta=delta)
 
 
 def _dense_forward(q, k, v, *, scale: float, visible: torch.Tensor, backend: str):
@@ -796,9 +1126,7 @@ def _partial_backward(dout, q, k, v, out, lse, *, scale: float, mask: BlockMask,
     backend = resolve_kernel(kernel, q.device, q.dtype, q.shape[-1], head_dim_v=v.shape[-1], softcap=softcap_of(scale))
     if backend in ("flash_attn", "torch_flash"):
         return backward_by_pieces(dout, q, k, v, out, lse, scale=scale, mask=mask, kernel=backend, delta=delta)
-    return _dense_backward(
-        dout, q, k, v, out, lse, scale=scale, visible=mask.dense(q.device), backend=backend, delta=delta
-    )
+    return _tiled_backward(dout, q, k, v, out, lse, scale=scale, keys=_MaskKeys(mask), backend=backend, delta=delta)
 
 
 def _dense_backward(dout, q, k, v, out, lse, *, scale: float, visible: torch.Tensor, backend: str, delta):

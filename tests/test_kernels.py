@@ -213,3 +213,214 @@ def test_fused_merge_is_traced_as_one_op_with_its_bytes():
     ledger.flush()
     acc, blk, row = 64 * 4 * 32 * 4, 64 * 4 * 32 * 2, 4 * 64 * 4
     assert ledger.events == [Memory(2 * acc + blk + 3 * row, 1)]
+
+
+# -- query tiles (kernels.Tiling): memory and work follow a tile and a band ------------------------
+def _banded_oracle(q, k, v, visible, scale):
+    """float64 autograd under a [B, Sq, Sk] bool mask (rows that see nothing: output 0, lse -inf)."""
+    q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
+    g = q.shape[2] // k.shape[2]
+    s = torch.einsum("bqhd,bkhd->bhqk", q, k.repeat_interleave(g, 2)) * scale
+    s = s.masked_fill(~visible.unsqueeze(1), float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.nan_to_num(torch.softmax(s, -1)), v.repeat_interleave(g, 2))
+    return out, lse, (q, k, v)
+
+
+def _band(sq, sk, offset, lower):
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    vis = torch.ones(sq, sk, dtype=torch.bool)
+    if offset is not None:
+        vis &= j - i <= offset
+    if lower is not None:
+        vis &= j - i >= lower
+    return vis
+
+
+# (Sq, Sk, causal offset, lower): unmasked, causal offsets of every alignment (strictly lower,
+# bottom-right, rows that see nothing), windows, a band open above, a band of rows that see nothing
+TILED = [
+    (37, 41, None, None),
+    (41, 37, 0, None),
+    (37, 37, -1, None),
+    (29, 43, 14, None),
+    (43, 29, -5, None),
+    (40, 40, 0, -6),
+    (33, 50, 20, 9),
+    (45, 31, None, -12),
+    (35, 35, -9, -16),
+]
+
+
+@pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
+@pytest.mark.parametrize("sq,sk,offset,lower", TILED)
+@pytest.mark.parametrize("heads,kv_heads", [(5, 5), (6, 2)])
+def test_tiled_blocks_match_float64(monkeypatch, kernel, sq, sk, offset, lower, heads, kv_heads):
+    """Blocks cut into query tiles far smaller than the block (7 rows, fewer where a tile's keys
+    pass the element budget) against float64 autograd, forward and backward (from out and from
+    delta), in float64 and float32."""
+    monkeypatch.setattr(kernels, "CPU_TILING", kernels.Tiling(rows=7, elements=2 * heads * 7 * 20))
+    keys = kernels._BandKeys(2, sq, sk, offset, lower)
+    assert len(kernels._tiles(keys, 2, heads, sq, sk, kernels.CPU_TILING)) >= 5
+    torch.manual_seed(sq * sk)
+    q, k, v = torch.randn(2, sq, heads, 8), torch.randn(2, sk, kv_heads, 8), torch.randn(2, sk, kv_heads, 8)
+    vis = _band(sq, sk, offset, lower).expand(2, sq, sk)
+    ref_out, ref_lse, leaves = _banded_oracle(q, k, v, vis, 0.35)
+    dout = torch.randn_like(ref_out)
+    ref_grads = torch.autograd.grad(ref_out, leaves, dout)
+    for dtype, tol in ((torch.float64, 1e-10), (torch.float32, 2e-5)):
+        qq, kk, vv, do = (x.to(dtype) for x in (q, k, v, dout))
+        out, lse = kernels.block_forward(qq, kk, vv, scale=0.35, causal_offset=offset, lower=lower, kernel=kernel)
+        assert out.dtype == dtype and out.shape == (2, sq, heads, 8)
+        grads = kernels.block_backward(
+            do, qq, kk, vv, out, lse, scale=0.35, causal_offset=offset, lower=lower, kernel=kernel
+        )
+        delta = (do.to(lse.dtype) * out.to(lse.dtype)).sum(-1).transpose(1, 2)
+        from_delta = kernels.block_backward(
+            do, qq, kk, vv, None, lse, scale=0.35, causal_offset=offset, lower=lower, kernel=kernel, delta=delta
+        )
+        assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+        seen = torch.isfinite(ref_lse)
+        torch.testing.assert_close(lse[seen].double(), ref_lse[seen], rtol=0, atol=tol)
+        torch.testing.assert_close(out.double(), ref_out, rtol=0, atol=tol)
+        for got, alt, want in zip(grads, from_delta, ref_grads):
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.double(), want, rtol=0, atol=10 * tol)
+            torch.testing.assert_close(alt.double(), want, rtol=0, atol=10 * tol)
+
+
+@pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
+def test_tiled_document_blocks_match_float64(monkeypatch, kernel):
+    """Partly visible blocks of packed documents (a mask family inside each, strided positions as
+    zigzag and stripe layouts give) cut into query tiles whose keys come from the block mask's key
+    bounds, against float64 under the dense mask."""
+    from methods.documents import PARTIAL, Documents
+    from methods.masks import parse
+
+    monkeypatch.setattr(kernels, "CPU_TILING", kernels.Tiling(rows=6, elements=2 * 4 * 6 * 30))
+    torch.manual_seed(5)
+    tiled = 0
+    for text in ("causal", "sliding_window:5", "chunked:7", "shared_question:question=6,answers=3", "full"):
+        docs = Documents(((23, 40, 17), (50, 30)), 83, parse(text))
+        for qp, kp, causal in [
+            (torch.arange(0, 80), torch.arange(0, 80), True),
+            (torch.arange(1, 83, 2), torch.arange(0, 83, 2), True),
+            (torch.arange(20, 70), torch.arange(10, 60), text != "full"),
+        ]:
+            m = docs.block(qp, kp, causal)
+            if m.kind != PARTIAL:
+                continue
+            tiled += 1
+            q, k, v = torch.randn(2, len(qp), 4, 8), torch.randn(2, len(kp), 2, 8), torch.randn(2, len(kp), 2, 8)
+            ref_out, ref_lse, leaves = _banded_oracle(q, k, v, m.dense(), 0.3)
+            dout = torch.randn_like(ref_out)
+            ref_grads = torch.autograd.grad(ref_out, leaves, dout)
+            q, k, v, dout = (x.double() for x in (q, k, v, dout))
+            assert len(kernels._tiles(kernels._MaskKeys(m), 2, 4, len(qp), len(kp), kernels.CPU_TILING)) > 5
+            out, lse = kernels.block_forward(q, k, v, scale=0.3, causal_offset=0, kernel=kernel, mask=m)
+            grads = kernels.block_backward(dout, q, k, v, out, lse, scale=0.3, causal_offset=0, kernel=kernel, mask=m)
+            assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+            seen = torch.isfinite(ref_lse)
+            torch.testing.assert_close(lse[seen], ref_lse[seen], rtol=0, atol=1e-10)
+            torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-10)
+            for got, want in zip(grads, ref_grads):
+                torch.testing.assert_close(got, want, rtol=0, atol=1e-9)
+    assert tiled >= 8
+
+
+@pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
+def test_a_block_that_fits_one_tile_runs_as_the_untiled_kernel(kernel):
+    """Below the tile budget nothing changes: the same call on the whole block, the same bits."""
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 30, 4, 16), torch.randn(2, 30, 2, 16), torch.randn(2, 30, 2, 16)
+    vis = kernels.band_visible(30, 30, 0, -7).expand(2, 30, 30)
+    want_out, want_lse = kernels._dense_forward(q, k, v, scale=0.25, visible=vis, backend=kernel)
+    out, lse = kernels.block_forward(q, k, v, scale=0.25, causal_offset=0, lower=-7, kernel=kernel)
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+    dout = torch.randn_like(out)
+    want = kernels._dense_backward(dout, q, k, v, out, lse, scale=0.25, visible=vis, backend=kernel, delta=None)
+    got = kernels.block_backward(dout, q, k, v, out, lse, scale=0.25, causal_offset=0, lower=-7, kernel=kernel)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    want_out, want_lse = kernels.math_forward(q, k, v, scale=0.25, causal_offset=3)
+    out, lse = kernels.block_forward(q, k, v, scale=0.25, causal_offset=3, kernel="math")
+    assert torch.equal(out, want_out) and torch.equal(lse, want_lse)
+
+
+@pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
+def test_a_long_window_block_runs_in_memory_that_follows_its_band(kernel):
+    """A 16384 x 16384 block under a sliding window of 32 tokens (issue 36: a 32768-token block's
+    dense scores and masks killed a rank): the tensors it allocates at its peak (suite.memtrack)
+    stay under its outputs plus a few tiles of rows x (rows + window) scores, and within
+    `cpu_block_working_set`; the untiled kernels allocated an [Sq, Sk] mask (GiBs) here."""
+    from suite.memtrack import TensorMemoryTracker
+
+    b, s, h, hkv, d, window = 1, 16384, 4, 2, 32, 32
+    tiling = kernels.CPU_TILING
+    keys = kernels._BandKeys(b, s, s, 0, -(window - 1))
+    tiles = kernels._tiles(keys, b, h, s, s, tiling)
+    assert sum((r1 - r0) * (c1 - c0) for r0, r1, c0, c1 in tiles) <= s * (tiling.rows + window)  # work: the band
+    tile = b * h * tiling.rows * (tiling.rows + window) * 4  # one tile's float32 scores
+    torch.manual_seed(0)
+    q, k, v = torch.randn(b, s, h, d), torch.randn(b, s, hkv, d), torch.randn(b, s, hkv, d)
+    with TensorMemoryTracker() as fwd:
+        out, lse = kernels.block_forward(q, k, v, scale=0.2, causal_offset=0, lower=-(window - 1), kernel=kernel)
+    dout = torch.randn_like(out)
+    with TensorMemoryTracker() as bwd:
+        kernels.block_backward(dout, q, k, v, out, lse, scale=0.2, causal_offset=0, lower=-(window - 1), kernel=kernel)
+    results = {"fwd": out.nbytes + lse.nbytes, "bwd": q.nbytes + 2 * (k.nbytes + v.nbytes)}  # dk, dv: fp32 sums
+    for op, tracker in (("fwd", fwd), ("bwd", bwd)):
+        bound = results[op] + 16 * tile
+        assert tracker.peak_bytes <= bound, (op, tracker.peak_bytes, bound)
+        stated = kernels.cpu_block_working_set(
+            b, s, s, h, hkv, d, op=op, causal_offset=0, lower=-(window - 1), kernel=kernel
+        )
+        assert tracker.peak_bytes <= stated <= bound, (op, tracker.peak_bytes, stated)
+    assert 10 * max(fwd.peak_bytes, bwd.peak_bytes) < b * s * s  # under a tenth of a byte per (query, key)
+
+
+WORKING_SETS = [  # (B, H, Hkv, D, Dv, Sq, Sk, causal offset, lower)
+    (1, 4, 2, 32, 32, 2000, 2000, 0, -31),
+    (1, 4, 2, 32, 32, 1500, 1700, 300, None),
+    (1, 4, 2, 32, 32, 3000, 3000, 0, None),
+    (2, 6, 3, 16, 24, 700, 900, None, None),
+    (2, 6, 3, 16, 24, 200, 150, 40, -20),
+    (2, 6, 3, 16, 16, 1201, 1199, -1, None),
+]
+
+
+@pytest.mark.parametrize("kernel", ["math", "cpu_flash"])
+@pytest.mark.parametrize("case", WORKING_SETS)
+def test_cpu_block_working_set_bounds_the_tracked_peak(kernel, case):
+    """The stated working set of a block call is never below the peak suite.memtrack tracks, and
+    at most 4 times it: one tile and whole blocks, bands, offsets, GQA, Dv != D (padded on cpu_flash)."""
+    from suite.memtrack import TensorMemoryTracker
+
+    b, h, hkv, d, dv, sq, sk, offset, lower = case
+    torch.manual_seed(4)
+    q, k, v = torch.randn(b, sq, h, d), torch.randn(b, sk, hkv, d), torch.randn(b, sk, hkv, dv)
+    with TensorMemoryTracker() as fwd:
+        out, lse = kernels.block_forward(q, k, v, scale=0.2, causal_offset=offset, lower=lower, kernel=kernel)
+    dout = torch.randn_like(out)
+    with TensorMemoryTracker() as bwd:
+        kernels.block_backward(dout, q, k, v, out, lse, scale=0.2, causal_offset=offset, lower=lower, kernel=kernel)
+    for op, tracker in (("fwd", fwd), ("bwd", bwd)):
+        stated = kernels.cpu_block_working_set(
+            b, sq, sk, h, hkv, d, dv, op=op, causal_offset=offset, lower=lower, kernel=kernel
+        )
+        assert tracker.peak_bytes <= stated <= 4 * tracker.peak_bytes, (op, tracker.peak_bytes, stated)
+
+
+def test_tiled_math_soft_caps_as_the_untiled_kernel(monkeypatch):
+    """A soft cap rides on the scale into every tile (forward and the backward's chain rule)."""
+    torch.manual_seed(6)
+    q, k, v = (torch.randn(2, 39, h, 8, dtype=torch.float64) for h in (6, 3, 3))
+    dout = torch.randn(2, 39, 6, 8, dtype=torch.float64)
+    scale = kernels.ScoreScale(0.9, softcap=2.0)
+    results = []
+    for tiling in (kernels.Tiling(), kernels.Tiling(rows=5, elements=2 * 6 * 5 * 12)):
+        monkeypatch.setattr(kernels, "CPU_TILING", tiling)
+        out, lse = kernels.block_forward(q, k, v, scale=scale, causal_offset=0, lower=-9, kernel="math")
+        grads = kernels.block_backward(dout, q, k, v, out, lse, scale=scale, causal_offset=0, lower=-9, kernel="math")
+        results.append((out, lse) + grads)
+    for untiled, tiled in zip(*results):
+        torch.testing.assert_close(tiled, untiled, rtol=0, atol=1e-12)

@@ -143,11 +143,28 @@ def _random_documents(rng, mask):
     raise AssertionError("no documents fit")
 
 
+def _assert_key_bounds_and_tiles(rng: random.Random, m, brute: torch.Tensor) -> None:
+    """`key_bounds` is the hull, over the batch, of the key rows each query row sees (first >= last
+    for a row that sees none), and a tile of `dense` is that tile of the whole mask."""
+    sq, sk = brute.shape[1:]
+    seen = brute.any(0)  # [Sq, Sk]
+    j = torch.arange(sk).expand(sq, sk)
+    first, last = m.key_bounds
+    rows = seen.any(1)
+    assert torch.equal(first[rows], torch.where(seen, j, sk).min(1).values[rows])
+    assert torch.equal(last[rows], torch.where(seen, j + 1, 0).max(1).values[rows])
+    assert bool((first[~rows] >= last[~rows]).all())
+    r0, c0 = rng.randrange(sq), rng.randrange(sk)
+    r1, c1 = rng.randint(r0, sq), rng.randint(c0, sk)
+    assert torch.equal(m.dense(rows=slice(r0, r1), cols=slice(c0, c1)), brute[:, r0:r1, c0:c1])
+
+
 @pytest.mark.parametrize("text", MASKS)
 def test_block_masks_count_classify_and_cut_into_pieces_exactly(text):
-    """Against the brute-force mask: visible pairs, dense(), the class (empty / full / one offset /
-    one band / partial), and the pieces (they tile the mask exactly), for contiguous, strided and
-    arbitrary position sets in packed, padded sequences."""
+    """Against the brute-force mask: visible pairs, dense() (whole and a tile of it), each query
+    row's key bounds, the class (empty / full / one offset / one band / partial), and the pieces
+    (they tile the mask exactly), for contiguous, strided and arbitrary position sets in packed,
+    padded sequences."""
     mask = parse(text)
     rng = random.Random(text)
     kinds = set()
@@ -163,6 +180,7 @@ def test_block_masks_count_classify_and_cut_into_pieces_exactly(text):
         m = docs.block(qp, kp, causal)
         brute = brute_all[:, qp][:, :, kp]
         assert torch.equal(m.dense(), brute), (text, docs, qp, kp)
+        _assert_key_bounds_and_tiles(rng, m, brute)
         assert m.pairs == int(brute.sum())
         kinds.add(m.kind)
         i, j = torch.arange(len(qp))[:, None], torch.arange(len(kp))[None, :]
