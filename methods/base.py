@@ -316,7 +316,9 @@ class Method:
                 lse_i = log(sum_j e^x_ij + e^s_h). Its gradient on this rank is this rank's rows'
                 share; the shares sum to the whole gradient over the group's ranks, like any
                 weight the ranks share (a training loop all-reduces it with the others), so the
-                call moves no bytes for it.
+                call moves no bytes for it. The share is computed in the inputs' precision
+                (`merge.sink_grad`) and autograd hands it back in the sinks' dtype: float64
+                sinks with float64 inputs keep it in float64.
             softcap: logit soft cap (Gemma 2; 0: none): scores become softcap * tanh(s / softcap).
         Returns:
             out [B, S_local, H, Dv] in q.dtype, or (out, lse) with `return_lse`.
@@ -352,7 +354,8 @@ class Method:
         for another rank's message inside its backward would block that rank's backward forever.
 
         Returns (out, lse, dq, dk, dv) with the shapes of `attention` (lse [B, H, S_local] float32),
-        and dsink [H] (this rank's share, as in `attention`) after them when `sinks` is given.
+        and dsink [H] (this rank's share, as in `attention`, in the inputs' precision or the sinks'
+        dtype, the wider: float64 for float64 inputs) after them when `sinks` is given.
         """
         check_local_inputs(q, k, v)
         check_sinks(sinks, q, self)
