@@ -107,6 +107,33 @@ def test_dense_definitions_spot_checks():
     assert parse("sliding_window:0.5").size("window", 7) == 4  # a fraction rounds up
 
 
+@pytest.mark.parametrize(
+    "text,key,n,tokens",
+    [
+        ("prefix_lm:0.28", "prefix", 25, 7),  # 0.28 * 25 is 7.000000000000001 in floating point
+        ("sliding_window:0.07", "window", 100, 7),
+        ("chunked:0.14", "chunk", 50, 7),
+        ("block_causal:0.55", "block", 100, 55),
+        ("prefix_lm:0.281", "prefix", 25, 8),  # 7.025: rounds up
+        ("global_window:globals=0.1,window=0.3", "globals", 30, 3),
+    ],
+)
+def test_a_fraction_of_a_document_is_the_ceiling_of_the_exact_product(text, key, n, tokens):
+    mask = parse(text)
+    assert mask.size(key, n) == tokens
+    if mask.family == "prefix_lm":  # the slices use it: row 0 sees exactly the prefix
+        assert int(mask.dense(n)[0].sum()) == tokens
+
+
+def test_fractions_round_the_decimal_they_are_written_as():
+    """Every fraction of up to three decimals on every length to 400: ceil(k * n / 1000) in
+    integers, never a token more where k * n is a multiple of 1000."""
+    for k in range(1, 1000):
+        mask = parse(f"sliding_window:{k / 1000!r}")
+        for n in range(1, 401):
+            assert mask.size("window", n) == max(1, -(-k * n // 1000)), (k, n)
+
+
 # -- the block masks -----------------------------------------------------------------------------
 def _positions(rng, n, kind):
     """Increasing positions in [0, n): a contiguous run, every s-th, an arbitrary set, or a short
