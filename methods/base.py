@@ -316,13 +316,16 @@ class Method:
                 lse_i = log(sum_j e^x_ij + e^s_h). Its gradient on this rank is this rank's rows'
                 share; the shares sum to the whole gradient over the group's ranks, like any
                 weight the ranks share (a training loop all-reduces it with the others), so the
-                call moves no bytes for it.
+                call moves no bytes for it. The share is computed in the inputs' precision
+                (`merge.sink_grad`) and autograd hands it back in the sinks' dtype: float64
+                sinks with float64 inputs keep it in float64.
             softcap: logit soft cap (Gemma 2; 0: none): scores become softcap * tanh(s / softcap).
         Returns:
             out [B, S_local, H, Dv] in q.dtype, or (out, lse) with `return_lse`.
         """
         check_local_inputs(q, k, v)
         check_sinks(sinks, q, self)
+        check_mask(docs, causal)
         # Views of a fused projection (qkv.unbind) are fine to pass: communication needs contiguous
         # buffers, so every method sees contiguous inputs (a no-op when they already are).
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -352,10 +355,12 @@ class Method:
         for another rank's message inside its backward would block that rank's backward forever.
 
         Returns (out, lse, dq, dk, dv) with the shapes of `attention` (lse [B, H, S_local] float32),
-        and dsink [H] (this rank's share, as in `attention`) after them when `sinks` is given.
+        and dsink [H] (this rank's share, as in `attention`, in the inputs' precision or the sinks'
+        dtype, the wider: float64 for float64 inputs) after them when `sinks` is given.
         """
         check_local_inputs(q, k, v)
         check_sinks(sinks, q, self)
+        check_mask(docs, causal)
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         scale = kernels.default_scale(q.shape[-1]) if softmax_scale is None else float(softmax_scale)
         scale = kernels.with_softcap(scale, softcap)
@@ -413,6 +418,35 @@ def check_sinks(sinks: Optional[torch.Tensor], q: torch.Tensor, method: Method) 
     if sinks.device != q.device or not sinks.is_floating_point():
         raise ValueError(
             f"sinks must be floating point on q's device ({q.device}); got {sinks.dtype} on {sinks.device}"
+        )
+
+
+def check_mask(docs: Optional[Documents], causal: bool) -> None:
+    """Refuse a causal flag that contradicts the documents' mask, before any rank computes.
+
+    The flag picks a method's plan: causal=True skips the blocks above the diagonal (the ring's
+    later steps, zigzag's and TokenRing's halves), then the mask refines the blocks that run. A
+    mask that lets a query see a later key (full, a symmetric window, prefix-LM, block-causal,
+    global tokens) under causal=True would lose those pairs and return wrong numbers silently.
+    Deriving the flag from the mask instead would answer a question the caller did not ask
+    whichever of the two they meant, so the call is refused and says what to pass. causal=False
+    with a family inside the causal mask is exact (the full plan, refined block by block) and
+    allowed. A plain mask given to `Documents` is kept as None, so it is checked by the family
+    it was given as (`Documents.plain_family`)."""
+    if docs is None:
+        return
+    if docs.mask is not None:
+        if causal and not docs.mask.causal:
+            raise ValueError(
+                f"causal=True contradicts the documents' mask {docs.mask.name}, which lets a query see later "
+                "keys: pass causal=False (the mask alone decides which pairs attend; causal=True is only "
+                "for the families within the causal mask)"
+            )
+    elif docs.plain_family is not None and (docs.plain_family == "causal") != bool(causal):
+        want = docs.plain_family == "causal"
+        raise ValueError(
+            f"causal={bool(causal)} contradicts the documents' mask {docs.plain_family}: pass causal={want}, "
+            "or documents without a mask (the flag alone then chooses causal or full)"
         )
 
 

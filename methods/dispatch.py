@@ -326,7 +326,7 @@ class Dispatch(Method):
         rank = comm.rank
         local = plan.local_mask(rank)
         calls = (local.kind != EMPTY) + sum(len(plan.received(rank, s)) for s in range(plan.stages))
-        acc = accumulators.OutputAccumulator(q)
+        acc = accumulators.OutputAccumulator(q, v.shape[-1])  # out has the values' head dim
         done = 0
         exchange = _Exchange(comm, plan, k, v)
         finish = exchange.start(0)  # stage 0 arrives while the local block computes

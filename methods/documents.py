@@ -43,9 +43,14 @@ class Documents:
     mask: Optional[Mask] = None
     """The mask inside each document (methods/masks.py), or None: the plain mask, causal or full
     by the `causal` flag the blocks are asked with. A plain family given here is stored as None."""
+    plain_family: Optional[str] = field(default=None, init=False, compare=False, repr=False)
+    """"full" or "causal" when that plain mask was given (then stored as None), so that an
+    attention call can refuse a causal flag that contradicts it (`methods.base.check_mask`); not
+    part of equality or hashing, and not kept by copies made from the fields."""
 
     def __post_init__(self):
         if self.mask is not None and self.mask.plain:
+            object.__setattr__(self, "plain_family", self.mask.family)
             object.__setattr__(self, "mask", None)
         if not self.lengths:
             raise ValueError("documents: at least one batch element")

@@ -26,13 +26,15 @@ document is refused (a ValueError naming the document's length): give it as a fr
 
 A size (window, chunk, prefix, block, question, globals) is a number of tokens (an int >= 1) or a
 fraction of each document's length (a float in (0, 1), rounded up), e.g. `sliding_window:0.0625`
-for a window of 1/16 of the sequence.
+for a window of 1/16 of the sequence. The product is exact (the fraction as the decimal it is
+written as, `Mask.size`): 0.28 of 25 tokens is 7, 0.07 of 100 is 7, 0.281 of 25 is 8.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Mapping, Optional, Union
 
 import torch
@@ -128,9 +130,13 @@ class Mask:
 
     # -- the slices -----------------------------------------------------------------------------
     def size(self, key: str, n: int) -> int:
-        """A size parameter in tokens for a document of n tokens."""
+        """A size parameter in tokens for a document of n tokens: a count as it is, a fraction v
+        as ceil(v * n) (at least 1) computed exactly, v being the decimal it is written as (the
+        float's shortest repr, `Fraction(repr(v))`): 0.28 of 25 tokens is 7. In floating point
+        0.28 * 25 is 7.000000000000001, whose ceiling took one token too many wherever the
+        product is a whole number."""
         v = self.param(key)
-        return v if isinstance(v, int) else max(1, math.ceil(v * n))
+        return v if isinstance(v, int) else max(1, math.ceil(Fraction(repr(v)) * n))
 
     def slices(self, n: int) -> list[tuple[int, int, int, int, int, int]]:
         """The slices (qa, qb, ka, kb, lo, hi) of one document of n tokens, positions from its start.

@@ -192,14 +192,20 @@ def fold_sink(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> tupl
 
 
 def sink_grad(dout: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
-    """d loss / d s_h over the given rows, [H] in the sinks' dtype, from the FOLDED out' and lse':
-    the sink's softmax weight is p_i = e^(s_h - lse'_i) and its value is zero, so (as for any
-    logit) ds = p (0 - rowsum(dout * out')), summed over batch and rows. A sequence-parallel rank
-    gives its own rows' share; the shares add up over ranks."""
+    """d loss / d s_h over the given rows, [H], from the FOLDED out' and lse': the sink's softmax
+    weight is p_i = e^(s_h - lse'_i) and its value is zero, so (as for any logit)
+    ds = p (0 - rowsum(dout * out')), summed over batch and rows. A sequence-parallel rank gives
+    its own rows' share; the shares add up over ranks.
+
+    Computed and returned in the inputs' precision, lse's dtype (float32; float64 for float64
+    inputs), or the sinks' dtype where that is wider: float32 sink logits with float64 inputs get
+    a float64 share, so that shares summed over ranks round once, not once per rank (each share
+    rounded to float32 put the float64 check's dsink off by a few float32 roundings). Through
+    autograd a leaf's gradient takes the leaf's dtype: pass float64 sinks to keep it."""
     s = sinks.detach().to(lse.dtype).view(1, -1, 1)
     weight = torch.exp(s - lse).nan_to_num_(nan=0.0)  # [B, H, S]; lse' >= s, so <= 1
     delta = _delta_eager(dout, out).to(lse.dtype)  # [B, H, S]
-    return -(weight * delta).sum(dim=(0, 2)).to(sinks.dtype)
+    return -(weight * delta).sum(dim=(0, 2)).to(torch.promote_types(lse.dtype, sinks.dtype))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ kernels and the methods.
 """
 
 import dataclasses
+import functools
 import random
 
 import pytest
@@ -105,6 +106,33 @@ def test_dense_definitions_spot_checks():
     gw = parse("global_window:globals=1,window=2").dense(4).int().tolist()
     assert gw == [[1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 0, 1, 1]]
     assert parse("sliding_window:0.5").size("window", 7) == 4  # a fraction rounds up
+
+
+@pytest.mark.parametrize(
+    "text,key,n,tokens",
+    [
+        ("prefix_lm:0.28", "prefix", 25, 7),  # 0.28 * 25 is 7.000000000000001 in floating point
+        ("sliding_window:0.07", "window", 100, 7),
+        ("chunked:0.14", "chunk", 50, 7),
+        ("block_causal:0.55", "block", 100, 55),
+        ("prefix_lm:0.281", "prefix", 25, 8),  # 7.025: rounds up
+        ("global_window:globals=0.1,window=0.3", "globals", 30, 3),
+    ],
+)
+def test_a_fraction_of_a_document_is_the_ceiling_of_the_exact_product(text, key, n, tokens):
+    mask = parse(text)
+    assert mask.size(key, n) == tokens
+    if mask.family == "prefix_lm":  # the slices use it: row 0 sees exactly the prefix
+        assert int(mask.dense(n)[0].sum()) == tokens
+
+
+def test_fractions_round_the_decimal_they_are_written_as():
+    """Every fraction of up to three decimals on every length to 400: ceil(k * n / 1000) in
+    integers, never a token more where k * n is a multiple of 1000."""
+    for k in range(1, 1000):
+        mask = parse(f"sliding_window:{k / 1000!r}")
+        for n in range(1, 401):
+            assert mask.size("window", n) == max(1, -(-k * n // 1000)), (k, n)
 
 
 # -- the block masks -----------------------------------------------------------------------------
@@ -301,19 +329,23 @@ def test_the_rotation_covers_every_method_family_pair_and_world_size():
         assert all(_masks_at(v, p) for p in WORLD_SIZES)
 
 
-def check_mask(name, options, world_size, seq_len, lengths, mask: Mask, comm_runner=_threads) -> str:
+def check_mask(
+    name, options, world_size, seq_len, lengths, mask: Mask, comm_runner=_threads, flag: bool | None = None
+) -> str:
     """Run `name` on packed documents `lengths` under `mask` and compare out, lse, dq, dk, dv with
     float64 within the problem's tolerance (tests/test_varlen.py's check_documents, with a mask).
+    `flag`: the causal flag the method is called with (None: the trial's, `_causal_flag`).
     Returns the method's refusal ("" when it ran)."""
     heads, kv_heads = (6, 3) if world_size == 3 else (8, 4)  # GQA, heads divisible by P
     causal = _causal_flag(mask)
+    flag = causal if flag is None else flag
     m = methods.get_method(name, **options)
     batch = len(lengths)
     true_docs = Documents(lengths, seq_len, mask)
-    case = Case(batch, seq_len, heads, kv_heads, 8, "float32", causal, world_size, documents=true_docs)
+    case = Case(batch, seq_len, heads, kv_heads, 8, "float32", flag, world_size, documents=true_docs)
     padded = m.padded_len(case)
     case = Case(
-        batch, padded, heads, kv_heads, 8, "float32", causal, world_size, documents=Documents(lengths, padded, mask)
+        batch, padded, heads, kv_heads, 8, "float32", flag, world_size, documents=Documents(lengths, padded, mask)
     )
     ok, why = m.supports(case)
     if not ok:
@@ -487,3 +519,45 @@ def test_peer_libraries_refuse_mask_families_with_their_limitation(monkeypatch):
     cp = methods.method_class("torch_cp_allgather") if "torch_cp_allgather" in methods.available() else None
     if cp is not None:
         assert "no attention mask" in cp.mask_reason
+
+
+# -- a causal flag against the mask ----------------------------------------------------------------
+CONTRADICTIONS = [
+    ("full", True),  # a plain mask given to Documents is stored as None: checked by the family given
+    ("causal", False),
+    ("prefix_lm:0.25", True),
+    ("sliding_window:window=4,symmetric=true", True),
+    ("block_causal:3", True),
+    ("global_window:globals=2,window=3", True),
+]
+
+
+@pytest.mark.parametrize("name", methods.available())
+def test_a_causal_flag_that_contradicts_the_mask_is_refused(name):
+    """causal=True once let the causal plan of ring, zigzag_ring, allgather_kv, token_ring, burst
+    and tasp skip the pairs a mask with later keys keeps: wrong numbers, silently. Every method's
+    attention and attention_fwd_bwd refuse it before any rank computes, naming the mask, the flag
+    and what to pass."""
+    from methods.comm import run_threads
+    from methods.peers.base import PeerMethod
+
+    m = methods.get_method(name)
+    q, k, v = (torch.randn(1, 12, 2, 8) for _ in range(3))
+    calls = [m.attention]
+    if not isinstance(m, PeerMethod):  # a peer runs its library's autograd: no direct forward-backward
+        calls.append(functools.partial(m.attention_fwd_bwd, dout=q))
+    for text, flag in CONTRADICTIONS:
+        docs = Documents(((12,),), 12, parse(text))
+        family = parse(text).family
+        for call in calls:
+            with pytest.raises(ValueError, match=rf"causal={flag} contradicts .*{family}.*pass causal={not flag}"):
+                run_threads(1, lambda comm: call(q, k, v, causal=flag, comm=comm, docs=docs))
+
+
+@pytest.mark.parametrize("name,options", VARIANTS, ids=[variant_id(n, o) for n, o in VARIANTS])
+def test_causal_false_with_a_family_inside_the_causal_mask_stays_exact(name, options):
+    """The other way round is no contradiction: the full plan is a superset, refined block by
+    block, so it is allowed and exact (only slower)."""
+    for text in ("sliding_window:5", "chunked:0.3"):
+        why = check_mask(name, options, 3, 26, ((26,), (26,)), parse(text), flag=False)
+        assert not why or any(s in why for s in ("heads divisible", "kv_heads", "does not divide")), why

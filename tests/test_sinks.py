@@ -368,6 +368,76 @@ def test_direct_forward_backward_gives_what_autograd_gives_with_sinks(name, worl
             assert torch.equal(got, want)
 
 
+# float64 inputs: the sink gradient in float64. Shares rounded to float32 (the sink logits' dtype)
+# put the summed dsink off by several float32 roundings, where the check allows about one.
+FLOAT64_EXACT = 1e-12  # a dsink computed in float64 errs by a few float64 roundings (~1e-15 here)
+
+
+@pytest.mark.parametrize("name,options", OWN, ids=IDS)
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_float64_inputs_get_a_float64_sink_gradient(name, options, world_size):
+    """37 tokens (padded to the method's granule), float64, causal and full: the direct
+    forward-backward (virtual ranks on one GPU) given float32 sink logits, and autograd given a
+    float64 leaf, each return a float64 share; the shares summed as the check sums them hold the
+    check's tolerance and float64's precision."""
+    m = methods.get_method(name, **options)
+    heads, kv_heads = _heads(world_size)
+    seq_len = 37
+    for causal in (True, False):
+        case = Case(2, seq_len, heads, kv_heads, 8, "float64", causal, world_size, sinks=True)
+        padded = m.padded_len(case)
+        docs = Documents(((seq_len,), (seq_len,)), padded)
+        case = Case(2, padded, heads, kv_heads, 8, "float64", causal, world_size, documents=docs, sinks=True)
+        ok, why = m.supports(case)
+        if not ok:
+            assert "heads" in why or "does not divide" in why, why
+            continue
+        prob = sink_problem(2, seq_len, heads, kv_heads, causal, dtype="float64")
+        lay = m.layout(case)
+
+        def rank(comm):
+            q, k, v, do = (
+                lay.shard(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, padded - seq_len)), comm.rank)
+                for x in (prob.q, prob.k, prob.v, prob.dout)
+            )
+            direct = m.attention_fwd_bwd(q, k, v, do, causal=causal, comm=comm, docs=docs, sinks=prob.sinks)[5]
+            leaves = (q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), prob.sinks.double().requires_grad_())
+            out = m.attention(*leaves[:3], causal=causal, comm=comm, docs=docs, sinks=leaves[3])
+            return direct, torch.autograd.grad(out, leaves, do)[3]
+
+        shares = run_threads(world_size, rank)
+        tol = prob.tolerance("dsink", world_size)
+        for i, path in enumerate(("attention_fwd_bwd", "attention")):
+            total = sum(r[i] for r in shares)  # in the shares' dtype, as the check's all-reduce sums them
+            err = float((total.double() - prob.ref["dsink"]).abs().max())
+            assert err <= tol and err < FLOAT64_EXACT, (name, options, world_size, causal, path, err, tol)
+            assert total.dtype == torch.float64
+
+
+def test_float64_sweeps_check_dsink_at_float64_precision(write_config, tmp_path):
+    """Through the threads executor (autograd on CPU): every own method's err_dsink at float64 is
+    a float64 error, within the tolerance (float32 sink logits made the gradient's leaf float32)."""
+    from suite import metrics as M
+    from suite.config import load_config
+    from suite.runner import run_sweep
+
+    path = write_config(f"""
+    name: sinks64
+    sweep: {{methods: [own], world_size: [2, 3], batch: [2], seq_len: [37], heads: [6], kv_heads: [3],
+             head_dim: [16], dtype: [float64], causal: [true, false], passes: [fwd_bwd], sinks: [true]}}
+    run: {{executor: threads, warmup: 0, repeats: 1}}
+    tracking: {{mlflow: false}}
+    results: {{root: {tmp_path}}}
+    """)
+    cfg, text = load_config(path)
+    rows = run_sweep(cfg, text, progress=False, out=open("/dev/null", "w")).records
+    checked = [r for r in rows if r[M.STATUS] != M.SKIPPED]
+    assert len(checked) >= 30 and all(r[M.STATUS] == M.OK for r in checked), [
+        (r["method"], r["world_size"], r[M.REASON]) for r in checked if r[M.STATUS] != M.OK
+    ]
+    assert max(r[M.ERR["dsink"]] for r in checked) < FLOAT64_EXACT
+
+
 # -- the sweep axis ---------------------------------------------------------------------------------------
 SINK_BASE = """
 name: t

@@ -244,3 +244,39 @@ def test_a_model_with_a_narrower_value_head_trains_like_the_single_device_baseli
         )[0]
         assert max(abs(a - b) / abs(b) for a, b in zip(got.losses, want.losses)) < 1e-4, (name, got.losses)
         assert abs(got.perplexity / want.perplexity - 1) < 1e-3, name
+
+
+@pytest.mark.parametrize("name,options", OWN, ids=IDS)
+@pytest.mark.parametrize("world_size,tokens", [(4, 2), (7, 9)])
+def test_value_head_dim_where_a_rank_holds_only_padding(name, options, world_size, tokens):
+    """A sequence of a few tokens padded to the method's granule: some rank holds only padding,
+    computes no block, and must still return an output of the values' head dim (dispatch's empty
+    accumulator once took the queries' and failed the backward). Compared on the true tokens."""
+    m = methods.get_method(name, **options)
+    true = Case(2, tokens, 4, 2, D, "float32", True, world_size, head_dim_v=DV)
+    padded = m.padded_len(true)
+    case = replace(true, seq_len=padded, documents=Documents(((tokens,), (tokens,)), padded))
+    ok, why = m.supports(case)
+    if not ok:
+        assert any(s in why for s in ("heads", "does not divide")), why
+        return
+    prob = problem(replace(true, documents=Documents(((tokens,), (tokens,)), tokens)))
+
+    def rank(comm):
+        lay = m.layout(case)
+
+        def shard(x):  # [B, tokens, H, d] -> this rank's rows of [B, padded, H, d], the tail zeros
+            return lay.shard(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, padded - tokens)), comm.rank)
+
+        q, k, v = (shard(x).requires_grad_() for x in (prob.q, prob.k, prob.v))
+        out, lse = m.attention(q, k, v, causal=True, comm=comm, return_lse=True, docs=case.documents)
+        assert out.shape[-1] == DV
+        return (out.detach(), lse) + torch.autograd.grad(out, (q, k, v), shard(prob.dout))
+
+    per_rank = run_threads(world_size, rank)
+    lay = m.layout(case)
+    for i, t in enumerate(TENSORS):
+        dim = 2 if t == "lse" else 1
+        got = lay.unshard([r[i] for r in per_rank], dim=dim).narrow(dim, 0, tokens)
+        err, tol = max_abs_err(got, prob.ref[t]), prob.tolerance(t, world_size)
+        assert err <= tol, (name, options, t, err, tol)

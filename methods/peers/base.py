@@ -15,7 +15,7 @@ from typing import ClassVar, Optional
 import torch
 
 from methods import kernels
-from methods.base import Case, Method, check_local_inputs
+from methods.base import Case, Method, check_local_inputs, check_mask
 from methods.comm.base import Comm
 
 
@@ -105,6 +105,7 @@ class PeerMethod(Method):
         softcap: float = 0.0,
     ):
         check_local_inputs(q, k, v)
+        check_mask(docs, causal)
         world = dist_world_size()
         if comm.world_size != world:
             raise RuntimeError(

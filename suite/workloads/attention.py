@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from methods import kernels
+from methods import kernels, merge
 from methods.comm import CommLedger, CountingComm, NullComm, TimingComm
 from methods.comm.base import Comm
 from methods.timing import Stopwatch
@@ -71,6 +71,10 @@ class AttentionWorkload(Workload):
         real = positions < spec.seq_len  # this rank's rows that are not padding
         used = method.kernel_used(device, q.dtype, spec.head_dim, head_dim_v=spec.head_dim_v, softcap=spec.softcap)
         report = RankReport(rank=rank, checked=checked, kernel_used=used)
+        # the sink logits are drawn in float32; as a float64 leaf for float64 inputs their gradient
+        # keeps the precision the methods compute it in (a leaf's gradient takes the leaf's dtype,
+        # and float32 shares summed over ranks put dsink off by several float32 roundings)
+        sinks = None if prob.sinks is None else prob.sinks.to(merge.acc_dtype(q.dtype))
 
         # 1. Correctness against float64 attention on the unsharded inputs (padding rows excluded),
         #    this rank's rows of it computed in tiles (suite/reference.py); the row's parent puts
@@ -78,7 +82,7 @@ class AttentionWorkload(Workload):
         if expected is not None:
             report.tol_floor = pass_floor(q.dtype, spec.seq_len, spec.world_size)
             report.naive_err, report.ref_max = expected.naive_err, expected.ref_max
-            for name, tensor in _outputs(method, spec, q, k, v, dout, comm, ctx.autograd, docs, prob.sinks).items():
+            for name, tensor in _outputs(method, spec, q, k, v, dout, comm, ctx.autograd, docs, sinks).items():
                 if tensor is None:  # a peer library that does not return the LSE
                     continue
                 ref = expected.ref[name]
@@ -90,7 +94,7 @@ class AttentionWorkload(Workload):
 
         # 2. One iteration through a counting comm and a pair-counting kernel: bytes per rank, and
         #    the (query, key) pairs this rank's kernels compute (it is also the first warm-up).
-        step = _make_step(method, spec, q, k, v, dout, ctx.autograd, docs, prob.sinks)
+        step = _make_step(method, spec, q, k, v, dout, ctx.autograd, docs, sinks)
         ledger = CommLedger()
         kernel = method.kernel
         method.kernel = pairs = kernels.PairCountingKernel(kernel)
