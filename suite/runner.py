@@ -18,6 +18,7 @@ from typing import Optional, TextIO
 
 import methods
 from suite import metrics as M
+from suite.budget import Budget, runs_on_target, target_method
 from suite.config import SuiteConfig, to_dict
 from suite.env import busy_note, fingerprint, machine_load, redact_uri
 from suite.executors import Executor, make_executor
@@ -29,9 +30,12 @@ from suite.tracking import config_params, make_tracker
 from suite.workloads import Workload, make_workload
 
 
-def check_supported(spec: TrialSpec, executor: Executor, workload: Workload) -> tuple[bool, str]:
+def check_supported(
+    spec: TrialSpec, executor: Executor, workload: Workload, budget: Optional[Budget] = None
+) -> tuple[bool, str]:
     """Decided in the parent, before any rank is involved; a False becomes a recorded skip. The
-    method, the workload and the executor each state their own limits."""
+    method, the workload and the executor each state their own limits; with a `budget`, a trial
+    predicted over the device's memory is refused too (suite/budget.py, `run.memory_check`)."""
     if spec.method not in methods.available():
         return False, methods.unavailable().get(spec.method, f"method {spec.method!r} is not registered here")
     try:
@@ -49,7 +53,10 @@ def check_supported(spec: TrialSpec, executor: Executor, workload: Workload) -> 
     ok, reason = workload.supports(spec, method)
     if not ok:
         return False, reason
-    return executor.supports(spec, method, workload)
+    ok, reason = executor.supports(spec, method, workload)
+    if ok and budget is not None:
+        return budget.fits(spec, method)
+    return ok, reason
 
 
 def sweep_params(cfg: SuiteConfig) -> dict:
@@ -100,11 +107,21 @@ def run_sweep(
                 "sweep.exclude: the rules remove every trial of the sweep (nothing to run); "
                 "narrow the rules or widen the sweep axes"
             )
+        budget = Budget.of(cfg, executor.device)
         if dry_run:
-            print_plan(plan, executor, workload, out, list_all=list_all)
+            print_plan(plan, executor, workload, out, list_all=list_all, budget=budget)
             return None
         return _drive(
-            cfg, config_yaml, plan, executor, workload, resume=resume, out=out, progress=progress, force=force
+            cfg,
+            config_yaml,
+            plan,
+            executor,
+            workload,
+            resume=resume,
+            out=out,
+            progress=progress,
+            force=force,
+            budget=budget,
         )
     finally:
         executor.close()
@@ -245,11 +262,14 @@ def _drive(
     out: TextIO,
     progress: bool,
     force: bool = False,
+    budget: Optional[Budget] = None,
 ) -> SweepResult:
     t_start = time.perf_counter()
     store, resumed = open_store(cfg, config_yaml, executor.device, resume, force)
     try:
-        return _drive_locked(cfg, plan, executor, workload, store, resumed, t_start, out=out, progress=progress)
+        return _drive_locked(
+            cfg, plan, executor, workload, store, resumed, t_start, out=out, progress=progress, budget=budget
+        )
     finally:
         store.unlock()
 
@@ -265,6 +285,7 @@ def _drive_locked(
     *,
     out: TextIO,
     progress: bool,
+    budget: Optional[Budget] = None,
 ) -> SweepResult:
     from tqdm import tqdm
 
@@ -290,6 +311,8 @@ def _drive_locked(
         file=out,
         flush=True,
     )
+    if budget is not None:  # the trials still to run: memory and hours before the start
+        print_budget(predict_sweep(todo, executor, workload, budget), out)
     bar = tqdm(
         total=len(plan),
         initial=len(plan) - len(todo),
@@ -306,7 +329,7 @@ def _drive_locked(
             # shown now, while the trial runs (the bar otherwise redraws only after it finished)
             bar.set_description(spec.label(), refresh=True)
             started = datetime.now(timezone.utc).isoformat(timespec="milliseconds")
-            ok, reason = check_supported(spec, executor, workload)
+            ok, reason = check_supported(spec, executor, workload, budget)
             if not ok:
                 record = skipped_row(spec, reason, ctx, started)
             else:
@@ -437,11 +460,18 @@ PLAN_REASONS = 12
 
 
 def print_plan(
-    plan: list[TrialSpec], executor: Executor, workload: Workload, out: TextIO, list_all: bool = False
+    plan: list[TrialSpec],
+    executor: Executor,
+    workload: Workload,
+    out: TextIO,
+    list_all: bool = False,
+    budget: Optional[Budget] = None,
 ) -> dict:
     """The planned trials, one line each with whether each can run here (the first PLAN_LINES of
-    them unless `list_all`), then a summary: trials by method and status (run or skip here) and
-    by skip reason. Returns the counts: {"method": {name: {status: n}}, "reason": {reason: n}}."""
+    them unless `list_all`, which adds each trial's predicted per-rank peak and seconds), then a
+    summary: trials by method and status (run or skip here), by skip reason and, with a `budget`,
+    memory and hours per world size. Returns the counts: {"method": {name: {status: n}}, "reason":
+    {reason: n}} and, with a budget, "budget": the SweepBudget."""
     from collections import Counter
 
     from tabulate import tabulate
@@ -449,14 +479,18 @@ def print_plan(
     by_method: dict[str, Counter] = {}
     reasons: Counter = Counter()
     shown = len(plan) if list_all or len(plan) <= PLAN_LINES else PLAN_LINES
+    predicted = predict_trials(plan, executor, workload, budget) if budget is not None else None
     print(f"{len(plan)} planned trials:", file=out)
     for i, spec in enumerate(plan):
-        ok, reason = check_supported(spec, executor, workload)
+        ok, reason = check_supported(spec, executor, workload, budget)
         by_method.setdefault(spec.method, Counter())["run" if ok else "skip"] += 1
         if not ok:
             reasons[reason] += 1
         if i < shown:
-            print(f"  {spec.key}  {spec.label():<80} {'run' if ok else 'skip: ' + reason}", file=out)
+            extra = ""
+            if list_all and predicted is not None:
+                extra = "  " + _trial_figures(predicted[i])
+            print(f"  {spec.key}  {spec.label():<80} {'run' if ok else 'skip: ' + reason}{extra}", file=out)
     if shown < len(plan):
         print(f"  ... {len(plan) - shown} more (--dry-run --verbose lists every trial)", file=out)
     runs = sum(c["run"] for c in by_method.values())
@@ -471,4 +505,49 @@ def print_plan(
         rest = reasons.most_common()[PLAN_REASONS:]
         if rest:
             print(f"and {len(rest)} other reasons ({sum(n for _, n in rest)} trials)", file=out)
-    return {"method": {m: dict(c) for m, c in by_method.items()}, "reason": dict(reasons)}
+    counts: dict = {"method": {m: dict(c) for m, c in by_method.items()}, "reason": dict(reasons)}
+    if budget is not None and predicted is not None:
+        counts["budget"] = budget.sweep(predicted)
+        print_budget(counts["budget"], out)
+    return counts
+
+
+def predict_trials(plan: list[TrialSpec], executor: Executor, workload: Workload, budget: Budget) -> list:
+    """Each trial's predicted memory and seconds (suite/budget.py), judged as on its target device:
+    a trial this machine cannot run only for want of the device or a library still counts."""
+    from suite.budget import TrialBudget
+
+    methods_by_options: dict[tuple, object] = {}
+    out: list[TrialBudget] = []
+    for spec in plan:
+        key = (spec.method, spec.kernel, repr(sorted(spec.method_options.items())))
+        if key not in methods_by_options:
+            methods_by_options[key] = target_method(spec)
+        method = methods_by_options[key]
+        out.append(budget.trial(spec, method, runs_on_target(spec, method, workload)))  # type: ignore[arg-type]
+    return out
+
+
+def predict_sweep(plan: list[TrialSpec], executor: Executor, workload: Workload, budget: Budget):
+    return budget.sweep(predict_trials(plan, executor, workload, budget))
+
+
+def _trial_figures(t) -> str:
+    """A dry run's per-trial figures (`-v`): predicted per-rank peak (problem / method terms) and seconds."""
+    from suite.budget import GB
+
+    if t.memory is None:
+        return "[no prediction]"
+    m = t.memory
+    return (
+        f"[peak {m.peak / GB:.2f} GB/rank = problem {m.problem.held / GB:.2f} (building {m.problem.building / GB:.2f})"
+        f" + shards {m.shards / GB:.2f} + method {m.working / GB:.2f} + workspace {m.workspace / GB:.2f};"
+        f" {t.seconds:.1f} s{'; over memory' if t.over else ''}]"
+    )
+
+
+def print_budget(budget, out: TextIO) -> None:
+    """Memory and hours per world size, and in total (suite/budget.py: the model and its band)."""
+    print("\npredicted (suite/budget.py; hours [band], per-rank peak of the trials that run on the target):", file=out)
+    for line in budget.lines():
+        print(line, file=out)

@@ -30,7 +30,7 @@ LAYERS = [
         "suite.sim",
     ],
     ["suite.config"],
-    ["suite.plan"],
+    ["suite.plan", "suite.budget"],
     ["suite.records"],
     ["suite.workloads"],
     ["suite.trial"],

@@ -137,6 +137,13 @@ class RunConfig:
     check_max_seq_len: int = 65536
     """Above this global length the float64 reference is not computed (the row says checked=false)."""
     seed: int = 0
+    memory_check: bool = True
+    """Skip (recorded, with both figures) a trial whose predicted per-rank peak exceeds the device's
+    memory, before it starts (suite/budget.py); false runs every trial (out of memory is then a
+    recorded failure)."""
+    device_memory_gb: float = 0.0
+    """The memory one rank may use, in GB (10^9 bytes), for the memory check and the dry run's
+    summary; 0: detected (CUDA: the device's total less 4 GB; CPU: the machine's RAM / ranks)."""
     timeout_s: float = 300.0
     """Per-trial limit; a trial over it is recorded as timeout and its worker group replaced."""
     prepare_timeout_s: float = 1800.0

@@ -171,6 +171,11 @@ def validate(cfg: SuiteConfig) -> None:
             f"or sim for more ranks",
         )
     _require(r.check_max_seq_len >= 1, "run.check_max_seq_len", "must be >= 1")
+    _require(
+        math.isfinite(r.device_memory_gb) and r.device_memory_gb >= 0,
+        "run.device_memory_gb",
+        f"must be a finite number of GB >= 0 (0: detected from the device), got {r.device_memory_gb}",
+    )
     for k in ("timeout_s", "startup_timeout_s", "prepare_timeout_s", "fail_grace_s"):
         v = getattr(r, k)  # inf or NaN would overflow the waits (OverflowError) or never time out
         _require(
