@@ -7,8 +7,8 @@ before it starts, naming both figures, unless `run.memory_check: false`.
 
 **Memory, per rank, in bytes** (`predict_memory`; every term a whole tensor):
 
-- the problem every rank builds (`check_memory_bytes`: the global inputs and, when the trial is
-  checked, the float64 reference; its own assumptions are stated there);
+- the float64 check (`check_memory_bytes`: every row's statistics and the rank's reference rows,
+  suite/reference.py; its own assumptions are stated there);
 - the rank's shards (q, k, v, dout) and, for forward+backward, the copies that take gradients;
 - the method's working set during one call, from its declared formula (suite/sim/memory.py
   `estimate(...).working`: outputs, accumulators, blocks in flight, head-scattered copies);
@@ -16,12 +16,12 @@ before it starts, naming both figures, unless `run.memory_check: false`.
   fp32 dq accumulator of the call's queries and an fp32 row vector (softmax_d), so forward+backward
   adds one fp32 copy of the local q and one fp32 [B, H, L]; the forward none.
 
-The peak is the larger of the build (the problem being built, before any shard exists) and the run
-(the problem held + shards + working set + workspace). The device's memory: on CUDA the device's
-total less `CUDA_RESERVE_BYTES` (CUDA context, NCCL buffers, allocator fragmentation); on CPU the
-machine's RAM divided among the ranks (each rank of a local CPU group is a process building its own
-problem); `run.device_memory_gb` replaces either (and is how a dry run on a machine without the
-device asks about it). The `sim` executor runs nothing, so it has no memory check.
+The peak is the larger of the check's computation (its statistics and rows being computed, beside
+the shards) and the run (the check's rows held + shards + working set + workspace). The device's
+memory: on CUDA the device's total less `CUDA_RESERVE_BYTES` (CUDA context, NCCL buffers, allocator
+fragmentation); on CPU the machine's RAM divided among the ranks (each rank of a local CPU group is a
+process with its own check of the problem); `run.device_memory_gb` replaces either (and is how a
+dry run on a machine without the device asks about it). The `sim` executor runs nothing, so it has no memory check.
 
 **Duration** (`predict_seconds`), on the figures of `TimeModel` (H100 SXM, bf16, head dim 128:
 recorded in reports/recorded/gpu_h100.md, or the h100_sxm topology's sourced link figures):
@@ -31,9 +31,10 @@ communication (the method's byte formula at one NCCL flow's bandwidth, plus a la
 step): overlap is assumed perfect, and exposed communication lies in the band. Iterations: the
 check's call, the counting call, warm-up - 1, the timed repeats and, with `run.breakdown` for the
 suite's own methods, 3 x repeats more (the time split, compute-only and comm-only runs). Fixed
-costs: a trial's harness and input build, the float64 reference once per problem and world size
-(consecutive trials share it: suite/check.py `ProblemCache`), and one worker group start per world
-size. The band (`BAND`) is stated where it is defined.
+costs: a trial's harness and input build, the check's rows of the trial's layout
+(`shard_reference_s`), the check's row statistics once per problem and world size (consecutive
+trials share them: suite/check.py `ProblemCache`), and one worker group start per world size.
+The band (`BAND`) is stated where it is defined.
 """
 
 from __future__ import annotations
@@ -45,7 +46,6 @@ from typing import Optional
 import methods
 from methods.base import element_bytes
 from suite import metrics as M
-from suite.check import _CHUNK_BYTES
 from suite.plan import TrialSpec
 from suite.sim.memory import estimate
 
@@ -58,49 +58,54 @@ CUDA_RESERVE_BYTES = 4 * 10**9
 
 @dataclass(frozen=True)
 class CheckMemory:
-    """Bytes per rank of the problem a trial builds (suite/check.py `build_problem`)."""
+    """Bytes per rank of the float64 check (suite/reference.py), beyond the rank's shards."""
 
-    held: int  # kept for the whole trial: the global inputs and, when checked, the float64 reference
-    building: int  # the most held at once while it is built (the reference's upcast copies and chunks)
+    held: int  # kept for the whole trial: every row's statistics and this rank's reference rows
+    building: int  # the most held at once while they are computed (one batch element's K/V, a tile)
 
 
-def check_memory_bytes(spec: TrialSpec, checked: bool) -> CheckMemory:
-    """The float64 check's memory on one rank, in ONE place (the check is being redesigned: change it
-    here). Assumes today's suite/check.py `build_problem`, run on every rank of the trial:
+def check_memory_bytes(spec: TrialSpec, checked: bool, world_size: Optional[int] = None) -> CheckMemory:
+    """The float64 check's memory on one rank, in ONE place. A rank draws only its shard of the
+    inputs (counted with the shards); checked, it holds (suite/reference.py):
 
-    - the global q [B, S, H, D], k and v [B, S, Hkv, D(v)] and dout [B, S, H, Dv] in the trial's
-      dtype, on every rank, checked or not;
-    - checked: the float64 reference of the whole problem, kept for the trial: out [B, S, H, Dv],
-      lse [B, H, S], dq, dk, dv (forward-only trials share the forward+backward problem, so the
-      gradients are always there);
-    - while building: the float64 copies of q, k, v, dout and the reference's outputs, then, with the
-      reference held, the naive same-dtype pass's outputs (out, dq in the dtype; lse, dk, dv in fp32);
-      in either phase up to `CHUNK_TEMPORARIES` score-sized temporaries of one chunk of query rows
-      (each at most `_CHUNK_BYTES`: scores, probabilities and their gradients in the backward).
-
-    A tiled reference in which each rank holds only its own shard would change `held` to the rank's
-    share; nothing else in this module needs to know."""
-    e, _ = element_bytes(spec.case())
-    tokens = spec.batch * spec.seq_len
-    dv = spec.head_dim_v or spec.head_dim
-    q = tokens * spec.heads * spec.head_dim
-    kv = tokens * spec.kv_heads * (spec.head_dim + dv)  # k and v together
-    o = tokens * spec.heads * dv  # out and dout
-    lse = spec.batch * spec.heads * spec.seq_len
-    inputs = (q + kv + o) * e  # q, k, v, dout
+    - every row's statistics: float64 lse and rowsum(dO * O), and the naive computation's in its
+      accumulator dtype: 8 + 8 + 2 x 4 bytes (8 + 8 for float64 inputs) x B x H x S;
+    - its rows' float64 reference: out [B, L, H, Dv], lse [B, H, L], dq [B, L, H, D], dk, dv
+      [B, L, Hkv, D(v)] (forward-only trials hold out and lse only; L = S / P, the padded shard);
+      `reference.KEEP_BYTES` of earlier layouts' rows may stay beside them (not counted: the newest
+      is what a trial of one layout needs);
+    - while computing them: one batch element's K and V in the trial dtype, one KV head's K/V in
+      float64, the naive dk, dv of its rows in the accumulator dtype, and one tile's scores and
+      their intermediates (`reference.TILE_BYTES`) with its [B, rows, S] bool mask."""
     if not checked:
-        return CheckMemory(held=inputs, building=inputs)
-    ref = (o + q + kv) * 8 + lse * 8  # out, dq, dk, dv and lse in float64
-    chunks = CHUNK_TEMPORARIES * min(_CHUNK_BYTES, spec.batch * spec.heads * spec.seq_len**2 * 8)
-    upcast = (q + kv + 2 * o) * 8  # q, k, v, dout as float64
-    naive = (o + q) * e + (lse + kv) * 4  # out, dq in the dtype; lse, dk, dv in fp32
-    building = inputs + max(upcast + ref, ref + naive) + chunks
-    return CheckMemory(held=inputs + ref, building=building)
+        return CheckMemory(held=0, building=0)
+    import torch
 
+    from methods import kernels
+    from suite import reference  # the check's own figures
 
-# Score-sized temporaries of one reference chunk (methods/kernels.py math_backward: scores,
-# probabilities, dP, dS and a masked copy) [counted from the code, not measured].
-CHUNK_TEMPORARIES = 5
+    e, a = element_bytes(spec.case())
+    p = world_size or spec.world_size
+    b, h, hkv, s = spec.batch, spec.heads, spec.kv_heads, spec.seq_len
+    d, dv = spec.head_dim, spec.head_dim_v or spec.head_dim
+    local = -(-s // p)
+    stats = b * h * s * (8 + 8 + 2 * a)
+    rows = b * local * h * dv * 8 + b * h * local * 8  # out, lse
+    if spec.pass_ == "fwd_bwd":
+        rows += b * local * (h * d + hkv * (d + dv)) * 8  # dq, dk, dv
+    kv = s * hkv * (d + dv) * e + s * (d + dv) * 8  # one batch element's K/V, one head's in float64
+    naive = b * local * hkv * (d + dv) * a if spec.pass_ == "fwd_bwd" else 0
+    group = max(1, h // hkv)
+
+    def tile(rows: int, keys: int, op: str) -> int:  # one math call on a tile (reference.ProblemReference._tile)
+        rows = min(rows, max(1, reference.TILE_BYTES // (48 * group * keys)))
+        call = kernels.cpu_block_working_set(1, rows, keys, group, 1, d, dv, dtype=torch.float64, op=op)
+        return call + b * rows * keys  # and the tile's [B, rows, keys] bool mask
+
+    work = [tile(s, s, "fwd"), tile(local, s, "fwd")]  # every row's statistics; its rows' out
+    if spec.pass_ == "fwd_bwd":
+        work += [tile(local, s, "bwd"), tile(s, local, "bwd")]  # its rows' dq; its keys' dk, dv
+    return CheckMemory(held=stats + rows, building=stats + rows + kv + naive + max(work))
 
 
 @dataclass(frozen=True)
@@ -119,7 +124,7 @@ class MemoryPrediction:
 
     @property
     def peak(self) -> int:
-        return max(self.problem.building, self.run_peak)
+        return max(self.problem.building + self.shards, self.run_peak)
 
 
 class _LinearBytes:
@@ -255,12 +260,26 @@ def iterations(spec: TrialSpec, method: methods.Method, warmup: int, repeats: in
 
 
 def reference_s(spec: TrialSpec, model: TimeModel) -> float:
-    """The float64 reference and its naive same-dtype twin of one problem (suite/check.py): every
-    score of the whole [S, S] (the reference masks, it does not skip), forward and backward."""
+    """The check's row statistics of one problem on a rank (suite/reference.py): a forward over
+    every score of the whole [S, S] in float64 and once more in the trial dtype (counted at the
+    float64 rate: an upper bound); the masks are applied, not skipped."""
     dv = spec.head_dim_v or spec.head_dim
     scores = spec.batch * spec.heads * spec.seq_len**2
-    gemm = scores * 2 * (2 * spec.head_dim + 3 * dv + 2 * spec.head_dim)  # QK^T, PV; dV, dP, dS K, dS^T Q
-    return 2 * (gemm / model.f64_flops + scores * model.score_bytes * 2 / model.mem_Bps)
+    gemm = scores * 2 * (spec.head_dim + dv)  # QK^T, PV
+    return 2 * (gemm / model.f64_flops + scores * model.score_bytes / model.mem_Bps)
+
+
+def shard_reference_s(spec: TrialSpec, model: TimeModel) -> float:
+    """One rank's rows of the reference for one trial's layout: 1/P of a forward and backward of the
+    whole problem (its rows against every key, every query against its keys), float64 and naive."""
+    dv = spec.head_dim_v or spec.head_dim
+    scores = spec.batch * spec.heads * spec.seq_len**2 / max(1, spec.world_size)
+    gemm = scores * 2 * (spec.head_dim + dv)  # the forward of its rows
+    passes = 1
+    if spec.pass_ == "fwd_bwd":
+        gemm += scores * 2 * (2 * spec.head_dim + 2 * dv) * 2  # dq of its rows, dk/dv of its keys
+        passes = 3
+    return 2 * (gemm / model.f64_flops + scores * model.score_bytes * passes / model.mem_Bps)
 
 
 @dataclass
@@ -402,6 +421,8 @@ class Budget:
             kernel, comm = _iteration_s(spec, method, self.model)
             n = iterations(spec, method, self.warmup, self.repeats, self.breakdown, self.checked(spec))
             seconds = n * max(kernel, comm) + self.model.trial_s
+            if self.checked(spec):
+                seconds += shard_reference_s(spec, self.model)
         return TrialBudget(spec, mem, seconds, runs, over)
 
     def sweep(self, trials: list[TrialBudget]) -> SweepBudget:

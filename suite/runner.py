@@ -540,7 +540,7 @@ def _trial_figures(t) -> str:
         return "[no prediction]"
     m = t.memory
     return (
-        f"[peak {m.peak / GB:.2f} GB/rank = problem {m.problem.held / GB:.2f} (building {m.problem.building / GB:.2f})"
+        f"[peak {m.peak / GB:.2f} GB/rank = check {m.problem.held / GB:.2f} (computing {m.problem.building / GB:.2f})"
         f" + shards {m.shards / GB:.2f} + method {m.working / GB:.2f} + workspace {m.workspace / GB:.2f};"
         f" {t.seconds:.1f} s{'; over memory' if t.over else ''}]"
     )

@@ -75,24 +75,30 @@ SHAPES = [
 ]
 
 
+# predicted / measured for a checked trial: never under; forward within 15 %; forward+backward
+# within 25 % (the check's math backward on a tile is stated 1.46x over its tracked peak by
+# kernels.cpu_block_working_set at these shapes, and it sets the prediction there)
+WITHIN = {"fwd": 1.15, "fwd_bwd": 1.25}
+
+
 @pytest.mark.parametrize("name,options", own_variants())
 def test_predicted_peak_within_15_percent_of_measured(name, options):
-    for shape in SHAPES:
-        spec, method = spec_of(name, options, *shape)
+    for shape, pass_ in [(s, "fwd_bwd") for s in SHAPES] + [(SHAPES[0], "fwd"), (SHAPES[3], "fwd")]:
+        spec, method = spec_of(name, options, *shape, pass_=pass_)
         ok, why = method.supports(spec.run_case(method))
         if not ok:
             continue
         pred = predict_memory(spec, method, checked=True)
         predicted = pred.peak - pred.workspace  # no CPU kernel keeps a workspace tensor
         got = measured_peak(spec)
-        assert abs(predicted / got - 1) <= 0.15, (shape, predicted, got, pred)
+        assert 1.0 <= predicted / got <= WITHIN[pass_], (shape, pass_, predicted, got, pred)
 
 
 @pytest.mark.parametrize("name,options", own_variants())
-def test_unchecked_peak_is_never_under_predicted_nor_above_1_6x(name, options):
-    """Without the float64 reference the global inputs and the method's own tensors set the peak,
-    and the method term (suite/sim/memory.py) is a conservative formula: measured 1.10-1.52x over
-    at these shapes (dispatch the most). Held to [1.0, 1.6]: a prediction under the measured peak
+def test_unchecked_peak_is_never_under_predicted_nor_above_1_75x(name, options):
+    """Without the float64 check the shards and the method's own tensors set the peak, and the
+    method term (suite/sim/memory.py) is a conservative formula: at most 1.64x over at these shapes
+    since each rank draws only its shard. Held to [1.0, 1.75]: a prediction under the measured peak
     would let a trial that cannot fit start."""
     settings = RunSettings(warmup=1, repeats=1, check=False, check_max_seq_len=1, seed=0, breakdown=False)
     global SETTINGS
@@ -104,7 +110,7 @@ def test_unchecked_peak_is_never_under_predicted_nor_above_1_6x(name, options):
                 continue
             pred = predict_memory(spec, method, checked=False)
             got = measured_peak(spec)
-            assert 1.0 <= (pred.peak - pred.workspace) / got <= 1.6, (shape, pred, got)
+            assert 1.0 <= (pred.peak - pred.workspace) / got <= 1.75, (shape, pred, got)
     finally:
         SETTINGS = saved
 
@@ -112,9 +118,10 @@ def test_unchecked_peak_is_never_under_predicted_nor_above_1_6x(name, options):
 def test_check_memory_holds_the_reference_only_when_checked():
     spec, _ = spec_of("ring", {}, 2, 960, 8, 2, 16, True)
     bare, checked = check_memory_bytes(spec, False), check_memory_bytes(spec, True)
-    inputs = 960 * (8 * 16 * 2 + 2 * 16 * 2) * 4  # q, dout and k, v in float32
-    assert bare.held == bare.building == inputs
-    assert checked.held > inputs + 960 * 8 * 16 * 8 * 2  # at least float64 out and dq besides
+    assert bare.held == bare.building == 0  # the rank's inputs are its shards, counted with them
+    rows = 480 * 8 * 16 * 8 * 2  # at least the float64 out and dq of the rank's 480 rows
+    stats = 8 * 960 * (8 + 8 + 4 + 4)  # every row's lse and rowsum(dO * O), float64 and naive
+    assert checked.held >= rows + stats
     assert checked.building > checked.held
 
 
