@@ -1,3 +1,4 @@
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -43,6 +44,12 @@ def test_dry_run_prints_the_plan_with_skip_reasons(write_config, tmp_path, capsy
     assert not (tmp_path / "results").exists()
 
 
+def _is_trial_line(line: str) -> bool:
+    """A planned trial's line: its key (16 hex digits), the trial, then run or skip (and, with
+    --verbose, its predicted memory and time)."""
+    return bool(re.match(r"  [0-9a-f]{16}  ", line)) and (" run" in line or " skip: " in line)
+
+
 def test_a_long_dry_run_lists_its_first_trials_then_counts_by_method_and_reason(
     write_config, tmp_path, capsys, monkeypatch
 ):
@@ -54,7 +61,7 @@ def test_a_long_dry_run_lists_its_first_trials_then_counts_by_method_and_reason(
     )
     assert main(["run", str(path), "--dry-run"]) == 0
     out = capsys.readouterr().out
-    trials = [line for line in out.splitlines() if line.endswith(" run") or " skip: " in line]
+    trials = [line for line in out.splitlines() if _is_trial_line(line)]
     assert len(trials) == 3 and "... 5 more (--dry-run --verbose lists every trial)" in out
     assert "summary: 8 trials, 4 run here, 4 skipped here" in out
     counts = {line.split()[0]: line.split()[1:] for line in out.splitlines() if line.startswith(("ring ", "ulysses "))}
@@ -65,7 +72,7 @@ def test_a_long_dry_run_lists_its_first_trials_then_counts_by_method_and_reason(
     assert reason.split()[0] == "4"
     assert main(["run", str(path), "--dry-run", "--verbose"]) == 0
     out = capsys.readouterr().out
-    assert len([line for line in out.splitlines() if line.endswith(" run") or " skip: " in line]) == 8
+    assert len([line for line in out.splitlines() if _is_trial_line(line)]) == 8
     assert "more (--dry-run" not in out and "summary: 8 trials" in out
     assert main(["run", str(path), "--verbose"]) == 2
     err = capsys.readouterr().err

@@ -21,6 +21,7 @@ LAYERS = [
     [
         "suite.env",
         "suite.check",
+        "suite.reference",
         "suite.memtrack",
         "suite.timing",
         "suite.summary",
