@@ -17,7 +17,9 @@ environment to tags. MLflow failing never loses a result: a transient database e
 is idempotent: a child run is known by its key as soon as it exists, and an equal metric is dropped);
 an error that persists disables tracking with a warning, the sweep goes on, and at its end the
 tracker tries once to catch up as `relog` would (reconcile the store's rows with the child runs).
-Only if that fails too does the user run `relog` later.
+Only if that fails too does the user run `relog` later. A sqlite store left half-created (the
+process killed or the disk full while MLflow created or migrated it, so that every later open fails)
+is moved aside, kept, and created afresh; the start's reconcile logs the stored rows to it.
 """
 
 from __future__ import annotations
