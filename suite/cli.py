@@ -313,6 +313,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         except (FileNotFoundError, StoreError, ValueError) as exc:  # not a results folder; a stored URI it cannot use
             print(f"error: {exc}", file=sys.stderr)
             return 2
+        if tracker.rebuilt:
+            print(tracker.rebuilt, file=sys.stderr if not tracker.enabled else sys.stdout)
         if not tracker.enabled:
             print(f"relog failed: {tracker.disabled_reason}", file=sys.stderr)
             return 1

@@ -438,6 +438,8 @@ def _print_footer(
         f"{tracker.cpu_seconds:.1f}s CPU in the background); results in {store.run_dir}",
         file=out,
     )
+    if tracker.rebuilt:
+        print(tracker.rebuilt, file=out)
     if tracker.enabled:
         print(
             f"MLflow: {redact_uri(tracker.uri)} (experiment {tracker.experiment!r}); browse with "

@@ -17,7 +17,9 @@ environment to tags. MLflow failing never loses a result: a transient database e
 is idempotent: a child run is known by its key as soon as it exists, and an equal metric is dropped);
 an error that persists disables tracking with a warning, the sweep goes on, and at its end the
 tracker tries once to catch up as `relog` would (reconcile the store's rows with the child runs).
-Only if that fails too does the user run `relog` later.
+Only if that fails too does the user run `relog` later. A sqlite store left half-created (the
+process killed or the disk full while MLflow created or migrated it, so that every later open fails)
+is moved aside, kept, and created afresh; the start's reconcile logs the stored rows to it.
 """
 
 from __future__ import annotations
@@ -290,27 +292,151 @@ def open_client_readonly(uri: str):
     return client
 
 
-def open_client(uri: str, experiment: str, artifact_root: Optional[Path] = None):
+# Words of a sqlite store whose creation or migration was cut off (the process killed, the disk full):
+# MLflow runs the migrations again from the last one the file records, and the first finds what the
+# cut-off run had made ("table trace_info already exists", "_alembic_tmp_trace_info already exists",
+# an index); or sqlite finds the file itself cut short.
+_HALF_MIGRATED = ("already exists", "duplicate column name")
+_DAMAGED = ("database disk image is malformed", "file is not a database")
+
+
+def _schema(path: Path) -> Optional[tuple[Optional[str], int]]:
+    """(the schema revision the file records, None without one; its number of runs), read without
+    MLflow and without writing; None when the file cannot be read so (locked, unreadable)."""
+    import sqlite3
+
+    try:
+        db = sqlite3.connect(f"{path.resolve().as_uri()}?mode=ro", uri=True, timeout=1.0)
+    except sqlite3.Error:
+        return None
+    try:
+        tables = {row[0] for row in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        rows = db.execute("SELECT version_num FROM alembic_version").fetchall() if "alembic_version" in tables else []
+        runs = db.execute("SELECT COUNT(*) FROM runs").fetchone()[0] if "runs" in tables else 0
+        return (rows[0][0] if rows else None), runs
+    except sqlite3.Error:
+        return None
+    finally:
+        db.close()
+
+
+def _unfinished_revision(revision: Optional[str]) -> bool:
+    """Whether `revision` is where an MLflow migration of this version stops short of its last one
+    (None: the file was never stamped). A revision this MLflow does not know is a newer MLflow's
+    store, not a broken one."""
+    if revision is None:
+        return True
+    import mlflow
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory(str(Path(mlflow.__file__).parent / "store" / "db_migrations"))
+    try:
+        script.get_revision(revision)
+    except Exception:  # noqa: BLE001 - alembic's error for a revision it has no script of
+        return False
+    return revision not in script.get_heads()
+
+
+def broken_store(uri: str, exc: BaseException) -> Optional[str]:
+    """What makes the sqlite store at `uri` recognisably half-created or damaged, judged from the
+    error opening it raised (and the file itself), or None. Never a store that is merely busy
+    (locked, a passing I/O error), a server, or a newer MLflow's store: those are left alone."""
+    path = _sqlite_path(uri)
+    if path is None or not path.is_file() or transient(exc):
+        return None
+    messages, seen = [], exc
+    while seen is not None and len(messages) < 5:
+        messages.append(str(seen).splitlines()[0] if str(seen) else "")
+        seen = seen.__cause__ or seen.__context__
+    # sqlalchemy starts its message with the driver's error class ("(sqlite3.OperationalError) ..."),
+    # and MLflow's goes on with advice after its first sentence
+    words = [(m.split(") ", 1)[1] if m.startswith("(") and ") " in m else m).split(". ")[0] for m in messages]
+    damaged = [w for w in words if any(d in w.lower() for d in _DAMAGED)]
+    if damaged:
+        return damaged[0][:200]
+    schema = _schema(path)
+    if schema is None or not _unfinished_revision(schema[0]):
+        return None
+    conflict = [w for w in words if any(h in w.lower() for h in _HALF_MIGRATED)]
+    if conflict:
+        return conflict[0][:200]
+    if schema[1] == 0:  # cut off at its last migration: MLflow calls it out of date; it holds nothing
+        return words[0][:200]
+    return None
+
+
+def _move_aside(path: Path) -> Path:
+    """Rename a broken sqlite file (and its journal, beside it) to `<name>.broken-<time>`: kept for
+    a person to look at, never deleted. A journal left at the old name would be replayed into the
+    fresh database."""
+    stamp = datetime.now().strftime("%Y%m%dT%H%M%S")
+    aside, n = path.with_name(f"{path.name}.broken-{stamp}"), 1
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}.broken-{stamp}-{n}"), n + 1
+    path.rename(aside)
+    for suffix in ("-journal", "-wal", "-shm"):
+        side = path.with_name(path.name + suffix)
+        if side.exists():
+            side.rename(aside.with_name(aside.name + suffix))
+    return aside
+
+
+def _forget_engines(uri: str) -> None:
+    """MLflow keeps one database engine per URI for the life of the process; its pooled connections
+    still read the file that was moved aside."""
+    with contextlib.suppress(Exception):
+        from mlflow.store.model_registry.sqlalchemy_store import SqlAlchemyStore as RegistryStore
+        from mlflow.store.tracking.sqlalchemy_store import SqlAlchemyStore
+
+        for store in (SqlAlchemyStore, RegistryStore):
+            engine = store._engine_map.pop(uri, None)
+            if engine is not None:
+                engine.dispose()
+
+
+def open_client(
+    uri: str,
+    experiment: str,
+    artifact_root: Optional[Path] = None,
+    moved_aside: Optional[Callable[[str, Path], None]] = None,
+):
     """(MlflowClient, experiment id): the store opened (migrated if new) and the experiment created
-    if missing, under the store's lock."""
+    if missing, under the store's lock. A sqlite store that is recognisably half-created or damaged
+    (`broken_store`) is moved aside and created afresh; `moved_aside(why, new_path)` is told."""
     _client_env()
     from mlflow.tracking import MlflowClient
 
     quiet_mlflow_logs()  # after the import: importing mlflow sets its loggers' levels
     with _store_lock(uri):
-        client = MlflowClient(tracking_uri=uri)
-        exp = client.get_experiment_by_name(experiment)
-        if exp is None:
-            artifacts = None
-            if uri.startswith("sqlite:") and artifact_root is not None:  # beside the local store, explicitly
-                artifacts = (artifact_root / "mlartifacts" / experiment).as_uri()
-            exp_id, tags = client.create_experiment(experiment, artifact_location=artifacts), {}
-        else:
-            exp_id, tags = exp.experiment_id, exp.tags
-        if tags.get(_EXPERIMENT_KIND[0]) is None:
-            client.set_experiment_tag(exp_id, *_EXPERIMENT_KIND)
-        if tags.get(_VIEW_TAG) != _VIEW_STATE:
-            client.set_experiment_tag(exp_id, _VIEW_TAG, _VIEW_STATE)
+        try:
+            return _open_experiment(MlflowClient(tracking_uri=uri), uri, experiment, artifact_root)
+        except Exception as exc:  # noqa: BLE001 - judged below, raised again unless the file is broken
+            why = broken_store(uri, exc)
+            if why is None:
+                raise
+        path = _sqlite_path(uri)
+        assert path is not None  # broken_store judges sqlite files only
+        aside = _move_aside(path)
+        _forget_engines(uri)
+        opened = _open_experiment(MlflowClient(tracking_uri=uri), uri, experiment, artifact_root)
+    if moved_aside is not None:
+        moved_aside(why, aside)
+    return opened
+
+
+def _open_experiment(client, uri: str, experiment: str, artifact_root: Optional[Path]):
+    exp = client.get_experiment_by_name(experiment)  # the first call opens (creates, migrates) the store
+    if exp is None:
+        artifacts = None
+        if uri.startswith("sqlite:") and artifact_root is not None:  # beside the local store, explicitly
+            artifacts = (artifact_root / "mlartifacts" / experiment).as_uri()
+        exp_id, tags = client.create_experiment(experiment, artifact_location=artifacts), {}
+    else:
+        exp_id, tags = exp.experiment_id, exp.tags
+    if tags.get(_EXPERIMENT_KIND[0]) is None:
+        client.set_experiment_tag(exp_id, *_EXPERIMENT_KIND)
+    if tags.get(_VIEW_TAG) != _VIEW_STATE:
+        client.set_experiment_tag(exp_id, _VIEW_TAG, _VIEW_STATE)
     return client, exp_id
 
 
@@ -325,6 +451,7 @@ class NullTracker:
     cpu_seconds = 0.0
     retries = 0
     caught_up: Optional[str] = None
+    rebuilt: Optional[str] = None
     disabled_reason: Optional[str] = "tracking.mlflow is false"
     parent_run_id: Optional[str] = None
     experiment_id: Optional[str] = None
@@ -371,7 +498,8 @@ class MlflowTracker:
 
     `start`, `log_trial` and `finish` queue the work and return at once; `finish` waits for the
     queue to drain (at most `finish_timeout_s`). After `finish`, `enabled`, `disabled_reason`,
-    `parent_run_id`, `link` and `counts` (what reconciling did) describe what happened.
+    `parent_run_id`, `link`, `counts` (what reconciling did) and `rebuilt` (the line saying a broken
+    store was moved aside) describe what happened.
     """
 
     enabled = True
@@ -387,6 +515,8 @@ class MlflowTracker:
         self.counts = {"logged": 0, "completed": 0, "deleted": 0, "killed": 0, "retagged": 0}
         self.retries = 0  # writes tried again after a transient error
         self.caught_up: Optional[str] = None  # the error after which the end-of-sweep catch-up logged the rest
+        self._moved: Optional[str] = None  # "<db> was half-created (why); moved to <file>"
+        self._others = ""  # the other run folders the moved store held, as `rebuilt` says them
         self.say: Optional[Callable[[str], None]] = None  # told each step (relog's progress), if set
         self._client = None
         self._run_folder = ""  # RUN_FOLDER of this store, set on start
@@ -397,6 +527,15 @@ class MlflowTracker:
     @property
     def link(self) -> Optional[str]:
         return runs_link(self.uri, self.experiment_id) if self.experiment_id else None
+
+    @property
+    def rebuilt(self) -> Optional[str]:
+        """One line for the console when a half-created store was moved aside, else None."""
+        if self._moved is None:
+            return None
+        if not self.enabled:
+            return f"MLflow: {self._moved}; not rebuilt ({self.disabled_reason})"
+        return f"MLflow: {self._moved}; rebuilt from the results store{self._others}"
 
     # -- public: queue the work -----------------------------------------------------------------
     def start(self, store: ResultsStore, **kwargs) -> None:
@@ -476,7 +615,11 @@ class MlflowTracker:
         try:
             self._run_folder = f"{store.run_dir.parent.name}/{store.run_dir.name}"
             self._say(f"opening {redact_uri(self.uri)} (importing MLflow takes a few seconds)")
-            self._client, self.experiment_id = open_client(self.uri, self.experiment, self.results_root)
+            self._client, self.experiment_id = open_client(
+                self.uri, self.experiment, self.results_root, moved_aside=self._moved_aside
+            )
+            if self._moved is not None:
+                self._others = self._other_folders(store)
             parent = self._find_parent(store) if resume else None
             if parent is None:
                 run_tags = dict(env_tags(environment or {}))
@@ -512,6 +655,27 @@ class MlflowTracker:
                 self._reconcile(store)
         except Exception as exc:  # noqa: BLE001 - never lose the sweep to tracking
             self._disable("could not start the sweep's run", exc)
+
+    def _moved_aside(self, why: str, aside: Path) -> None:
+        db = aside.with_name(aside.name.split(".broken-")[0])
+        near = os.path.relpath(db)  # results/mlflow.db when run from the project, as a person typed it
+        db = Path(near) if not near.startswith("..") else db
+        self._moved = f"{db} was half-created ({why}); moved to {db.with_name(aside.name)}"
+
+    def _other_folders(self, store: ResultsStore) -> str:
+        """What to say of the other run folders of the results root that were logged to the store
+        moved aside (their mlflow.json names it): a resume or relog rebuilds only its own."""
+        uri, here, others = redact_uri(self.uri), store.run_dir.resolve(), 0
+        for path in self.results_root.glob(f"*/*/{MLFLOW}"):
+            if path.parent.resolve() == here:
+                continue
+            try:
+                others += json.loads(path.read_text()).get("uri") == uri
+            except (OSError, ValueError, AttributeError):  # a damaged mlflow.json names nothing
+                continue
+        if not others:
+            return ""
+        return f" (this run folder; {others} other(s) were logged there: `python -m suite relog RUN_DIR` each)"
 
     def _find_parent(self, store: ResultsStore):
         """The run folder's parent run: the one mlflow.json names, else the one tagged with the

@@ -488,3 +488,85 @@ def test_a_wrong_request_is_not_retried():
 
     assert transient(RuntimeError("x")) is False and transient(ValueError("Invalid metric name")) is False
     assert transient(OSError("disk I/O error")) and transient(RuntimeError("database is locked"))
+
+
+# Creates a fresh sqlite store and is killed (SIGKILL, as a killed sweep is) right after the Nth
+# batch migration made its `_alembic_tmp_<table>` copy: the file is left half-migrated, as a sweep
+# killed during MLflow's database creation leaves it.
+_KILLED_CREATION = """
+import os, signal, sys
+from sqlalchemy import event
+from sqlalchemy.engine import Engine
+
+made = []
+
+@event.listens_for(Engine, "after_cursor_execute")
+def _kill(conn, cursor, statement, *args):
+    if statement.lstrip().upper().startswith("CREATE TABLE _ALEMBIC_TMP_"):
+        made.append(statement)
+        if len(made) == 3:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+from mlflow.tracking import MlflowClient
+
+MlflowClient(tracking_uri="sqlite:///" + sys.argv[1]).search_experiments(max_results=1)
+"""
+
+
+def _half_created(db: Path) -> None:
+    db.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run([sys.executable, "-c", _KILLED_CREATION, str(db)], cwd=ROOT, capture_output=True, timeout=240)
+    assert proc.returncode == -9 and db.exists(), proc.stderr.decode()[-2000:]
+
+
+@pytest.mark.slow
+def test_a_half_created_database_is_moved_aside_and_rebuilt_from_the_store(stored, tmp_path):
+    """A sweep killed while MLflow created its database leaves it half-migrated: every later open
+    fails ("table ... already exists"). relog (and --resume, which starts the same way) moves the
+    file aside, kept, creates a fresh one and logs every stored row to it, and says so in one line."""
+    db = tmp_path / "results" / "mlflow.db"
+    _half_created(db)
+    from suite.tracking import _forget_engines
+
+    with pytest.raises(Exception, match="already exists"):  # broken for MLflow itself
+        _client(db).search_experiments()
+    _forget_engines(f"sqlite:///{db}")  # this process's MLflow would go on reading the moved file
+    proc = subprocess.run(
+        [sys.executable, "-m", "suite", "relog", str(stored), "--uri", f"sqlite:///{db}"],
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in (proc.stdout + proc.stderr).splitlines() if "half-created" in line]
+    aside = [p.name for p in db.parent.iterdir() if p.name.startswith("mlflow.db.broken-")]
+    assert len(aside) == 1  # the broken file is kept beside the fresh one, never deleted
+    assert said == [
+        f"MLflow: results/mlflow.db was half-created ({said[0].split('(', 1)[1].split(')')[0]}); "
+        f"moved to results/{aside[0]}; rebuilt from the results store"
+    ]
+    assert "already exists" in said[0]
+    _, parents, children = _runs(_client(db))
+    keys = sorted(r[M.KEY] for r in ResultsStore.open(stored).iter_records())
+    assert len(parents) == 1 and parents[0].info.status == "FINISHED"
+    assert sorted(c.data.tags[M.KEY] for c in children) == keys
+    assert all(c.info.status == "FINISHED" for c in children)
+
+
+def test_only_a_recognisably_broken_store_is_moved_aside(tmp_path):
+    """A locked database, a passing I/O error, a server and a healthy store are never moved aside."""
+    from suite.tracking import broken_store, open_client
+
+    db = tmp_path / "ok.db"
+    open_client(f"sqlite:///{db}", "fine", None)
+    healthy = f"sqlite:///{db}"
+    assert broken_store(healthy, RuntimeError("table runs already exists")) is None  # at its last revision
+    assert broken_store(healthy, RuntimeError("database is locked")) is None
+    assert broken_store("http://127.0.0.1:9", RuntimeError("table runs already exists")) is None
+    assert broken_store(f"sqlite:///{tmp_path / 'absent.db'}", RuntimeError("already exists")) is None
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not sqlite at all" * 100)
+    assert broken_store(f"sqlite:///{junk}", RuntimeError("file is not a database")) == "file is not a database"
+    assert broken_store(f"sqlite:///{junk}", RuntimeError("disk I/O error")) is None
