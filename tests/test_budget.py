@@ -83,7 +83,7 @@ WITHIN = {"fwd": 1.15, "fwd_bwd": 1.25}
 
 @pytest.mark.parametrize("name,options", own_variants())
 def test_predicted_peak_within_15_percent_of_measured(name, options):
-    for shape, pass_ in [(s, "fwd_bwd") for s in SHAPES] + [(SHAPES[0], "fwd"), (SHAPES[3], "fwd")]:
+    for shape, pass_ in [(SHAPES[0], "fwd_bwd"), (SHAPES[3], "fwd_bwd"), (SHAPES[2], "fwd")]:  # P = 2 and 4
         spec, method = spec_of(name, options, *shape, pass_=pass_)
         ok, why = method.supports(spec.run_case(method))
         if not ok:

@@ -223,16 +223,18 @@ def test_rows_hold_on_a_cpu_without_vector_kernels(tmp_path):
     import sys
 
     out = tmp_path / "rows.json"
+    rows = f"run_rows('methods_cpu_threads', {str(tmp_path / 'r')!r}, ('sweep.world_size=[4]',))"
     code = (
         "import json, sys; from tests.test_rows_unchanged import run_rows, fingerprint; "
-        f"json.dump([fingerprint(), run_rows('methods_cpu_threads', {str(tmp_path / 'r')!r})], open({str(out)!r}, 'w'))"
+        f"json.dump([fingerprint(), {rows}], open({str(out)!r}, 'w'))"
     )
     env = dict(os.environ, ATEN_CPU_CAPABILITY="default")
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, check=True, timeout=600)
     there, got = json.loads(out.read_text())
     assert there != recorded_fingerprint() and there["cpu_capability"] == "DEFAULT"
     want = recorded_rows("methods_cpu_threads")
-    assert sorted(got) == sorted(want)
+    assert got and set(got) <= set(want)  # the P = 4 part (token_ring's row of F5 among them)
+    want = {k: want[k] for k in got}
     moved = compare_rows(got, want, exact=True)
     assert moved and all(k.startswith(MACHINE_DEPENDENT) for _, _, diff in moved for k in diff), moved[:3]
     assert not compare_rows(got, want, exact=False)
