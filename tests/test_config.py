@@ -260,3 +260,21 @@ def test_every_own_method_runs_in_the_evidence_sweeps(config):
     cfg, _ = load_config(config)
     planned = {t.method for t in plan_for(cfg)}
     assert set(methods.group_members("own")) <= planned
+
+
+def test_results_root_expands_home_and_variables_or_names_the_unset_one(write_config, monkeypatch, tmp_path):
+    """A shell would expand `$HOME/x` and `~/x`; the suite used to create a folder named `$HOME`."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("SP_SUITE_TEST_DIR", str(tmp_path / "d"))
+    monkeypatch.delenv("SP_SUITE_UNSET_DIR", raising=False)
+    path = write_config("name: t\n")
+    for given, want in [
+        ("$HOME/x", tmp_path / "home" / "x"),
+        ("'~/y'", tmp_path / "home" / "y"),  # quoted: Hydra's grammar has no bare ~
+        ("$SP_SUITE_TEST_DIR/z", tmp_path / "d" / "z"),
+    ]:
+        cfg, _ = load_config(path, [f"results.root={given}"])
+        assert cfg.results.root == str(want), given
+    with pytest.raises(ConfigError) as err:
+        load_config(path, ["results.root=$SP_SUITE_UNSET_DIR/x"])
+    assert "results.root" in str(err.value) and "SP_SUITE_UNSET_DIR" in str(err.value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from typing import Any
 
@@ -193,6 +194,7 @@ def validate(cfg: SuiteConfig) -> None:
     if r.backend == "nccl":
         _require(r.device != "cpu", "run.backend", "nccl needs run.device cuda (or auto on a GPU machine)")
     _require(bool(cfg.results.root), "results.root", "must be a folder path")
+    cfg.results.root = _expand_path(cfg.results.root, "results.root")
     _validate_documents(cfg)
     _validate_masks(cfg)
     _choice(cfg.kind, "kind", KINDS)
@@ -289,6 +291,21 @@ def _validate_sim(cfg: SuiteConfig) -> None:
         "sim.topology",
         f"topology names must differ (they name the trials); got {names}: change `name:` in the copied file",
     )
+
+
+def _expand_path(path: str, key: str) -> str:
+    """`path` with `~` and environment variables ($HOME, ${HOME}) expanded, as a shell would; a
+    variable that is not set is a ConfigError naming `key` (a folder literally named `$HOME` is
+    never what was meant)."""
+    expanded = os.path.expanduser(os.path.expandvars(path))
+    unset = re.findall(r"\$\{?([A-Za-z_][A-Za-z0-9_]*)", expanded)
+    _require(
+        not unset,
+        key,
+        f"{path!r} names the environment variable {unset[0] if unset else ''} that is not set here: "
+        "set it, or give the folder itself",
+    )
+    return expanded
 
 
 def expand_method_groups(cfg: SuiteConfig) -> None:
