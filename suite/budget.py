@@ -367,6 +367,7 @@ class Budget:
         self.device_memory_gb = device_memory_gb
         self._device_bytes: dict[int, Optional[int]] = {}
         self._linear: dict[tuple, _LinearBytes] = {}
+        self._memory: dict[str, Optional[MemoryPrediction]] = {}  # by trial key
 
     @classmethod
     def of(cls, cfg, device: str) -> "Budget":
@@ -392,10 +393,14 @@ class Budget:
         return self.check and spec.seq_len <= self.check_max_seq_len
 
     def memory(self, spec: TrialSpec, method: methods.Method) -> Optional[MemoryPrediction]:
-        try:
-            return predict_memory(spec, method, self.checked(spec))
-        except (NotImplementedError, ValueError, ZeroDivisionError):
-            return None
+        """The trial's predicted peak, computed once (the summary at the start and the trial's own
+        memory check ask for the same trial)."""
+        if spec.key not in self._memory:
+            try:
+                self._memory[spec.key] = predict_memory(spec, method, self.checked(spec))
+            except (NotImplementedError, ValueError, ZeroDivisionError):
+                self._memory[spec.key] = None
+        return self._memory[spec.key]
 
     def fits(self, spec: TrialSpec, method: methods.Method) -> tuple[bool, str]:
         """False with the reason (both figures) when the trial is predicted over the device's memory."""

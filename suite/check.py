@@ -349,6 +349,17 @@ def max_abs_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).abs().max())
 
 
+def problem_inputs(
+    batch, seq_len, heads, kv_heads, head_dim, dtype, causal, *extra, seed: int, device, sinks: bool, head_dim_v
+) -> tuple[InputSource, Optional[torch.Tensor]]:
+    """The inputs (by rows) and the sink logits (or None) of the problem with this key: its seed is
+    `problem_seed` of the whole key, so every trial and rank of one problem draws the same numbers."""
+    key = (batch, seq_len, heads, kv_heads, head_dim, dtype, causal) + tuple(extra)
+    pseed = problem_seed(seed, key)
+    source = InputSource(batch, seq_len, heads, kv_heads, head_dim, dtype, pseed, device, head_dim_v)
+    return source, make_sinks(heads, seq_len, pseed, device) if sinks else None
+
+
 def build_problem(
     batch,
     seq_len,
@@ -374,10 +385,9 @@ def build_problem(
     A trial's problem key (`TrialSpec.problem_key`) names them in `extra` only when set, so other
     problems keep the inputs they always had."""
     key = (batch, seq_len, heads, kv_heads, head_dim, dtype, causal) + tuple(extra)
-    q, k, v, dout = make_inputs(
-        batch, seq_len, heads, kv_heads, head_dim, dtype, problem_seed(seed, key), device, head_dim_v
-    )
-    prob = Problem(q, k, v, dout, make_sinks(heads, seq_len, problem_seed(seed, key), device) if sinks else None)
+    source, sink_logits = problem_inputs(*key, seed=seed, device=device, sinks=sinks, head_dim_v=head_dim_v)
+    q, k, v, dout = (source.full(n) for n in INPUT_NAMES)
+    prob = Problem(q, k, v, dout, sink_logits)
     if with_reference:
         scale = kernels.default_scale(head_dim)
         common = dict(causal=causal, scale=scale, documents=documents, sinks=prob.sinks, softcap=softcap)

@@ -45,8 +45,8 @@ class RankReport:
     checked: bool = False  # compared with the float64 reference
     kernel_used: str = ""
     errors: dict[str, float] = field(default_factory=dict)  # tensor -> max |method - reference|
-    tol: dict[str, float] = field(default_factory=dict)  # tensor -> pass-rule bound (when a rank knows it)
-    # or the bound's parts over this rank's rows (suite/reference.py), put together over the ranks:
+    # the pass rule's parts over this rank's rows (suite/reference.py); `check_columns` puts the
+    # bound over the whole problem together from every rank's:
     naive_err: dict[str, float] = field(default_factory=dict)  # tensor -> max |naive same-dtype - ref64|
     ref_max: dict[str, float] = field(default_factory=dict)  # tensor -> max(1, max |ref64|)
     tol_floor: Optional[float] = None  # check.pass_floor of the trial
@@ -155,11 +155,9 @@ def check_columns(reports: list[RankReport]) -> tuple[dict[str, Any], list[str]]
     bad = []
     for name in first.errors:
         err = worst(r.errors[name] for r in reports)
-        if first.tol_floor is not None:  # the bound over the whole problem: the max of the ranks' parts
-            naive = max(r.naive_err[name] for r in reports)
-            tol = tolerance(naive, max(r.ref_max[name] for r in reports), first.tol_floor)
-        else:
-            tol = first.tol[name]
+        assert first.tol_floor is not None, "a checked rank reports the pass rule's parts"
+        naive = max(r.naive_err[name] for r in reports)  # the bound over the whole problem
+        tol = tolerance(naive, max(r.ref_max[name] for r in reports), first.tol_floor)
         cols[M.ERR[name]], cols[M.TOL[name]] = err, tol
         if not err <= tol:  # also catches NaN
             bad.append(f"{name}: error {err:.3g} > tolerance {tol:.3g}")

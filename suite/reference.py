@@ -37,7 +37,7 @@ import torch
 
 from methods import kernels, merge
 from methods.documents import Documents
-from suite.check import InputSource, make_sinks, max_abs_err, problem_seed
+from suite.check import InputSource, max_abs_err, problem_inputs
 
 TILE_BYTES = 256 * 2**20  # scores and their intermediates of one tile, per KV head group
 KEEP_BYTES = 2 * 2**30  # shards' references kept for later trials (the newest always)
@@ -171,14 +171,16 @@ class ProblemReference:
         tq = self._tile(S)
         for b in range(B):
             k, v = self.src.rows("k", keys, b), self.src.rows("v", keys, b)
-            for r0 in range(0, S, tq):
-                rows = torch.arange(r0, min(S, r0 + tq))
-                q, do = self.src.rows("q", rows, b, keep=True), self.src.rows("dout", rows, b, keep=True)
-                vis = self._visible(rows, keys, b)
-                for g in range(self.Hkv):
-                    hs = self._heads(g)
-                    kg, vg, qg, dog = k[:, :, g : g + 1], v[:, :, g : g + 1], q[:, :, hs], do[:, :, hs]
-                    o, l = self._forward(qg, kg, vg, vis, upcast=True, hs=hs)
+            for g in range(self.Hkv):  # one KV head's keys cast to float64 once, then its row tiles
+                hs = self._heads(g)
+                kg, vg = k[:, :, g : g + 1], v[:, :, g : g + 1]
+                kg64, vg64 = kg.double(), vg.double()
+                for r0 in range(0, S, tq):
+                    rows = torch.arange(r0, min(S, r0 + tq))
+                    q, do = self.src.rows("q", rows, b, keep=True), self.src.rows("dout", rows, b, keep=True)
+                    vis = self._visible(rows, keys, b)
+                    qg, dog = q[:, :, hs], do[:, :, hs]
+                    o, l = self._forward(qg, kg64, vg64, vis, upcast=True, hs=hs)
                     on, ln = self._forward(qg, kg, vg, vis, upcast=False, hs=hs)
                     d = (dog.double() * o).sum(-1).transpose(1, 2)  # [1, group, n]
                     dn = (dog * on).sum(-1).transpose(1, 2)  # in the trial dtype
@@ -245,21 +247,22 @@ class ProblemReference:
         for b in range(B):
             k, v = self.src.rows("k", keys, b), self.src.rows("v", keys, b)
             # this rank's rows against every key: out, and with grads dq (float64 and naive)
-            for r0 in range(0, n, tq):
-                rows = sp[r0 : r0 + tq]
-                sl = slice(r0, r0 + len(rows))
-                q = self.src.rows("q", rows, b, keep=True)
-                do = self.src.rows("dout", rows, b, keep=True) if grads else None
-                vis = self._visible(rows, keys, b)
-                for g in range(self.Hkv):
-                    hs = self._heads(g)
-                    kg, vg, qg = k[:, :, g : g + 1], v[:, :, g : g + 1], q[:, :, hs]
-                    o, _ = self._forward(qg, kg, vg, vis, upcast=True, hs=hs)
+            for g in range(self.Hkv):  # one KV head's keys cast to float64 once, then its row tiles
+                hs = self._heads(g)
+                kg, vg = k[:, :, g : g + 1], v[:, :, g : g + 1]
+                kg64, vg64 = kg.double(), vg.double()
+                for r0 in range(0, n, tq):
+                    rows = sp[r0 : r0 + tq]
+                    sl = slice(r0, r0 + len(rows))
+                    qg = self.src.rows("q", rows, b, keep=True)[:, :, hs]
+                    vis = self._visible(rows, keys, b)
+                    o, _ = self._forward(qg, kg64, vg64, vis, upcast=True, hs=hs)
                     out[b, sl, hs] = o[0]
                     if grads:
+                        do = self.src.rows("dout", rows, b, keep=True)
                         idx = spd[sl]
                         l, d = st.lse[b : b + 1, hs].index_select(2, idx), st.delta[b : b + 1, hs].index_select(2, idx)
-                        gq, _, _ = self._backward(do[:, :, hs], qg, kg, vg, l, d, vis, upcast=True)
+                        gq, _, _ = self._backward(do[:, :, hs], qg, kg64, vg64, l, d, vis, upcast=True)
                         nl = st.naive_lse[b : b + 1, hs].index_select(2, idx)
                         nd = st.naive_delta[b : b + 1, hs].index_select(2, idx)
                         nq, _, _ = self._backward(do[:, :, hs], qg, kg, vg, nl, nd, vis, upcast=False)
@@ -269,16 +272,18 @@ class ProblemReference:
             # every query tile against this rank's keys: dk, dv (float64, and naive summed in acc)
             ko, vo = self.src.rows("k", sp, b), self.src.rows("v", sp, b)
             tk = self._tile(max(1, n))
-            for r0 in range(0, S, tk):
-                rows = torch.arange(r0, min(S, r0 + tk))
-                q, do = self.src.rows("q", rows, b, keep=True), self.src.rows("dout", rows, b, keep=True)
-                vis = self._visible(rows, sp, b)
-                sl = slice(r0, r0 + len(rows))
-                for g in range(self.Hkv):
-                    hs = self._heads(g)
-                    kg, vg, qg, dog = ko[:, :, g : g + 1], vo[:, :, g : g + 1], q[:, :, hs], do[:, :, hs]
+            for g in range(self.Hkv):
+                hs = self._heads(g)
+                kg, vg = ko[:, :, g : g + 1], vo[:, :, g : g + 1]
+                kg64, vg64 = kg.double(), vg.double()
+                for r0 in range(0, S, tk):
+                    rows = torch.arange(r0, min(S, r0 + tk))
+                    q, do = self.src.rows("q", rows, b, keep=True), self.src.rows("dout", rows, b, keep=True)
+                    vis = self._visible(rows, sp, b)
+                    sl = slice(r0, r0 + len(rows))
+                    qg, dog = q[:, :, hs], do[:, :, hs]
                     l, d = st.lse[b : b + 1, hs, sl], st.delta[b : b + 1, hs, sl]
-                    _, gk, gv = self._backward(dog, qg, kg, vg, l, d, vis, upcast=True)
+                    _, gk, gv = self._backward(dog, qg, kg64, vg64, l, d, vis, upcast=True)
                     nl, nd = st.naive_lse[b : b + 1, hs, sl], st.naive_delta[b : b + 1, hs, sl]
                     _, nk, nv = self._backward(dog, qg, kg, vg, nl, nd, vis, upcast=False)
                     dk[b, :, g : g + 1] += gk[0]
@@ -310,14 +315,7 @@ class ShardedProblem:
 
 
 def build_sharded_problem(
-    batch,
-    seq_len,
-    heads,
-    kv_heads,
-    head_dim,
-    dtype,
-    causal,
-    *extra,
+    *key,
     seed: int,
     device: torch.device,
     with_reference: bool,
@@ -326,15 +324,13 @@ def build_sharded_problem(
     head_dim_v: Optional[int] = None,
     softcap: float = 0.0,
 ) -> ShardedProblem:
-    """`check.build_problem`'s problem (the same inputs, sinks and seed), held by rows: nothing of
-    the global size is built; with `with_reference`, the row statistics are computed now (the
-    trial's preparation), each rank's shard when it asks (`ProblemReference.shard`)."""
-    key = (batch, seq_len, heads, kv_heads, head_dim, dtype, causal) + tuple(extra)
-    pseed = problem_seed(seed, key)
-    source = InputSource(batch, seq_len, heads, kv_heads, head_dim, dtype, pseed, device, head_dim_v)
-    sink_logits = make_sinks(heads, seq_len, pseed, device) if sinks else None
+    """`check.build_problem`'s problem (the same key, arguments, inputs, sinks and seed), held by
+    rows: nothing of the global size is built; with `with_reference`, the row statistics are
+    computed now (the trial's preparation), each rank's shard when it asks (`ProblemReference.shard`)."""
+    source, sink_logits = problem_inputs(*key, seed=seed, device=device, sinks=sinks, head_dim_v=head_dim_v)
     ref = None
     if with_reference:
+        causal, head_dim = key[6], key[4]
         ref = ProblemReference(
             source,
             causal=causal,

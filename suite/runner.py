@@ -312,7 +312,7 @@ def _drive_locked(
         flush=True,
     )
     if budget is not None:  # the trials still to run: memory and hours before the start
-        print_budget(predict_sweep(todo, executor, workload, budget), out)
+        print_budget(predict_sweep(todo, workload, budget), out)
     bar = tqdm(
         total=len(plan),
         initial=len(plan) - len(todo),
@@ -481,7 +481,7 @@ def print_plan(
     by_method: dict[str, Counter] = {}
     reasons: Counter = Counter()
     shown = len(plan) if list_all or len(plan) <= PLAN_LINES else PLAN_LINES
-    predicted = predict_trials(plan, executor, workload, budget) if budget is not None else None
+    predicted = predict_trials(plan, workload, budget) if budget is not None else None
     print(f"{len(plan)} planned trials:", file=out)
     for i, spec in enumerate(plan):
         ok, reason = check_supported(spec, executor, workload, budget)
@@ -514,7 +514,7 @@ def print_plan(
     return counts
 
 
-def predict_trials(plan: list[TrialSpec], executor: Executor, workload: Workload, budget: Budget) -> list:
+def predict_trials(plan: list[TrialSpec], workload: Workload, budget: Budget) -> list:
     """Each trial's predicted memory and seconds (suite/budget.py), judged as on its target device:
     a trial this machine cannot run only for want of the device or a library still counts."""
     from suite.budget import TrialBudget
@@ -530,8 +530,8 @@ def predict_trials(plan: list[TrialSpec], executor: Executor, workload: Workload
     return out
 
 
-def predict_sweep(plan: list[TrialSpec], executor: Executor, workload: Workload, budget: Budget):
-    return budget.sweep(predict_trials(plan, executor, workload, budget))
+def predict_sweep(plan: list[TrialSpec], workload: Workload, budget: Budget):
+    return budget.sweep(predict_trials(plan, workload, budget))
 
 
 def _trial_figures(t) -> str:

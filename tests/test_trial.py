@@ -69,11 +69,31 @@ def test_ranks_report_errors_bytes_and_samples(autograd):
 
 def test_record_takes_the_worst_rank():
     s = spec()
-    base = dict(checked=True, kernel_used="cpu_flash", comm_ops={"p2p": 1}, peak_mem=None, tol={"out": 1e-5})
-    r0 = RankReport(rank=0, errors={"out": 1e-7}, samples_ms=[1.0, 5.0, 2.0], bytes_sent=10, bytes_recv=10, **base)
-    r1 = RankReport(rank=1, errors={"out": 3e-6}, samples_ms=[2.0, 1.0, 3.0], bytes_sent=12, bytes_recv=8, **base)
+    base = dict(checked=True, kernel_used="cpu_flash", comm_ops={"p2p": 1}, peak_mem=None, tol_floor=2e-6)
+    # the bound is put together from the ranks' parts: 2 x the largest naive error + floor x max|ref|
+    r0 = RankReport(
+        rank=0,
+        errors={"out": 1e-7},
+        samples_ms=[1.0, 5.0, 2.0],
+        bytes_sent=10,
+        bytes_recv=10,
+        **base,
+        naive_err={"out": 4e-6},
+        ref_max={"out": 1.0},
+    )
+    r1 = RankReport(
+        rank=1,
+        errors={"out": 3e-6},
+        samples_ms=[2.0, 1.0, 3.0],
+        bytes_sent=12,
+        bytes_recv=8,
+        **base,
+        naive_err={"out": 1e-6},
+        ref_max={"out": 1.5},
+    )
     rec = make_record(s, Outcome("reported", [r0, r1]))
     assert rec[M.STATUS] == M.OK and rec[M.ERR["out"]] == 3e-6
+    assert rec[M.TOL["out"]] == pytest.approx(2 * 4e-6 + 2e-6 * 1.5)
     assert rec[M.CCR] is None  # no breakdown reported
     assert rec[M.TIME_MS_SAMPLES] == [2.0, 5.0, 3.0]  # per iteration: the slowest rank
     assert (rec[M.TIME_MS_MEDIAN], rec[M.TIME_MS_MIN], rec[M.TIME_MS_MAX]) == (3.0, 2.0, 5.0)
