@@ -336,20 +336,22 @@ def _math_scores(q, k, scale, causal_offset, cd, visible=None, softcap=0.0):
     documents)."""
     qh = q.to(cd).transpose(1, 2)  # [B, H, Sq, D]
     kh = _repeat_kv(k, q.shape[2]).to(cd).transpose(1, 2)  # [B, H, Sk, D]
-    s = torch.matmul(qh, kh.transpose(-1, -2)) * float(scale)  # [B, H, Sq, Sk]
+    # in place on the one [B, H, Sq, Sk] tensor (the same values as out-of-place ops, one copy)
+    s = torch.matmul(qh, kh.transpose(-1, -2)).mul_(float(scale))  # [B, H, Sq, Sk]
     if softcap:
-        s = torch.tanh(s / softcap) * softcap
+        s.div_(softcap).tanh_().mul_(softcap)
     if visible is not None:
-        s = s.masked_fill(~visible.unsqueeze(1), float("-inf"))
+        s.masked_fill_(~visible.unsqueeze(1), float("-inf"))
     elif not is_full(q.shape[1], k.shape[1], causal_offset):
-        s = s.masked_fill(~_visible(q.shape[1], k.shape[1], causal_offset, q.device), float("-inf"))
+        s.masked_fill_(~_visible(q.shape[1], k.shape[1], causal_offset, q.device), float("-inf"))
     return s
 
 
 def _probs(s: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
-    """exp(s - lse) with rows of lse = -inf giving 0 instead of NaN."""
+    """exp(s - lse) with rows of lse = -inf giving 0 instead of NaN, written over `s` (its caller
+    is done with the scores)."""
     safe = torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse))
-    return torch.exp(s - safe.unsqueeze(-1))
+    return s.sub_(safe.unsqueeze(-1)).exp_()
 
 
 def math_forward(q, k, v, *, scale, causal_offset, upcast=True, visible=None, softcap=None):
@@ -398,7 +400,13 @@ def _math_grads(dout, q, k, v, out, lse, *, scale, causal_offset, upcast, delta,
     cap = softcap_of(scale) if softcap is None else softcap
     h, hkv = q.shape[2], k.shape[2]
     s = _math_scores(q, k, scale, causal_offset, cd, visible, cap)
-    p = _probs(s, lse.to(cd))  # [B, H, Sq, Sk]
+    factor = None
+    if cap:
+        # the cap's chain-rule factor 1 - (s / cap)^2; masked scores are -inf (their p, hence dS,
+        # is 0): their factor is set to 0, not -inf
+        factor = (s / cap).square_().neg_().add_(1).masked_fill_(~torch.isfinite(s), 0.0)
+    p = _probs(s, lse.to(cd))  # [B, H, Sq, Sk], over the scores
+    del s
     do = dout.to(cd).transpose(1, 2)  # [B, H, Sq, Dv]
     vh = _repeat_kv(v, h).to(cd).transpose(1, 2)  # [B, H, Sk, Dv]
     qh = q.to(cd).transpose(1, 2)
@@ -408,11 +416,11 @@ def _math_grads(dout, q, k, v, out, lse, *, scale, causal_offset, upcast, delta,
     else:
         delta = delta.to(cd).unsqueeze(-1)
     dv = torch.matmul(p.transpose(-1, -2), do)  # [B, H, Sk, D]
-    dp = torch.matmul(do, vh.transpose(-1, -2))  # [B, H, Sq, Sk]
-    ds = p * (dp - delta)
-    if cap:
-        # masked scores are -inf (their p, hence ds, is 0): their factor is set to 0, not -inf
-        ds = ds * torch.where(torch.isfinite(s), 1 - (s / cap).square(), torch.zeros_like(s))
+    ds = torch.matmul(do, vh.transpose(-1, -2)).sub_(delta).mul_(p)  # dS = P * (dP - delta), over dP
+    del p
+    if factor is not None:
+        ds.mul_(factor)
+        del factor
     dq = torch.matmul(ds, kh) * float(scale)  # [B, H, Sq, D]
     dk = torch.matmul(ds.transpose(-1, -2), qh) * float(scale)  # [B, H, Sk, D]
     return dq.transpose(1, 2), _sum_kv_groups(dk.transpose(1, 2), hkv), _sum_kv_groups(dv.transpose(1, 2), hkv)
@@ -533,6 +541,10 @@ class _RowKeys:
     def tile(self, r0: int, r1: int, c0: int, c1: int, device) -> tuple[Optional[int], Optional[torch.Tensor]]:
         raise NotImplementedError
 
+    def masked(self, r0: int, r1: int, c0: int, c1: int) -> bool:
+        """Whether the tile's keys are masked at all (the math kernel then builds a bool mask)."""
+        return True
+
 
 class _BandKeys(_RowKeys):
     """lower <= j - i <= offset (None: that side open): a causal offset, a window's band, or all."""
@@ -550,14 +562,22 @@ class _BandKeys(_RowKeys):
             return self.offset, None
         return None, band_visible(self.sq, self.sk, self.offset, self.lower, device).expand(self.batch, -1, -1)
 
-    def tile(self, r0, r1, c0, c1, device):
+    def _tile_band(self, r0, r1, c0, c1) -> tuple[Optional[int], Optional[int]]:
         # tile row i' = i - r0, key row j' = j - c0: j - i = j' - i' + (c0 - r0)
         rows, keys = r1 - r0, c1 - c0
         offset = None if self.offset is None or self.offset + r0 - c0 >= keys - 1 else self.offset + r0 - c0
         lower = None if self.lower is None or self.lower + r0 - c0 <= -(rows - 1) else self.lower + r0 - c0
+        return offset, lower
+
+    def tile(self, r0, r1, c0, c1, device):
+        offset, lower = self._tile_band(r0, r1, c0, c1)
         if lower is None:
             return offset, None
-        return None, band_visible(rows, keys, offset, lower, device).expand(self.batch, -1, -1)
+        return None, band_visible(r1 - r0, c1 - c0, offset, lower, device).expand(self.batch, -1, -1)
+
+    def masked(self, r0: int, r1: int, c0: int, c1: int) -> bool:
+        offset, lower = self._tile_band(r0, r1, c0, c1)
+        return lower is not None or not is_full(r1 - r0, c1 - c0, offset)
 
 
 class _MaskKeys(_RowKeys):
@@ -728,6 +748,7 @@ def cpu_block_working_set(
     lower: Optional[int] = None,
     mask: Optional[BlockMask] = None,
     kernel: str = "math",
+    softcap: bool = False,
 ) -> int:
     """Bytes of the tensors one CPU block call allocates at its peak, beyond its inputs: what a
     per-trial memory prediction adds for a rank's largest block (the ring steps of a method run
@@ -740,9 +761,10 @@ def cpu_block_working_set(
       backward dq [B, Sq, H, D] (e) and dk, dv [B, Sk, Hkv, D or Dv] (a, and e more for their cast).
     - a tile of r query rows that sees c key rows (the block's whole Sq x Sk where it is one call),
       n = B * H * r * c score elements of a bytes and m = B * r * c mask elements:
-      math: 3 n (forward: scores, their masked or capped copy, probabilities) or 7 n (backward:
-      scores, probabilities, dP, dS and their temporaries) times a, 2 m bytes of bool mask, and the
-      tile's q, k, v (and dout) in head-major float copies, twice (GQA repeat, matmul layout);
+      math: n (forward: the scores, masked, capped and turned into probabilities in place) or 2 n
+      (backward: the probabilities, and dP turned into dS in place; 3 n with a soft cap, whose
+      chain-rule factor is one more) times a, 2 m bytes of bool mask, and the tile's q, k, v (and
+      dout) in head-major float copies, twice (GQA repeat, matmul layout);
       cpu_flash with a mask (a band, documents, an offset other than 0): its bool mask and additive
       mask, (2 + e) m bytes, twice in the backward, and the op's results for the tile.
     - cpu_flash without a mask (full, causal offset 0, the strictly-lower shift) is the fused
@@ -752,8 +774,9 @@ def cpu_block_working_set(
 
     `op` is "fwd" or "bwd"; `causal_offset`, `lower` and `mask` (a `BlockMask`, which replaces
     them as in `block_forward`) say which keys each query sees; `kernel` is the resolved backend,
-    "math" or "cpu_flash". Checked against the peak that suite.memtrack tracks in
-    tests/test_kernels.py. Intermediate tensors that live inside one op are not counted."""
+    "math" or "cpu_flash"; `softcap` whether the scores are soft-capped. Checked against the peak
+    that suite.memtrack tracks in tests/test_kernels.py. Intermediate tensors that live inside one
+    op are not counted."""
     if op not in ("fwd", "bwd") or kernel not in ("math", "cpu_flash"):
         raise ValueError(f"op must be 'fwd' or 'bwd' and kernel 'math' or 'cpu_flash', got {op!r}, {kernel!r}")
     dv = head_dim if head_dim_v is None else head_dim_v
@@ -793,7 +816,9 @@ def cpu_block_working_set(
         rows = batch * r * heads * (head_dim + 2 * dv)  # q, out (or dout and out) of the tile's rows
         cols = batch * c * heads * (head_dim + dv)  # k, v of its keys, GQA-repeated
         if kernel == "math":
-            tile = (3 if op == "fwd" else 7) * n * a + 2 * m + 2 * (rows + cols) * a
+            copies = 0 if e == a and heads == kv_heads else 2 * (rows + cols) * a  # none: views of the inputs
+            mask = 2 * m if keys.masked(r0, r1, c0, c1) else 0
+            tile = (1 if op == "fwd" else 3 if softcap else 2) * n * a + mask + copies
         else:
             tile = (1 if op == "fwd" else 2) * (2 + e) * m + rows * e + (cols * e if op == "bwd" else 0)
         worst = max(worst, tile)

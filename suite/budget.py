@@ -76,7 +76,7 @@ def check_memory_bytes(spec: TrialSpec, checked: bool, world_size: Optional[int]
       is what a trial of one layout needs);
     - while computing them: one batch element's K and V in the trial dtype, one KV head's K/V in
       float64, the naive dk, dv of its rows in the accumulator dtype, and one tile's scores and
-      their intermediates (`reference.TILE_BYTES`) with its [B, rows, S] bool mask."""
+      their intermediates (`reference.TILE_BYTES`) with its bool mask."""
     if not checked:
         return CheckMemory(held=0, building=0)
     import torch
@@ -97,10 +97,20 @@ def check_memory_bytes(spec: TrialSpec, checked: bool, world_size: Optional[int]
     naive = b * local * hkv * (d + dv) * a if spec.pass_ == "fwd_bwd" else 0
     group = max(1, h // hkv)
 
+    # the reference's tiles carry a bool mask unless every query sees every key: a causal mask is
+    # [1, rows, keys], packed documents or a mask family [B, rows, keys] (one element's a view);
+    # the kernel's inverted copy is one more [1, rows, keys]
+    masked = spec.causal or spec.documents() is not None
+    per_mask = 0 if not masked else (1 if spec.documents() is None else b) + 1
+
     def tile(rows: int, keys: int, op: str) -> int:  # one math call on a tile (reference.ProblemReference._tile)
         rows = min(rows, max(1, reference.TILE_BYTES // (48 * group * keys)))
-        call = kernels.cpu_block_working_set(1, rows, keys, group, 1, d, dv, dtype=torch.float64, op=op)
-        return call + b * rows * keys  # and the tile's [B, rows, keys] bool mask
+        call = kernels.cpu_block_working_set(
+            1, rows, keys, group, 1, d, dv, dtype=torch.float64, op=op, softcap=bool(spec.softcap)
+        )
+        # the tile's q and dO rows of every head in the trial dtype, its heads' q (and dO) in float64
+        copies = rows * h * (d + dv) * e + rows * group * (d + (dv if op == "bwd" else 0)) * 8
+        return call + per_mask * rows * keys + copies
 
     work = [tile(s, s, "fwd"), tile(local, s, "fwd")]  # every row's statistics; its rows' out
     if spec.pass_ == "fwd_bwd":
