@@ -360,30 +360,33 @@ def _dkv_contribution_dropped(p: Patches, spec: TrialSpec) -> None:
 @mutant(
     "zigzag_chunks_swapped",
     "layout",
-    "layouts.zigzag",
-    (Point("zigzag_ring", 3), Point("allgather_kv", 3)),
+    "zigzag_ring.zigzag_plan (and burst's, usp's)",
+    (Point("zigzag_ring", 3), Point("usp", 4, heads=4, kv_heads=2, options=(("ulysses_degree", 2),))),
 )
 def _zigzag_chunks_swapped(p: Patches, spec: TrialSpec) -> None:
-    """The zigzag layout hands rank 0 chunk 1 and rank 1 chunk 0 (two chunks swapped), while the
-    methods' causal plans still assume chunks r and 2P-1-r."""
-    from methods import layouts
+    """The zigzag plan reads a rank's two chunks in the wrong order (its local rows as back chunk
+    then front chunk, as when the halves of q are unpacked swapped): under the causal mask the
+    wrong half of each block is computed."""
+    from methods import burst, usp, zigzag_ring
+    from methods.kv_ring import ALL, Block, full_plan
 
-    real = layouts.zigzag
+    def zigzag_plan(causal, rank, local_len):
+        if not causal:
+            return full_plan
+        half = local_len // 2
+        back, front = slice(0, half), slice(half, local_len)  # the swap: [0, c) is the front chunk
 
-    def zigzag(seq_len, world_size):
-        lay = real(seq_len, world_size)
-        if world_size < 2:
-            return lay
+        def plan(src):
+            if src == rank:
+                return [Block(ALL, ALL, 0)]
+            if src < rank:
+                return [Block(ALL, front, None)]
+            return [Block(back, ALL, None)]
 
-        def build():
-            chunks = torch.arange(seq_len).chunk(2 * world_size)
-            held = [[r, 2 * world_size - 1 - r] for r in range(world_size)]
-            held[0][0], held[1][0] = 1, 0
-            return tuple(torch.cat([chunks[c] for c in h]) for h in held)
+        return plan
 
-        return layouts.Layout("zigzag", seq_len, world_size, build)
-
-    p.set(layouts, "zigzag", zigzag)
+    for module in (zigzag_ring, burst, usp):
+        p.set(module, "zigzag_plan", zigzag_plan)
 
 
 @mutant(
@@ -502,6 +505,26 @@ def _causal_diagonal_strict(p: Patches, spec: TrialSpec) -> None:
         return lambda src: [Block(b.q_rows, b.k_rows, -1) if b.causal_offset == 0 else b for b in plan(src)]
 
     p.set(ring, "ring_plan", ring_plan)
+
+
+@mutant(
+    "stripe_sees_a_future_key",
+    "causal mask",
+    "stripe_ring.stripe_plan",
+    (Point("stripe_ring", 3),),
+)
+def _stripe_sees_a_future_key(p: Patches, spec: TrialSpec) -> None:
+    """The striped ring's blocks from later ranks use the non-strict offset (j <= i instead of
+    j <= i - 1): query r + iP sees key src + iP, a later token, on every such block."""
+    from methods import stripe_ring
+    from methods.kv_ring import ALL, Block
+
+    real = stripe_ring.stripe_plan
+
+    def stripe_plan(causal, rank):
+        return real(causal, rank) if not causal else (lambda src: [Block(ALL, ALL, 0)])
+
+    p.set(stripe_ring, "stripe_plan", stripe_plan)
 
 
 @mutant(
@@ -755,6 +778,33 @@ def select(names: Optional[list[str]] = None, method_names: Optional[list[str]] 
     return chosen
 
 
+@contextlib.contextmanager
+def _reference_sealed(m: Mutant) -> Iterator[list[str]]:
+    """While a mutant is applied the float64 reference must not be computed: it comes from the
+    trial's unmutated run, kept by the executor's problem cache (same problem, same positions), so
+    no mutant can reach the code that judges it. A computation attempted here fails the trial and
+    is reported (the yielded list is not empty), and the runner stops: a mutant that changes the
+    positions a trial checks, or the problem, is a mistake in the mutant."""
+    from suite.reference import ProblemReference
+
+    reached: list[str] = []
+    seal = Patches()
+
+    def sealed(name: str):
+        def refuse(self, *args, **kw):
+            reached.append(name)
+            raise RuntimeError(f"conformance: {m.name} reached ProblemReference.{name}")
+
+        return refuse
+
+    for name in ("_row_stats", "_shard"):
+        seal.set(ProblemReference, name, sealed(name))
+    try:
+        yield reached
+    finally:
+        seal.undo()
+
+
 def run_conformance(
     mutants: Optional[list[Mutant]] = None, say: Callable[[str], None] = lambda line: None
 ) -> Conformance:
@@ -780,8 +830,13 @@ def run_conformance(
             for m in mutants:
                 if pt not in m.points:
                     continue
-                with m.apply(spec):
+                with m.apply(spec), _reference_sealed(m) as reached:
                     v = verdict(spec, executor.run(spec))
+                if reached:
+                    raise RuntimeError(
+                        f"mutant {m.name} made {spec.label()} compute its float64 reference: the reference "
+                        "must come from the unmutated run (a mutant may not change what the check is given)"
+                    )
                 by_mutant[m.name].append(v)
                 say(f"  {m.name}: {', '.join(v.caught_by()) or 'not caught'}")
     finally:
