@@ -681,6 +681,7 @@ class Verdict:
     label: str
     failed: list[str] = field(default_factory=list)  # check columns over their bound (err_out, ...)
     crash: str = ""  # "Type: message" when the trial did not run to its check
+    ratio: float = 0.0  # the largest error / tolerance of the trial's checked tensors (> 1: failed)
 
     @property
     def caught(self) -> bool:
@@ -700,10 +701,15 @@ class MutantResult:
         return any(t.caught for t in self.trials)
 
     def caught_by(self) -> list[str]:
-        out: list[str] = []
-        for t in self.trials:
-            out += [c for c in t.caught_by() if c not in out]
-        return out
+        """The check columns that failed in any trial (in the columns' order), then any crash."""
+        found = {c for t in self.trials for c in t.caught_by()}
+        columns = [c for c in M.ERR.values() if c in found]
+        return columns + sorted(found - set(columns))
+
+    @property
+    def ratio(self) -> float:
+        """How far the clearest catch went past its bound: the largest error / tolerance of a trial."""
+        return max((t.ratio for t in self.trials), default=0.0)
 
     def row(self) -> dict[str, Any]:
         return {
@@ -713,7 +719,8 @@ class MutantResult:
             "trials": len(self.trials),
             "caught_by": self.caught_by(),
             "status": "caught" if self.caught else "MISSED",
-            "per_trial": {t.label: t.caught_by() for t in self.trials},
+            "err_over_tol": self.ratio,
+            "per_trial": {t.label: {"caught_by": t.caught_by(), "err_over_tol": t.ratio} for t in self.trials},
             "description": self.mutant.description,
         }
 
@@ -748,8 +755,12 @@ def verdict(spec: TrialSpec, outcome) -> Verdict:
         return v
     cols, _ = check_columns(outcome.reports)
     for name, column in M.ERR.items():
-        if column in cols and not cols[column] <= cols[M.TOL[name]]:  # NaN fails too
+        if column not in cols:
+            continue
+        err, tol = cols[column], cols[M.TOL[name]]
+        if not err <= tol:  # NaN fails too
             v.failed.append(column)
+        v.ratio = max(v.ratio, err / tol if tol > 0 else math.inf) if not math.isnan(err) else math.inf
     if not cols.get(M.CHECKED):
         v.crash = "unchecked: the trial was not compared with the float64 reference"
     return v
@@ -848,7 +859,7 @@ def run_conformance(
 # ---------------------------------------------------------------------------------------------
 # The table and the command
 # ---------------------------------------------------------------------------------------------
-HEADER = ("mutant", "bug class", "target", "trials", "caught by", "status")
+HEADER = ("mutant", "bug class", "target", "trials", "caught by", "err/tol", "status")
 
 
 def table_rows(report: Conformance) -> list[tuple[str, ...]]:
@@ -859,6 +870,7 @@ def table_rows(report: Conformance) -> list[tuple[str, ...]]:
             r.mutant.target,
             str(len(r.trials)),
             ", ".join(r.caught_by()) or "-",
+            f"{r.ratio:.3g}",
             "caught" if r.caught else "MISSED",
         )
         for r in report.results
@@ -869,7 +881,11 @@ def summary_line(report: Conformance) -> str:
     n = len(report.results)
     pct = 100.0 * report.caught / n if n else 0.0
     base = "baseline clean" if report.baseline_ok else "BASELINE FAILS"
-    return f"caught {report.caught}/{n} ({pct:.0f} %); {base} ({len(report.baseline)} trials); {report.seconds:.1f} s"
+    worst = max((v.ratio for v in report.baseline), default=0.0)
+    return (
+        f"caught {report.caught}/{n} ({pct:.0f} %); {base} ({len(report.baseline)} trials, largest "
+        f"err/tol {worst:.3g}); {report.seconds:.1f} s"
+    )
 
 
 def format_text(report: Conformance) -> str:
@@ -896,7 +912,8 @@ def write(report: Conformance, out: Path) -> list[Path]:
         for r in report.results:
             f.write(json.dumps(r.row(), sort_keys=True) + "\n")
         for v in report.baseline:
-            f.write(json.dumps({"baseline": v.label, "caught_by": v.caught_by()}, sort_keys=True) + "\n")
+            row = {"baseline": v.label, "caught_by": v.caught_by(), "err_over_tol": v.ratio}
+            f.write(json.dumps(row, sort_keys=True) + "\n")
     return [md, jl]
 
 
