@@ -16,8 +16,8 @@ the attention workload, i.e. exactly the path and the pass rule of a sweep's tri
 "catch" would mean nothing), then under each of its mutants. A mutant is caught when one of its
 trials fails a check column (err_out, err_lse, err_dq, err_dk, err_dv, err_dsink) or fails to run
 (a crash, which the table names as such). The float64 reference of a trial is computed during
-its baseline run and kept by the executor's problem cache, so a mutant never reaches the
-reference it is judged by.
+its baseline run and kept by the executor's problem cache; while a mutant is applied computing
+it is refused (`_reference_sealed`), so a mutant never reaches the reference it is judged by.
 
 `python -m suite conformance` prints the table; every mutant must be caught.
 """
@@ -180,6 +180,8 @@ def mutant_names() -> list[str]:
 # The mutants
 # ---------------------------------------------------------------------------------------------
 def _is_timed(kernel: Any) -> bool:
+    """A kernel that times or counts (the workload's pair count, the breakdown): its call re-enters
+    `block_forward`/`block_backward` with the inner kernel's name, where a kernel mutant applies, once."""
     from methods.kernels import TimedKernel
 
     return isinstance(kernel, TimedKernel)
@@ -246,8 +248,9 @@ def _merge_without_rescale(p: Patches, spec: TrialSpec) -> None:
     (Point("ring", 3, sinks=True), Point("ulysses", 4, heads=4, kv_heads=4, sinks=True, pass_="fwd")),
 )
 def _sink_once_per_rank(p: Patches, spec: TrialSpec) -> None:
-    """The sink is folded into each rank's partial result instead of once per row after the last
-    merge: every row's denominator gains P e^s_h instead of e^s_h."""
+    """The sink's e^s_h joins every row's denominator once per rank (P times) instead of once, as
+    when it is folded into each rank's or ring step's partial result rather than after the last
+    merge."""
     from methods import merge
 
     real, ranks = merge.fold_sink, spec.world_size
