@@ -172,6 +172,19 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("--results-root", default="results", help="where the simulated sweeps' rows go")
     val.add_argument("--mlflow", action="store_true", help="log the simulated sweeps to MLflow (off by default)")
 
+    conf = sub.add_parser(
+        "conformance",
+        help="mutation conformance: seeded bugs, each of which the float64 check must catch",
+        description="Apply each mutant (a small deliberate bug in a method or the shared machinery, "
+        "suite/conformance.py), run its small grid of trials on virtual ranks, and print which check "
+        "caught it. Exit 1 when a mutant is missed or an unmutated trial fails. docs/conformance.md.",
+    )
+    conf.add_argument("--mutants", default="", help="comma-separated mutant names (default: all; --list names them)")
+    conf.add_argument("--methods", default="", help="comma-separated methods: only the mutants' trials of these")
+    conf.add_argument("--out", default=None, help="also write the table as conformance.md and conformance.jsonl here")
+    conf.add_argument("--list", action="store_true", help="list the mutants and what each breaks, then exit")
+    conf.add_argument("-v", "--verbose", action="store_true", help="print every trial's verdict as it runs")
+
     sub.add_parser("list", help="list every method and kernel, whether it can run here, and why not")
 
     ui = sub.add_parser(
@@ -291,6 +304,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         from suite.validate import run_command as validate_command
 
         return validate_command(args)
+    if args.command == "conformance":
+        from suite.conformance import run_command as conformance_command
+
+        return conformance_command(args)
     if args.command == "ui":
         return _ui(args)
     if args.command == "report":
