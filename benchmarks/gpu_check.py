@@ -65,19 +65,19 @@ PARTS = (
         "variants",
         "sinks, soft cap, MLA, GQA; own methods, P 1/2/4/8, vs float64",
         ("test_single_gpu_emulation_checks_the_variants_at_one_to_eight_ranks",),
-        limit_s={"cuda": 150, "cpu": 900},
+        limit_s={"cuda": 150, "cpu": 1500},
     ),
     Part(
         "masks",
         "7 mask families x uniform/docs; own methods, P 4, vs float64",
         ("test_single_gpu_emulation_checks_every_mask_family",),
-        limit_s={"cuda": 150, "cpu": 900},
+        limit_s={"cuda": 150, "cpu": 1500},
     ),
     Part(
         "emulation",
         "own methods, P 2/4/8, MHA/GQA, causal/full, vs float64",
         ("test_single_gpu_emulation_checks_every_own_method_in_bf16",),
-        limit_s={"cuda": 150, "cpu": 900},
+        limit_s={"cuda": 150, "cpu": 1500},
     ),
     Part(
         "kernels",
@@ -92,7 +92,7 @@ PARTS = (
         "peers",
         "world size 1 over NCCL: every method and importable peer",
         ("test_world_size_one_over_nccl_runs_every_method_and_peer",),
-        limit_s={"cuda": 75, "cpu": 600},
+        limit_s={"cuda": 75, "cpu": 1200},
     ),
     Part(
         "calibrate",
@@ -111,7 +111,7 @@ PARTS = (
 # The whole run's limit: the device tool's call is at most 8 minutes (480 s) with --timeout 480; the
 # parts end by this, leaving time to write the files.
 TOTAL_S = {"cuda": 440, "cpu": 3600}
-JOBS = {"cuda": 3, "cpu": 1}
+JOBS = {"cuda": 3, "cpu": 3}
 
 
 def sweep_command(device: str, results: Path) -> list[str]:
@@ -179,7 +179,7 @@ print(json.dumps(info))
 class Result:
     name: str
     what: str
-    status: str = "not run"  # passed, failed, timeout, not run, error
+    status: str = "not run"  # passed, failed, timeout (cut at its limit), stopped (from outside), not run
     seconds: float = 0.0
     limit_s: float = 0.0
     rc: Optional[int] = None
@@ -209,6 +209,19 @@ def _kill(proc: subprocess.Popen) -> None:
             continue
 
 
+def _child_setup() -> None:
+    """In a part's process before it runs: its own session (it and what it starts end together), and
+    a SIGKILL when this script dies (killed at the device tool's timeout, say), so no part runs on
+    into the next call."""
+    os.setsid()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass  # not Linux: the parts end at their limits or with the session
+
+
 def part_command(part: Part, device: str, work: Path) -> list[str]:
     if not part.tests:
         return sweep_command(device, work / "results")
@@ -235,7 +248,7 @@ def start_part(part: Part, device: str, work_root: Path, env: dict, limit_s: flo
     log.write("$ " + " ".join(cmd) + "\n")
     log.flush()
     child_env = dict(env, SUITE_GPU_CHECK_OUT=str(work))
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env, stdout=log, stderr=subprocess.STDOUT, preexec_fn=_child_setup)
     echo(f"start {part.name} (limit {limit_s:.0f} s)")
     return Running(part, proc, log, limit_s, work)
 
@@ -272,7 +285,7 @@ def read_junit(path: Path) -> tuple[dict, list[str]]:
     return counts, problems
 
 
-def finish_part(run: Running, result: Result, timed_out: bool) -> list[dict]:
+def finish_part(run: Running, result: Result, timed_out: bool, stopped: bool = False) -> list[dict]:
     run.log.close()
     result.seconds = time.monotonic() - run.start
     result.rc = run.proc.returncode
@@ -290,7 +303,10 @@ def finish_part(run: Running, result: Result, timed_out: bool) -> list[dict]:
         f"{str(r.get('reason', ''))[:200]}"
         for r in bad[:8]
     ]
-    if timed_out:
+    if stopped:
+        result.status = "stopped"
+        result.problems.insert(0, f"stopped from outside after {result.seconds:.0f} s; {len(rows)} rows stored by then")
+    elif timed_out:
         result.status = "timeout"
         result.problems.insert(0, f"cut at its limit of {run.limit_s:.0f} s; {len(rows)} rows stored by then")
     elif result.rc == 0 and not bad and not result.tests.get("failed"):
@@ -419,6 +435,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = ap.parse_args(argv)
 
     t0 = time.monotonic()
+    for sig in (signal.SIGTERM, signal.SIGHUP):  # stopped from outside: end the parts, write the files
+        signal.signal(sig, lambda signum, frame: sys.exit(128 + signum))
     device = args.device
     total = args.total or TOTAL_S[device]
     jobs = args.jobs or JOBS[device]
@@ -525,7 +543,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     finally:
         for run in running:  # interrupted: end what still runs, keep what it stored
             _kill(run.proc)
-            all_rows.extend(finish_part(run, results[run.part.name], timed_out=True))
+            all_rows.extend(finish_part(run, results[run.part.name], timed_out=False, stopped=True))
         write_files()
         shutil.rmtree(tmp, ignore_errors=True)
     text = (out / "summary.md").read_text()

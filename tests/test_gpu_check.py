@@ -5,8 +5,10 @@ written), its summary's arithmetic, and, when asked for (SUITE_GPU_CHECK_DRY_RUN
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -36,22 +38,40 @@ def _run(out: Path, *args: str, timeout: float) -> subprocess.CompletedProcess:
     )
 
 
-def test_a_part_cut_at_its_limit_is_recorded_and_the_device_named(tmp_path):
-    res = _run(tmp_path, "--parts", "peers", "--limit", "peers=1", timeout=240)
-    assert res.returncode == 1, res.stdout + res.stderr
+def test_a_part_cut_at_its_limit_and_one_stopped_from_outside_are_recorded(tmp_path):
+    """peers is cut at its 1 s limit; the sweep, which starts next, is stopped by SIGTERM (the device
+    tool's kill at its timeout): the files are written, the device named, and no part runs on."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT), SUITE_GPU_CHECK_DEVICE="cpu")
+    cmd = [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--wheels", "", "--parts", "peers,sweep"]
+    proc = subprocess.Popen(
+        [*cmd, "--limit", "peers=1"], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "start sweep" in line:
+            break
+    time.sleep(0.5)
+    proc.terminate()
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, "".join(seen) + out
     files = sorted(p.name for p in tmp_path.iterdir())
     assert files == ["device.json", "log.txt", "parts.json", "rows.jsonl", "summary.md"], files
-    (part,) = json.loads((tmp_path / "parts.json").read_text())
-    assert part["name"] == "peers" and part["status"] == "timeout" and part["limit_s"] == 1
-    assert 1 <= part["seconds"] < 30 and part["tests"] == {}  # killed before pytest wrote its report
+    peers, sweep = json.loads((tmp_path / "parts.json").read_text())
+    assert peers["status"] == "timeout" and peers["limit_s"] == 1 and 1 <= peers["seconds"] < 30
+    assert peers["tests"] == {}  # killed before pytest wrote its report
+    assert sweep["status"] == "stopped" and sweep["seconds"] < 30
     device = json.loads((tmp_path / "device.json").read_text())
     assert device["torch"] == torch.__version__ and device["cuda_available"] is False
     summary = (tmp_path / "summary.md").read_text()
     assert summary.startswith("# GPU check (cpu): FAIL")
     assert f"torch {torch.__version__}" in summary and "a dry run, no GPU" in summary
     assert "| peers |" in summary and "| timeout |" in summary and "cut at its limit of 1 s" in summary
-    assert "tests/test_gpu.py::test_world_size_one_over_nccl" in (tmp_path / "log.txt").read_text()
-    assert summary in res.stdout  # the device tool shows the end of stdout
+    assert "- sweep: stopped from outside" in summary
+    log = (tmp_path / "log.txt").read_text()
+    assert "tests/test_gpu.py::test_world_size_one_over_nccl" in log and "-m suite run configs/h100_headline" in log
+    ps = subprocess.run(["ps", "-eo", "args"], capture_output=True, text=True).stdout
+    assert str(tmp_path) not in ps  # no part left running (each part's own folder is under the script's)
 
 
 def test_the_summary_gives_each_methods_worst_error_over_tolerance(tmp_path):
