@@ -222,10 +222,11 @@ def _child_setup() -> None:
         pass  # not Linux: the parts end at their limits or with the session
 
 
-def part_command(part: Part, device: str, work: Path) -> list[str]:
+def part_command(part: Part, device: str, work: Path, limit_s: float) -> list[str]:
     if not part.tests:
         return sweep_command(device, work / "results")
     ids = [f"{TESTS}::{t}" for t in part.tests]
+    # pytest-timeout's per-test limit (pyproject: 300 s) yields to the part's own, which this script keeps
     return [
         sys.executable,
         "-m",
@@ -235,6 +236,8 @@ def part_command(part: Part, device: str, work: Path) -> list[str]:
         "no:cacheprovider",
         "-o",
         "addopts=-ra",
+        "-o",
+        f"timeout={int(limit_s) + 60}",
         f"--junitxml={work / 'junit.xml'}",
         *ids,
     ]
@@ -244,7 +247,7 @@ def start_part(part: Part, device: str, work_root: Path, env: dict, limit_s: flo
     work = work_root / part.name
     work.mkdir(parents=True, exist_ok=True)
     log = open(work / "log.txt", "w")
-    cmd = part_command(part, device, work)
+    cmd = part_command(part, device, work, limit_s)
     log.write("$ " + " ".join(cmd) + "\n")
     log.flush()
     child_env = dict(env, SUITE_GPU_CHECK_OUT=str(work))
