@@ -85,8 +85,8 @@ simulate: install
 # every method and importable peer; `suite calibrate` (kernel table); a short headline sweep. Writes
 # summary.md (one screen), rows.jsonl, kernels.md, calibration.blocks.yaml, parts.json, device.json and
 # log.txt to $(GPU_CHECK_OUT). Install with the CUDA torch build of the node first:
-# make install TORCH=torch==2.13.0. `make gpu-check-dry` runs the same on CPU (the dry run, about
-# 40 minutes on 2 busy cores).
+# make install TORCH=torch==2.13.0. `make gpu-check-dry` runs the same on CPU (the dry run: 422 s on
+# 2 busy cores, reports/recorded/gpu_check_cpu_dry_run.md).
 # On a lent GPU machine (the device tool: the image's python3, no venv, no hydra-core or omegaconf),
 # gpu-check-device installs the wheels carried in .whl/ (docs/gpu_and_clusters.md makes them) into a
 # temporary folder. The device tool's call, first thing in a session with a device:

@@ -161,7 +161,12 @@ if torch.cuda.is_available():
         pass
 else:
     info.update(name=platform.processor() or platform.machine(), cores=os.cpu_count())
-info["packages"] = {m: bool(importlib.util.find_spec(m)) for m in
+def found(name):
+    try:
+        return importlib.util.find_spec(name) is not None
+    except Exception:  # a broken package, or an import hook that refuses it
+        return False
+info["packages"] = {m: found(m) for m in
                     ("hydra", "omegaconf", "mlflow", "psutil", "tqdm", "tabulate", "pandas", "pyarrow",
                      "flash_attn", "yunchang", "ring_flash_attn")}
 try:
@@ -388,7 +393,7 @@ def summary_text(info: dict, smi: str, results: list[Result], rows: list[dict], 
     problems = [f"- {r.name}: {p}" for r in results for p in r.problems if not p.startswith(("test_", "row"))]
     problems += [f"- {r.name}: {p}" for r in results for p in r.problems if p.startswith(("test_", "row"))]
     if problems:
-        lines += ["", "Problems (more in log.txt):", ""] + problems[:20]
+        lines += ["", "Problems and skips (more in log.txt):", ""] + problems[:20]
         if len(problems) > 20:
             lines.append(f"- ... {len(problems) - 20} more")
     return "\n".join(lines) + "\n"

@@ -156,7 +156,7 @@ def test_bad_arguments_name_the_choices(tmp_path, capsys):
 @pytest.mark.slow
 @pytest.mark.skipif(
     not os.environ.get("SUITE_GPU_CHECK_DRY_RUN"),
-    reason="the whole CPU dry run takes tens of minutes on 2 cores: SUITE_GPU_CHECK_DRY_RUN=1 (make gpu-check-dry)",
+    reason="the whole CPU dry run takes about 7 minutes on 2 cores: SUITE_GPU_CHECK_DRY_RUN=1 (make gpu-check-dry)",
 )
 def test_the_whole_dry_run_passes_on_cpu(tmp_path):
     res = _run(tmp_path, timeout=3700)
