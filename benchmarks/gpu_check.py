@@ -357,7 +357,8 @@ def describe_device(info: dict) -> str:
 
 
 def summary_text(info: dict, smi: str, results: list[Result], rows: list[dict], meta: dict) -> str:
-    verdict = "PASS" if results and all(r.status == "passed" for r in results) else "FAIL"
+    passed = results and all(r.status == "passed" for r in results) and not meta.get("fatal")
+    verdict = "PASS" if passed else "FAIL"
     if meta.get("running"):
         verdict = f"RUNNING ({meta['running']})"
     pk = info.get("packages", {})
@@ -390,7 +391,8 @@ def summary_text(info: dict, smi: str, results: list[Result], rows: list[dict], 
         lines += ["", "Worst error / tolerance per method over its checked rows (above 1 fails):", ""]
         lines += ["| method | worst | tensor | part | rows |", "|---|---|---|---|---|"]
         lines += [f"| {m} | {v:.3f} | {t} | {p} | {n} |" for m, v, t, p, n in worst]
-    problems = [f"- {r.name}: {p}" for r in results for p in r.problems if not p.startswith(("test_", "row"))]
+    problems = [f"- {meta['fatal']}"] if meta.get("fatal") else []
+    problems += [f"- {r.name}: {p}" for r in results for p in r.problems if not p.startswith(("test_", "row"))]
     problems += [f"- {r.name}: {p}" for r in results for p in r.problems if p.startswith(("test_", "row"))]
     if problems:
         lines += ["", "Problems and skips (more in log.txt):", ""] + problems[:20]
@@ -485,8 +487,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     info["nvidia_smi"] = smi
     (out / "device.json").write_text(json.dumps(info, indent=1) + "\n")
     echo(f"device: {describe_device(info)}")
+    fatal = ""
     if device == "cuda" and not info.get("cuda_available"):
-        echo("no CUDA device: every part would skip; run with --device cpu for the dry run")
+        fatal = "no CUDA device seen (device.json): the GPU tests skip; --device cpu is the dry run"
+        echo(fatal)
 
     results = {p.name: Result(p.name, p.what) for p in parts}
     all_rows: list[dict] = []
@@ -496,6 +500,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
         "total_s": total,
         "jobs": jobs,
+        "fatal": fatal,
     }
 
     def write_files(running: str = "") -> None:

@@ -140,6 +140,10 @@ def test_the_summary_gives_each_methods_worst_error_over_tolerance(tmp_path):
     assert len(text.splitlines()) < 40  # one screen
     res.status, res.problems = "passed", []
     assert gc.summary_text(info, "", [res], rows[:2], meta).startswith("# GPU check (cuda): PASS")
+    # asked for CUDA where there is none, every GPU test skips: that is no pass
+    meta["fatal"] = "no CUDA device seen"
+    text = gc.summary_text(info, "", [res], rows[:2], meta)
+    assert text.startswith("# GPU check (cuda): FAIL") and "- no CUDA device seen" in text
 
 
 def test_bad_arguments_name_the_choices(tmp_path, capsys):
