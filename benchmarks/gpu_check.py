@@ -278,7 +278,11 @@ def read_junit(path: Path) -> tuple[dict, list[str]]:
     problems: list[str] = []
     if not path.exists():  # cut before pytest wrote it
         return {}, problems
-    for case in ET.parse(path).iter("testcase"):
+    try:
+        cases = list(ET.parse(path).iter("testcase"))
+    except ET.ParseError as e:  # written when the part was cut
+        return {}, [f"its pytest report is unreadable ({e})"]
+    for case in cases:
         name = case.get("name", "?")
         bad = case.find("failure") if case.find("failure") is not None else case.find("error")
         if bad is not None:
@@ -317,10 +321,12 @@ def finish_part(run: Running, result: Result, timed_out: bool, stopped: bool = F
     elif timed_out:
         result.status = "timeout"
         result.problems.insert(0, f"cut at its limit of {run.limit_s:.0f} s; {len(rows)} rows stored by then")
-    elif result.rc == 0 and not bad and not result.tests.get("failed"):
+    elif result.rc == 0 and not bad and not result.tests.get("failed") and (rows or run.part.tests):
         result.status = "passed"
     else:
         result.status = "failed"
+        if not rows and not run.part.tests:
+            result.problems.append("the sweep stored no rows")
         if result.rc not in (0, 1):
             tail = (run.work / "log.txt").read_text(errors="replace").strip().splitlines()[-3:]
             result.problems.append(f"exit status {result.rc}: {' | '.join(tail)[:400]}")

@@ -158,6 +158,7 @@ def test_bad_arguments_name_the_choices(tmp_path, capsys):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3800)  # the script's own CPU limit is 3600 s
 @pytest.mark.skipif(
     not os.environ.get("SUITE_GPU_CHECK_DRY_RUN"),
     reason="the whole CPU dry run takes about 7 minutes on 2 cores: SUITE_GPU_CHECK_DRY_RUN=1 (make gpu-check-dry)",
