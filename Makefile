@@ -12,7 +12,8 @@ INSTALLER  ?= pip
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 UV_FLAGS   := $(foreach d,$(FIND_LINKS),--find-links $(d))
 
-.PHONY: install quickstart test test-fast lint format list ui clean sim-check simulate gpu-check
+.PHONY: install quickstart test test-fast lint format list ui clean sim-check simulate gpu-check \
+	gpu-check-device gpu-check-dry
 
 install: $(VENV)/.installed
 
@@ -77,12 +78,29 @@ sim-check: install
 simulate: install
 	for c in tasp burst usp multinode; do $(PY) -m suite run configs/simulate_$$c.yaml --no-progress || exit 1; done
 
-# The GPU checks (tests/test_gpu.py; skipped without CUDA): single-GPU emulation of every own method at
-# P = 2, 4, 8 in bf16, world size 1 over NCCL for every method and peer, and the kernel table
-# (`suite calibrate`) with TFLOP/s per block shape. Results under results/gpu_check/.
-# Install with the CUDA torch build of the node first: make install TORCH=torch==2.13.0
+# The GPU checks (tests/test_gpu.py; skipped without CUDA), run part by part by benchmarks/gpu_check.py,
+# each part with its own time limit, all in at most 440 s: every own method emulated on the one GPU
+# (threads) in bf16 against float64 at P = 2, 4, 8; every mask family at P = 4; sinks, soft cap, MLA
+# head dims and GQA at P = 1, 2, 4, 8; the fused kernels block by block; world size 1 over NCCL for
+# every method and importable peer; `suite calibrate` (kernel table); a short headline sweep. Writes
+# summary.md (one screen), rows.jsonl, kernels.md, calibration.blocks.yaml, parts.json, device.json and
+# log.txt to $(GPU_CHECK_OUT). Install with the CUDA torch build of the node first:
+# make install TORCH=torch==2.13.0. `make gpu-check-dry` runs the same on CPU (the dry run: 422 s on
+# 2 busy cores, reports/recorded/gpu_check_cpu_dry_run.md).
+# On a lent GPU machine (the device tool: the image's python3, no venv, no hydra-core or omegaconf),
+# gpu-check-device installs the wheels carried in .whl/ (docs/gpu_and_clusters.md makes them) into a
+# temporary folder. The device tool's call, first thing in a session with a device:
+#   command: python3 benchmarks/gpu_check.py --out "$$OUT"      (= make gpu-check-device OUT="$$OUT")
+#   carry: [".whl"]   timeout_s: 480      (then bring summary.md and kernels.md to reports/recorded/)
+GPU_CHECK_OUT ?= $(or $(OUT),results/gpu_check)
 gpu-check: install
-	$(PY) -m pytest -q -p no:cacheprovider -m gpu tests/test_gpu.py
+	$(PY) benchmarks/gpu_check.py --wheels "" --out $(GPU_CHECK_OUT)
+
+gpu-check-device:
+	$(PYTHON) benchmarks/gpu_check.py --out $(GPU_CHECK_OUT)
+
+gpu-check-dry: install
+	SUITE_GPU_CHECK_DEVICE=cpu $(PY) benchmarks/gpu_check.py --wheels "" --device cpu --out results/gpu_check_dry
 
 list: install
 	$(PY) -m suite list

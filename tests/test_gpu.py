@@ -1,15 +1,22 @@
-"""GPU checks: `make gpu-check` on a machine with a CUDA GPU. Skipped without one.
+"""GPU checks: `make gpu-check` on a machine with a CUDA GPU (skipped without one), or part by part
+through `benchmarks/gpu_check.py`, the one command for a lent GPU machine (docs/gpu_and_clusters.md).
 
 - every own method, emulated with 2, 4 and 8 virtual ranks on the one GPU (executor threads), in bf16
   with the GPU kernels, checked against float64 (out, lse, dq, dk, dv), causal and full, MHA and GQA;
 - every own method under every mask family (uniform and packed documents), emulated with 4 virtual
   ranks in bf16 and checked against float64;
+- every own method with the attention variants (sinks, soft cap, MLA head dims, GQA) at 1, 2, 4 and
+  8 virtual ranks in bf16, checked against float64 (dsink too);
 - world size 1 over NCCL (executor dist) for every method and every importable peer;
 - `suite calibrate` on the GPU: a kernel table for the block shapes of the main sweep, with each
-  block's TFLOP/s against the device's bf16 peak (written to $SUITE_GPU_CHECK_OUT/kernels.md).
+  block's TFLOP/s against the device's bf16 peak (written to $SUITE_GPU_CHECK_OUT/kernels.md);
+- PyTorch's CUDA flash kernel, and the fused kernels with MLA head dims and soft cap, block by block
+  against float64 (CUDA only).
 
-SUITE_GPU_CHECK_DEVICE=cpu runs the same checks on CPU (gloo, CPU kernels): that tests the checks
-themselves on a machine without a GPU.
+Each sweep's rows are stored per trial under $SUITE_GPU_CHECK_OUT/results/<sweep>/ (so a check cut
+at its time limit keeps the rows it finished) and, once it ends, in $SUITE_GPU_CHECK_OUT/<sweep>.jsonl.
+SUITE_GPU_CHECK_DEVICE=cpu runs the same checks on CPU (gloo, CPU kernels, shorter sequences and
+head dims): that tests the checks themselves on a machine without a GPU.
 """
 
 import json
@@ -37,9 +44,14 @@ pytestmark = [
     ),
 ]
 HEAD_DIM = 128 if DEVICE == "cuda" else 32
+# Tokens per sequence: 1008 = 16 x 63 takes every layout at 8 ranks; the CPU run keeps 16 x 21.
+SEQ = 1008 if DEVICE == "cuda" else 336
+# MLA head dims (DeepSeek-V3: q/k 192, v 128), and a CPU pair in the same proportion.
+MLA_QK, MLA_V = (192, 128) if DEVICE == "cuda" else (48, 32)
 
 
 def _sweep(tmp_path, name: str, sweep: dict, run: dict, **sections) -> list[dict]:
+    """Run one sweep; its rows reach OUT/results/<name>/ trial by trial, and OUT/<name>.jsonl at the end."""
     from suite.config import load_config
     from suite.runner import run_sweep
 
@@ -50,7 +62,7 @@ def _sweep(tmp_path, name: str, sweep: dict, run: dict, **sections) -> list[dict
                 "name": name,
                 "sweep": sweep,
                 "run": {"device": DEVICE, **run},
-                "results": {"root": str(tmp_path / "results")},
+                "results": {"root": str((OUT / "results").resolve())},
                 "tracking": {"mlflow": False},
                 **sections,
             }
@@ -82,18 +94,18 @@ def test_single_gpu_emulation_checks_every_own_method_in_bf16(tmp_path):
             "methods": OWN,
             "world_size": [2, 4, 8],
             "batch": [1],
-            "seq_len": [1008],
+            "seq_len": [SEQ],
             "heads": [8],
             "kv_heads": [8, 2],
             "head_dim": [HEAD_DIM],
             "dtype": ["bfloat16"],
             "causal": [True, False],
-            "passes": ["fwd", "fwd_bwd"],
+            "passes": ["fwd_bwd"],  # its forward is checked too (out, lse); fwd-only trials run on CPU
             "method_options": {"usp": {"ulysses_degree": 2}},
         },
         {"executor": "threads", "warmup": 1, "repeats": 2, "breakdown": False},
     )
-    assert len(rows) == len(OWN) * 3 * 2 * 2 * 2
+    assert len(rows) == len(OWN) * 3 * 2 * 2
     assert not _bad(rows), "\n".join(_bad(rows))
     assert all(r["checked"] for r in rows)
     from methods import kernels
@@ -111,7 +123,7 @@ def test_single_gpu_emulation_checks_every_mask_family(tmp_path):
             "methods": OWN,
             "world_size": [4],
             "batch": [1],
-            "seq_len": [1008],
+            "seq_len": [SEQ],
             "heads": [8],
             "kv_heads": [2],
             "head_dim": [HEAD_DIM],
@@ -131,11 +143,59 @@ def test_single_gpu_emulation_checks_every_mask_family(tmp_path):
             "question": {"family": "shared_question", "question": 64, "answers": 3},
             "globals": {"family": "global_window", "globals": 4, "window": 64},
         },
-        documents={"docs": {"distribution": "lognormal", "median": 200, "sigma": 0.8, "min": 16, "max": 1008}},
+        documents={"docs": {"distribution": "lognormal", "median": 200, "sigma": 0.8, "min": 16, "max": SEQ}},
     )
     assert len(rows) == len(OWN) * 7 * 2
     assert not _bad(rows), "\n".join(_bad(rows))
     assert all(r["checked"] for r in rows)
+
+
+# The variant points: three of the eight (sinks, soft cap, value head dim) combinations, so that each
+# variant runs twice and every pair of them meets once; the soft-capped MLA point runs full, the others
+# causal. Excluded: (sinks, cap, MLA) = (no, 0, any), (yes, 0, no), (no, 5, no), (yes, 5, yes), and
+# the causal flag of the other kind.
+VARIANT_EXCLUDES = [
+    {"sinks": False, "softcap": 0},
+    {"sinks": True, "softcap": 0, "head_dim_v": None},
+    {"sinks": False, "softcap": 5, "head_dim_v": None},
+    {"sinks": True, "softcap": 5, "head_dim_v": MLA_V},
+    {"sinks": False, "causal": True},
+    {"sinks": True, "causal": False},
+]
+
+
+def test_single_gpu_emulation_checks_the_variants_at_one_to_eight_ranks(tmp_path):
+    """Attention sinks, logit soft cap and MLA head dims (v narrower than q/k), with GQA, for every own
+    method at 1, 2, 4 and 8 virtual ranks in bf16 against float64: sinks + MLA (causal), soft cap +
+    MLA (full), sinks + soft cap (causal). The soft-capped points run on the math kernel under
+    torch_flash (no cap argument), on flash-attn's own where installed."""
+    rows = _sweep(
+        tmp_path,
+        "gpu_variants",
+        {
+            "methods": OWN,
+            "world_size": [1, 2, 4, 8],
+            "batch": [1],
+            "seq_len": [SEQ],
+            "heads": [8],
+            "kv_heads": [2],
+            "head_dim": [MLA_QK],
+            "head_dim_v": [None, MLA_V],
+            "softcap": [0, 5],
+            "sinks": [False, True],
+            "dtype": ["bfloat16"],
+            "causal": [True, False],
+            "passes": ["fwd_bwd"],
+            "exclude": VARIANT_EXCLUDES,
+        },
+        {"executor": "threads", "warmup": 0, "repeats": 1, "breakdown": False},
+    )
+    assert len(rows) == len(OWN) * 4 * 3
+    seen = {(r.get("sinks", False), r.get("softcap", 0) > 0, r.get("head_dim_v") == MLA_V, r["causal"]) for r in rows}
+    assert seen == {(True, False, True, True), (False, True, True, False), (True, True, False, True)}, seen
+    assert not _bad(rows), "\n".join(_bad(rows))
+    assert all(r["checked"] for r in rows)
+    assert all(r.get("err_dsink") is not None for r in rows if r.get("sinks"))
 
 
 def test_world_size_one_over_nccl_runs_every_method_and_peer(tmp_path):
