@@ -274,6 +274,14 @@ def _parser() -> argparse.ArgumentParser:
         default=["own"],
         help="methods or groups (own, peers, all), with options as name:key=value,... (default: own)",
     )
+    flips.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="OPTION",
+        help="flip only these options (causal, scale, softcap, 'softcap value', sinks, 'sink values', "
+        "head_dim_v, documents, 'document lengths', a mask family, family.parameter such as sliding_window.window)",
+    )
     _probe_arguments(flips)
 
     repeats = sub.add_parser(

@@ -78,6 +78,7 @@ class Flip:
     base: Variant
     flipped: Variant
     change: str  # "true -> false", for the table
+    needs: str = ""  # the flip whose flipped run is this one's base ("": the plain problem)
 
 
 def flips(shape: Shape) -> list[Flip]:
@@ -92,9 +93,9 @@ def flips(shape: Shape) -> list[Flip]:
         Flip("causal", causal, full, "true -> false"),
         Flip("scale", causal, Variant(scale=0.5 / math.sqrt(d)), "1/sqrt(D) -> 0.5/sqrt(D)"),
         Flip("softcap", causal, Variant(softcap=1.0), "0 -> 1"),
-        Flip("softcap value", Variant(softcap=1.0), Variant(softcap=2.0), "1 -> 2"),
+        Flip("softcap value", Variant(softcap=1.0), Variant(softcap=2.0), "1 -> 2", "softcap"),
         Flip("sinks", causal, Variant(sinks=True), "off -> on"),
-        Flip("sink values", Variant(sinks=True), Variant(sinks=True, sink_shift=2.0), "s -> s + 2"),
+        Flip("sink values", Variant(sinks=True), Variant(sinks=True, sink_shift=2.0), "s -> s + 2", "sinks"),
         Flip("head_dim_v", causal, Variant(head_dim_v=max(1, d // 2)), f"{d} -> {max(1, d // 2)}"),
         Flip("documents", causal, Variant(lengths=halves), f"[{s}] -> {list(halves[0])}"),
         Flip(
@@ -127,8 +128,39 @@ def flips(shape: Shape) -> list[Flip]:
         for key, value in changes:
             flipped = _mask_variant(family, {**params, key: value})
             before = str(params.get(key, False)).lower()
-            out.append(Flip(f"{family}.{key}", base, flipped, f"{before} -> {str(value).lower()}"))
+            out.append(Flip(f"{family}.{key}", base, flipped, f"{before} -> {str(value).lower()}", family))
     return out
+
+
+def selected(shape: Shape, only: Optional[list[str]]) -> list[Flip]:
+    """The flips named in `only` (all when None); an unknown name raises, listing the options."""
+    every = flips(shape)
+    if only is None:
+        return every
+    names = [f.option for f in every]
+    unknown = [o for o in only if o not in names]
+    if unknown:
+        raise ValueError(f"unknown option(s) {unknown} to flip; the options are {names}")
+    return [f for f in every if f.option in only]
+
+
+def warm(
+    chosen: list[tuple[str, dict[str, Any], Shape]], runner: ProbeRunner, only: Optional[list[str]] = None
+) -> None:
+    """Run the probes of every method's flips problem by problem, every method in turn, before
+    `run_flips` reads them from the runner's cache: consecutive probes then share one problem, whose
+    float64 reference a worker builds once (`check.ProblemCache` keeps the latest)."""
+    variants: list[Variant] = []
+    for _, _, shape in chosen:
+        for f in selected(shape, only):
+            variants += [v for v in (f.base, f.flipped) if v not in variants]
+    for variant in [Variant(), *variants]:
+        for name, options, shape in chosen:
+            try:
+                pass_ = runner.pass_for(name, options, shape, Variant())
+                runner.run(runner.spec(name, options, shape, variant, pass_=pass_))
+            except (KeyError, TypeError, ValueError):  # `run_flips` reports it
+                continue
 
 
 def _mask_variant(family: str, params: dict[str, Any]) -> Variant:
@@ -426,9 +458,11 @@ def method_label(name: str, options: dict[str, Any]) -> str:
     return name + (":" + ",".join(f"{k}={v}" for k, v in sorted(options.items())) if options else "")
 
 
-def run_flips(name: str, options: dict[str, Any], shape: Shape, runner: ProbeRunner) -> list[FlipRow]:
-    """Every flip of `flips(shape)` for one method; one row per flip (one row in all when the method
-    cannot run the plain causal base problem here)."""
+def run_flips(
+    name: str, options: dict[str, Any], shape: Shape, runner: ProbeRunner, only: Optional[list[str]] = None
+) -> list[FlipRow]:
+    """Every flip of `flips(shape)` (those named in `only`, if given) for one method; one row per
+    flip (one row in all when the method cannot run the plain causal base problem here)."""
     label = method_label(name, options)
     try:
         methods.get_method(name, kernel=shape.kernel, **options)
@@ -439,7 +473,7 @@ def run_flips(name: str, options: dict[str, Any], shape: Shape, runner: ProbeRun
     if base.status == "skipped":
         return [FlipRow(label, "*", "-", SKIP, reason=f"the base problem (causal, {shape.dtype}): {base.reason}")]
     rows = []
-    for flip in flips(shape):
+    for flip in selected(shape, only):
         a = runner.run(runner.spec(name, options, shape, flip.base, pass_=pass_))
         b = runner.run(runner.spec(name, options, shape, flip.flipped, pass_=pass_))
         rows.append(judge(label, flip, a, b))
@@ -527,6 +561,8 @@ def run_command(args, out=sys.stdout) -> int:
         from methods.registry import expand_groups
 
         chosen = [parse_method(n) for n in expand_groups(args.methods)]
+        shapes = [(name, options, shape_of(args, name, options)) for name, options in chosen]
+        selected(Shape(), args.only)  # an unknown option name
         runner = ProbeRunner(
             device=device_of(args),
             plugins=tuple(args.plugin),
@@ -539,9 +575,9 @@ def run_command(args, out=sys.stdout) -> int:
         return 2
     rows: list[FlipRow] = []
     try:
-        for name, options in chosen:
-            shape = shape_of(args, name, options)
-            got = run_flips(name, options, shape, runner)
+        warm(shapes, runner, args.only)
+        for name, options, shape in shapes:
+            got = run_flips(name, options, shape, runner, args.only)
             rows += got
             print(
                 f"{method_label(name, options)}: {sum(r.status == PASS for r in got)} pass, "

@@ -206,6 +206,7 @@ class ProbeWorkload(Workload):
 
 def _real_rows(name: str, t: torch.Tensor, where: torch.Tensor) -> torch.Tensor:
     """Tensor `name` without the padding rows (dsink, [H] and already summed over ranks, as it is)."""
+    t = t.detach()  # a peer's lse may carry its library's graph
     if name == "dsink":
         return t
     return t.index_select(2 if name == "lse" else 1, where)
