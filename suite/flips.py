@@ -554,8 +554,9 @@ def device_of(args) -> str:
     return args.device
 
 
-def run_command(args, out=sys.stdout) -> int:
+def run_command(args, out=None) -> int:
     """`python -m suite flips`: the table, a summary line; exit 1 on any failed flip, 2 on bad input."""
+    out = out or sys.stdout
     try:
         methods.load_plugins(args.plugin)
         from methods.registry import expand_groups

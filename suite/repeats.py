@@ -153,9 +153,10 @@ def variant_of(args, shape: Shape) -> Variant:
     )
 
 
-def run_command(args, out=sys.stdout) -> int:
+def run_command(args, out=None) -> int:
     """`python -m suite repeats`: the report; exit 1 when a repeat fails the check (or, with
     --require-deterministic, differs), 2 on bad input or a problem the method cannot run."""
+    out = out or sys.stdout
     import methods
 
     try:
