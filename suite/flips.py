@@ -422,12 +422,12 @@ def _changed(base: ProbeResult, flip: ProbeResult, prefix: str = "") -> tuple[bo
 
 def judge(label: str, flip: Flip, base: ProbeResult, flipped: ProbeResult) -> FlipRow:
     row = FlipRow(label, flip.option, flip.change, SKIP)
-    for which, res in (("base", base), ("flipped", flipped)):
-        if res.status == "skipped":
-            row.reason = (
-                f"{flip.option}: {res.reason}" if which == "flipped" else f"{flip.option} (its base run): {res.reason}"
-            )
-            return row
+    if base.status == "skipped":  # the row of the flip that makes this base gives the reason in full
+        row.reason = f"needs {flip.needs}, refused (see its row)" if flip.needs else f"{flip.option}: {base.reason}"
+        return row
+    if flipped.status == "skipped":
+        row.reason = f"{flip.option}: {flipped.reason}"
+        return row
     for which, res in (("base", base), ("flipped", flipped)):
         if res.status == "failed":
             row.status, row.reason = FAIL, f"{which} run failed: {res.reason}"[:500]
