@@ -81,7 +81,7 @@ def test_a_base_problem_the_method_refuses_is_one_skip_row(runner):
 
 
 needs_peers = pytest.mark.skipif(
-    importlib.util.find_spec("ring_flash_attn") is None and "yunchang_usp" not in methods.available(),
+    not any(n in methods.available() for n in methods.registry.group_members("peers")),
     reason="no peer library installed (pip install -e .[peers])",
 )
 
@@ -92,14 +92,16 @@ def test_peer_libraries_flip_or_refuse_each_option_by_name():
     kernel shim; torch context parallel refuses the CPU) over gloo worker processes: each option it
     takes changes its output and passes the check; each it refuses is a skip naming the option and
     the library's reason. Nothing it accepts is dropped."""
-    peers = []
-    if importlib.util.find_spec("ring_flash_attn") is not None:
-        peers += ["rfa_ring", "rfa_zigzag", "rfa_stripe", "rfa_llama3"]
-    if "yunchang_usp" in methods.available():
-        peers += ["yunchang_usp:kernel_shim=true", "yunchang_ulysses:kernel_shim=true"]
-    peers += [p for p in ("torch_cp_allgather",) if p in methods.available()]
+    from methods.base import option_names
+    from methods.registry import group_members
+
+    peers = []  # every registered peer; with its kernel shim where it has one (yunchang's torch path is wrong)
+    for name in (n for n in group_members("peers") if n in methods.available()):
+        shim = "kernel_shim" in option_names(methods.method_class(name))
+        peers.append(name + (":kernel_shim=true" if shim else ""))
     out = subprocess.run(
-        [sys.executable, "-m", "suite", "flips", "--methods", *peers, "--plugin", "tests.plugins.rfa_cpu_shim"],
+        [sys.executable, "-m", "suite", "flips", "--methods", *peers]
+        + (["--plugin", "tests.plugins.rfa_cpu_shim"] if importlib.util.find_spec("ring_flash_attn") else []),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -127,7 +129,7 @@ def test_peer_libraries_flip_or_refuse_each_option_by_name():
         assert "softcap" in by[("rfa_ring", "softcap")][6] and by[("rfa_ring", "softcap")][5] == SKIP
         assert "asserts causal=True" in by[("rfa_zigzag", "causal")][6]
         assert "no attention-sink argument" in by[("rfa_llama3", "sinks")][6]
-    if "yunchang_usp" in methods.available():  # the kernel shim computes the cap yunchang hands on
+    if "yunchang_ulysses:kernel_shim=true" in peers:  # the kernel shim computes the cap yunchang hands on
         assert by[("yunchang_ulysses:kernel_shim=True", "softcap value")][5] == PASS
     assert "flips: " in out.stdout and " 0 fail" in out.stdout
 
