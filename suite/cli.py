@@ -273,11 +273,100 @@ def _parser() -> argparse.ArgumentParser:
     hf.add_argument("--dtype", default="float32")
     hf.add_argument("--device", default="cpu")
 
+    flips = sub.add_parser(
+        "flips",
+        help="flip every option the suite passes (causal, mask parameters, sinks, soft cap, value head dim, "
+        "scale): the output must change, else the method drops it",
+        description="For each method, run one small problem with each option flipped on the same inputs: "
+        "the output must change beyond the float64 check's bound and the flipped run must pass its check; "
+        "an option the method declares it cannot take is a recorded skip naming it (docs/conformance.md).",
+    )
+    flips.add_argument(
+        "--methods",
+        nargs="+",
+        default=["own"],
+        help="methods or groups (own, peers, all), with options as name:key=value,... (default: own)",
+    )
+    flips.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        metavar="OPTION",
+        help="flip only these options (causal, scale, softcap, 'softcap value', sinks, 'sink values', "
+        "head_dim_v, documents, 'document lengths', a mask family, family.parameter such as sliding_window.window)",
+    )
+    _probe_arguments(flips)
+
+    repeats = sub.add_parser(
+        "repeats",
+        help="flake mode: one trial N times on the same inputs (bitwise identical? spread? a repeat failing "
+        "the check?)",
+        description="Call one method N times on the same inputs within one trial; report per tensor whether "
+        "every repeat is bitwise identical, the spread, and any repeat failing the float64 check (exit 1); "
+        "non-determinism alone fails only with --require-deterministic (docs/conformance.md).",
+    )
+    repeats.add_argument(
+        "--method", required=True, help="a method, with options as name:key=value,... (usp:ulysses_degree=2)"
+    )
+    repeats.add_argument("-n", "--repeats", type=int, default=20, help="calls on the same inputs (default 20)")
+    repeats.add_argument(
+        "--require-deterministic",
+        action="store_true",
+        help="exit 1 when any tensor differs between repeats, even where every repeat passes the check",
+    )
+    _probe_arguments(repeats)
+    repeats.add_argument("--no-causal", action="store_true", help="full (bidirectional) attention")
+    repeats.add_argument(
+        "--mask", default="", help="a mask family as in sweep.mask (sliding_window:8); its causality sets the flag"
+    )
+    repeats.add_argument("--documents", default="", help="packed document lengths of every sequence, e.g. 24,24")
+    repeats.add_argument("--sinks", action="store_true", help="attention sinks (one logit per head)")
+    repeats.add_argument("--softcap", type=float, default=0.0, help="logit soft cap (0: none)")
+    repeats.add_argument("--head-dim-v", type=int, default=None, help="the values' head dim (default: --head-dim)")
+    repeats.add_argument("--scale", type=float, default=None, help="softmax scale (default 1/sqrt(head_dim))")
+    repeats.add_argument(
+        "--pass", dest="pass_", default=None, choices=["fwd", "fwd_bwd"], help="default: fwd_bwd where it can"
+    )
+
     relog = sub.add_parser("relog", help="log a stored sweep (results folder) to MLflow again")
     relog.add_argument("run_dir")
     relog.add_argument("--uri", default=None)
     relog.add_argument("--experiment", default=None)
     return p
+
+
+def _probe_arguments(p: argparse.ArgumentParser) -> None:
+    """The base problem of `flips` and `repeats` (suite/flips.py `Shape`; None: its default)."""
+    p.add_argument("--world-size", type=int, default=None, help="ranks (default 2)")
+    p.add_argument("--batch", type=int, default=None, help="default 1")
+    p.add_argument(
+        "--seq-len", type=int, default=None, help="global tokens, rounded up to the method's granule (default 48)"
+    )
+    p.add_argument("--heads", type=int, default=None, help="default 4")
+    p.add_argument("--kv-heads", type=int, default=None, help="default 2")
+    p.add_argument("--head-dim", type=int, default=None, help="default 16")
+    p.add_argument(
+        "--dtype",
+        default=None,
+        help="float32 (default; a method refusing it but taking bfloat16, ring-flash-attn, runs in bfloat16), "
+        "bfloat16, float16 or float64",
+    )
+    p.add_argument("--kernel", default=None, help="the methods' kernel option (default auto)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "auto"])
+    p.add_argument(
+        "--executor",
+        default="auto",
+        choices=["auto", "threads", "dist"],
+        help="auto: virtual ranks (threads) for own methods, worker processes (dist) for peer libraries",
+    )
+    p.add_argument(
+        "--plugin",
+        action="append",
+        default=[],
+        help="a module registering methods, imported here and in every worker (tests.plugins.rfa_cpu_shim)",
+    )
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout-s", type=float, default=None, help="per probe (default: run.timeout_s's default)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -316,6 +405,14 @@ def main(argv: Optional[list[str]] = None) -> int:
         return _hf_perplexity(args)
     if args.command == "calibrate":
         return _calibrate(args)
+    if args.command == "flips":
+        from suite.flips import run_command as flips_command
+
+        return flips_command(args)
+    if args.command == "repeats":
+        from suite.repeats import run_command as repeats_command
+
+        return repeats_command(args)
     if args.command == "relog":
         from suite.env import redact_uri
         from suite.tracking import relog, run_link

@@ -36,7 +36,15 @@ LAYERS = [
     ["suite.workloads"],
     ["suite.trial"],
     ["suite.executors"],
-    ["suite.runner", "suite.calibrate", "suite.advise", "suite.validate", "suite.conformance"],
+    [
+        "suite.runner",
+        "suite.calibrate",
+        "suite.advise",
+        "suite.validate",
+        "suite.conformance",
+        "suite.flips",
+        "suite.repeats",
+    ],
     ["suite.cli", "suite.__main__", "suite", "suite.hydra_app"],
 ]
 # Reports read stored rows only: the store and the column names, nothing that runs trials.

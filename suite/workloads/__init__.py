@@ -22,6 +22,10 @@ def workload_class(kind: str) -> type[Workload]:
         from suite.workloads.perplexity import PerplexityWorkload
 
         return PerplexityWorkload
+    if kind == "probe":  # the option-flip and repeat checks' runs (suite/flips.py), never a config's kind
+        from suite.workloads.probe import ProbeWorkload
+
+        return ProbeWorkload
     raise KeyError(f"unknown workload kind {kind!r}")
 
 

@@ -166,10 +166,13 @@ class AttentionWorkload(Workload):
         return finish(row, outcome)
 
 
-def _extra(spec: TrialSpec, docs, sinks=None) -> dict[str, Any]:
+def _extra(spec: TrialSpec, docs, sinks=None, scale=None) -> dict[str, Any]:
     """Keyword arguments of a method's attention call beyond the plain ones, only when set: peer
-    adapters take neither documents, sinks nor a cap (they refuse such trials in `supports`)."""
+    adapters take neither documents, sinks nor a cap (they refuse such trials in `supports`).
+    `scale`: a softmax scale other than 1/sqrt(head_dim) (the option-flip probe's, suite/flips.py)."""
     extra: dict[str, Any] = {"docs": docs} if docs is not None else {}
+    if scale is not None:
+        extra["softmax_scale"] = scale
     if spec.softcap:
         extra["softcap"] = spec.softcap
     if sinks is not None:
@@ -181,13 +184,16 @@ def _where(real: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return real.nonzero().flatten().to(like.device)
 
 
-def _outputs(method, spec: TrialSpec, q, k, v, dout, comm: Comm, autograd: bool, docs, sinks=None) -> dict[str, Any]:
-    """out, lse (and dq, dk, dv for fwd_bwd, and dsink with sinks) of one call on this rank's shards.
+def _outputs(
+    method, spec: TrialSpec, q, k, v, dout, comm: Comm, autograd: bool, docs, sinks=None, scale=None
+) -> dict[str, Any]:
+    """out, lse (and dq, dk, dv for fwd_bwd, and dsink with sinks) of one call on this rank's shards
+    (`scale`: the softmax scale, None: 1/sqrt(head_dim)).
 
     dsink: a rank's gradient of the sinks is its own rows' share (methods/base.py `attention`);
     the check sums the shares over the ranks here, outside the counted and timed calls, so the
     methods' byte formulas stay those of one attention call."""
-    extra = _extra(spec, docs, sinks)
+    extra = _extra(spec, docs, sinks, scale)
     if spec.pass_ == "fwd":
         with torch.no_grad():
             out, lse = method.attention(q, k, v, causal=spec.causal, comm=comm, return_lse=True, **extra)
