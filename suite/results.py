@@ -70,7 +70,15 @@ class ResultsStore:
         process, so a kill -9 never leaves a stale lock). Raises StoreLocked naming the holder's pid:
         two writers would time trials on the same cores and append the same keys twice."""
         path = self.run_dir / LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        if self.trials_path.exists() and not self.trials_path.is_file():
+            raise StoreError(f"{self.trials_path} is not a file (a folder?): this is not a results folder to write")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # a read-only folder (--resume of a copy on a read-only mount): one line
+            raise StoreError(
+                f"cannot write to the run folder {self.run_dir}: {exc.strerror or exc} (make it writable, "
+                f"or copy it somewhere writable and --resume the copy)"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -144,6 +152,8 @@ class ResultsStore:
         store = cls(Path(run_dir))
         if not store.trials_path.exists():
             raise FileNotFoundError(f"{run_dir} is not a results folder (no {TRIALS})")
+        if not store.trials_path.is_file():
+            raise StoreError(f"{run_dir} is not a results folder ({TRIALS} is not a file)")
         return store
 
     def _drop_torn_tail(self) -> None:
