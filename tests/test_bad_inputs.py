@@ -50,6 +50,7 @@ def _setup(tmp_path, monkeypatch):
 
 
 RUN = ["run", "sweep.yaml"]
+BIG_AXES = ("seq_len", "heads", "kv_heads", "head_dim", "batch")
 ADVISE = ["advise", "--model", "llama3_8b", "--topology", "h100_sxm", "--no-mlflow", "--results-root", "results"]
 
 
@@ -65,6 +66,13 @@ ADVISE = ["advise", "--model", "llama3_8b", "--topology", "h100_sxm", "--no-mlfl
         (RUN + ["sweep.world_size=[256]"], "sweep.world_size"),
         (RUN + ["sweep.head_dim_v=[0]"], "sweep.head_dim_v"),
         (RUN + ["sweep.softcap=[-1.0]"], "sweep.softcap"),
+        # issue 38: a method named twice, a plan too large to enumerate (1e10 points, counted)
+        (RUN + ["sweep.methods=[ring,ring]"], "sweep.methods"),
+        (
+            RUN + ["--dry-run"] + [f"sweep.{a}=[{','.join(map(str, range(8, 108)))}]" for a in BIG_AXES],
+            "10,000,000,000",
+        ),
+        (RUN + ["sweep.seq_len=[64,128]", "sweep.heads=[2,4]", "run.max_trials=3"], "run.max_trials=3"),
         # item 13: reports, relog, advise, plugins
         (["report", "rows/missing", "--no-mlflow", "--out", "rep"], "'method'"),
         (["report", "rows/typed", "--no-mlflow", "--out", "rep"], "'seq_len'"),
@@ -166,3 +174,37 @@ def test_redact_uri_keeps_local_stores_and_hides_every_secret_piece():
     assert redact_uri(URI) == "http://***@127.0.0.1:9/***"
     said = redact_text(f"url: /SECRETPATH/mlflow?token=SECRETQUERY/api failed for {URI}", URI)
     assert not any(s in said for s in SECRETS) and "127.0.0.1:9" in said
+
+
+@pytest.mark.parametrize("fault", ["read-only folder", "trials.jsonl a folder"])
+@pytest.mark.parametrize("how", ["named", "latest"])
+def test_resume_of_a_folder_that_cannot_be_written_is_one_line_exit_2(fault, how, tmp_path, monkeypatch, capsys):
+    """Tests run as root here, where chmod does not stop a write: the read-only mount is the
+    error the OS gives there (EROFS) on opening the folder's lock."""
+    import errno
+    import os
+
+    _setup(tmp_path, monkeypatch)
+    run_dir = tmp_path / "results" / "bad" / "20260101-000000"
+    run_dir.mkdir(parents=True)
+    from suite.config import load_config
+
+    (run_dir / "config.yaml").write_text(load_config("sweep.yaml")[1])  # this sweep's folder
+    if fault == "trials.jsonl a folder":
+        (run_dir / "trials.jsonl").mkdir()
+    else:
+        (run_dir / "trials.jsonl").write_text("")
+        real_open = os.open
+
+        def read_only(path, *args, **kwargs):
+            if str(path).startswith(str(run_dir)):
+                raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+            return real_open(path, *args, **kwargs)
+
+        monkeypatch.setattr(os, "open", read_only)
+    before = sorted(p.name for p in run_dir.iterdir())
+    assert main(RUN + ["--resume", str(run_dir) if how == "named" else "latest"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert str(run_dir) in err and ("Read-only" in err or "not a file" in err), err
+    assert sorted(p.name for p in run_dir.iterdir()) == before
