@@ -208,3 +208,36 @@ def test_resume_of_a_folder_that_cannot_be_written_is_one_line_exit_2(fault, how
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert str(run_dir) in err and ("Read-only" in err or "not a file" in err), err
     assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
+def test_no_credential_reaches_the_console_with_the_server_reachable(tmp_path, monkeypatch, capsys):
+    """MLflow prints "View run NAME at: URI" as each run ends, with the URI as the client was given
+    it: user and password in full. They reach the server as basic auth, and never the console."""
+    import base64
+
+    from tests.helpers import FakeMlflowServer
+
+    _setup(tmp_path, monkeypatch)
+    for name in ("MLFLOW_TRACKING_URI", "MLFLOW_TRACKING_USERNAME", "MLFLOW_TRACKING_PASSWORD"):
+        monkeypatch.setenv(name, "")  # restored (unset) after the test: the client sets the last two
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "false")
+    server = FakeMlflowServer()
+    try:
+        uri = f"http://SECRETUSER:SECRETPASS@127.0.0.1:{server.port}/SECRETPATH"
+        text = (tmp_path / "sweep.yaml").read_text().replace("mlflow: false", f"mlflow: true, uri: '{uri}'")
+        (tmp_path / "sweep.yaml").write_text(text)
+        assert main(RUN + ["sweep.workload=[uniform]", "--no-progress"]) == 0
+        (run_dir,) = (tmp_path / "results" / "bad").iterdir()
+        assert main(["relog", str(run_dir), "--uri", uri]) == 0
+    finally:
+        server.close()
+    out = capsys.readouterr()
+    console = out.out + out.err
+    assert f"127.0.0.1:{server.port}" in console and "/runs/create" in {
+        p.split("mlflow")[-1] for p, _ in server.requests
+    }
+    auth = "Basic " + base64.b64encode(b"SECRETUSER:SECRETPASS").decode()
+    assert server.requests and all(a == auth for _, a in server.requests)  # the credentials still work
+    for secret in ("SECRETUSER", "SECRETPASS", "SECRETPATH"):
+        assert secret not in console, console

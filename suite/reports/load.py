@@ -164,8 +164,13 @@ def load_mlflow(experiment: str, uri: Optional[str] = None) -> ResultSet:
     metrics, status and reason from tags)."""
     from mlflow.tracking import MlflowClient
 
-    DISPLAY_ONLY = set(M.MLFLOW_SHOWN) | {M.MLFLOW_RUN_FOLDER}  # tags that only show a row's numbers and folder in the UI
-    client = MlflowClient(uri) if uri else MlflowClient()
+    DISPLAY_ONLY = set(M.MLFLOW_SHOWN) | {
+        M.MLFLOW_RUN_FOLDER
+    }  # tags that only show a row's numbers and folder in the UI
+    from suite.results import mlflow_client_uri
+
+    client_uri = mlflow_client_uri(uri)  # its user info moved to MLflow's variables: never printed
+    client = MlflowClient(client_uri) if client_uri else MlflowClient()
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         raise FileNotFoundError(f"no MLflow experiment named {experiment!r} at {client.tracking_uri}")
@@ -246,8 +251,6 @@ def normalise(df: pd.DataFrame) -> pd.DataFrame:
     ]
     # shape: everything of the problem but its length, mask and pass (figures draw one shape at a
     # time: rows of different shapes are never averaged into one point)
-    df["shape"] = df.apply(
-        lambda r: f"B={r['batch']} H={r['heads']}/{r['kv_heads']} D={_dims(r)} {r['dtype']}", axis=1
-    )
+    df["shape"] = df.apply(lambda r: f"B={r['batch']} H={r['heads']}/{r['kv_heads']} D={_dims(r)} {r['dtype']}", axis=1)
     df["config"] = df.apply(lambda r: f"{r['shape']} S={r['seq_len']} {r['mask']} {r['pass']}", axis=1)
     return df
