@@ -241,3 +241,31 @@ def test_no_credential_reaches_the_console_with_the_server_reachable(tmp_path, m
     assert server.requests and all(a == auth for _, a in server.requests)  # the credentials still work
     for secret in ("SECRETUSER", "SECRETPASS", "SECRETPATH"):
         assert secret not in console, console
+
+
+def test_threads_executor_keeps_its_limits_and_outlives_a_rank_that_exits(tmp_path, monkeypatch, capsys):
+    """run.executor=threads: a rank that deadlocks, one that sleeps past run.timeout_s outside any
+    communication, and one that calls os._exit each get a row (timeout, timeout, failed), and the
+    sweep goes on to the trial after them."""
+    from suite import metrics as M
+    from suite.results import ResultsStore
+
+    _setup(tmp_path, monkeypatch)
+    argv = RUN + [
+        "sweep.methods=[ring,dying,deadlocked,sleepy,ulysses]",  # ring first: it warms up what the others reuse
+        "sweep.workload=[uniform]",
+        "run.plugins=[tests.plugins.faulty]",
+        "run.timeout_s=2",
+        "run.breakdown=false",
+        "run.fail_grace_s=1",
+        "--no-progress",
+    ]
+    assert main(argv) == 0
+    (run_dir,) = (tmp_path / "results" / "bad").iterdir()
+    rows = {r["method"]: r for r in ResultsStore(run_dir).records()}
+    assert rows["dying"][M.STATUS] == M.FAILED and "os._exit(17)" in rows["dying"][M.REASON]
+    for name in ("deadlocked", "sleepy"):
+        assert rows[name][M.STATUS] == M.TIMEOUT, rows[name]
+        assert "within 2s (run.timeout_s)" in rows[name][M.REASON]
+    assert "[1] could not be stopped" in rows["deadlocked"][M.REASON]
+    assert rows["ring"][M.STATUS] == rows["ulysses"][M.STATUS] == M.OK
