@@ -269,3 +269,65 @@ def test_threads_executor_keeps_its_limits_and_outlives_a_rank_that_exits(tmp_pa
         assert "within 2s (run.timeout_s)" in rows[name][M.REASON]
     assert "[1] could not be stopped" in rows["deadlocked"][M.REASON]
     assert rows["ring"][M.STATUS] == rows["ulysses"][M.STATUS] == M.OK
+
+
+def test_worker_processes_leave_ctrl_c_to_the_parent():
+    """Ctrl-C at a terminal reaches every process of the group: workers start with SIGINT ignored
+    (inherited through exec), so only the parent answers it, in one line."""
+    import subprocess
+    import sys
+
+    from suite.executors.local import sigint_ignored
+
+    probe = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"]
+    with sigint_ignored():
+        assert subprocess.run(probe, capture_output=True, text=True).stdout.strip() == "True"
+    assert subprocess.run(probe, capture_output=True, text=True).stdout.strip() == "False"
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_process_group_is_one_line_exit_130_rows_kept(tmp_path):
+    """SIGINT to the whole group while the dist workers start (each printed ~50 lines of
+    KeyboardInterrupt traceback before) and again once a row is written."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    config = tmp_path / "cc.yaml"
+    config.write_text(
+        SWEEP.replace("methods: [ring]", "methods: [slow]")
+        .replace("seq_len: [64]", "seq_len: [64, 128, 256, 512]")
+        .replace("executor: threads", "executor: dist, plugins: [tests.plugins.faulty], breakdown: false")
+        .replace("workload: [docs]", "workload: [uniform]")
+        + f"results: {{root: {tmp_path / 'results'}}}\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    for when in ("start-up", "after a row"):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "suite", "run", str(config), "--no-progress"],
+            cwd=root,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 240:
+            rows = list((tmp_path / "results").glob("bad/*/trials.jsonl"))
+            if when == "start-up" and rows:  # the folder exists: the workers are being spawned
+                time.sleep(1.0)
+                break
+            if when == "after a row" and any(p.read_text().count("\n") for p in rows):
+                break
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 130, err
+        assert err.strip().splitlines() == [
+            "interrupted (SIGINT): every finished trial is saved; continue with --resume"
+        ], err
+        kept = sum(p.read_text().count("\n") for p in (tmp_path / "results").glob("bad/*/trials.jsonl"))
+        assert when == "start-up" or kept >= 1
