@@ -331,3 +331,21 @@ def test_ctrl_c_to_the_process_group_is_one_line_exit_130_rows_kept(tmp_path):
         ], err
         kept = sum(p.read_text().count("\n") for p in (tmp_path / "results").glob("bad/*/trials.jsonl"))
         assert when == "start-up" or kept >= 1
+
+
+def test_report_skips_a_malformed_row_and_keeps_the_rest_of_its_folder(tmp_path, monkeypatch, capsys):
+    """One row without a column (or with text for a number) cost the whole run folder before."""
+    from pathlib import Path
+
+    _setup(tmp_path, monkeypatch)
+    golden = Path(__file__).parent / "data" / "golden" / "quickstart.jsonl"
+    rows = [json.loads(line) for line in golden.read_text().splitlines()[:3]]  # rows a sweep wrote
+    rows.append(dict(rows[0], key="bad1", seq_len="abc"))
+    rows.append({k: v for k, v in dict(rows[1], key="bad2").items() if k != "method"})
+    run = tmp_path / "rows" / "mixed" / "20260101-000000"
+    run.mkdir(parents=True)
+    (run / "trials.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["report", str(run), "--no-mlflow", "--out", "rep"]) == 0
+    out = capsys.readouterr().out
+    assert "report of 3 trial rows" in out
+    assert "2 of 5 row(s) skipped, not trial rows (first: row bad1: column 'seq_len' is 'abc'" in out

@@ -23,10 +23,38 @@ from suite.metrics import method_label
 from suite.reports.style import flop_unit, rank_word
 
 # Columns that, with the series, identify a comparable point (everything but the method).
-POINT = ["hardware", "executor", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "head_dim_v",
-         "softcap", "sinks", "dtype", "causal", "pass", "workload"]
-PROBLEM = ["batch", "seq_len", "heads", "kv_heads", "head_dim", "head_dim_v", "softcap", "sinks", "dtype", "causal",
-           "pass", "workload", "mask_name"]
+POINT = [
+    "hardware",
+    "executor",
+    "world_size",
+    "batch",
+    "seq_len",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "head_dim_v",
+    "softcap",
+    "sinks",
+    "dtype",
+    "causal",
+    "pass",
+    "workload",
+]
+PROBLEM = [
+    "batch",
+    "seq_len",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "head_dim_v",
+    "softcap",
+    "sinks",
+    "dtype",
+    "causal",
+    "pass",
+    "workload",
+    "mask_name",
+]
 
 _OPTION_LABELS = {"ulysses_degree": "U", "ranks_per_node": "per-node"}
 
@@ -224,7 +252,8 @@ def _problem_parts(df: pd.DataFrame) -> pd.DataFrame:
         {
             "B": "B=" + df["batch"].astype(str),
             "H": "H=" + df["heads"].astype(str) + "/" + df["kv_heads"].astype(str),
-            "D": "D=" + df["head_dim"].astype(str)
+            "D": "D="
+            + df["head_dim"].astype(str)
             + [f"/{v}" if v != d else "" for d, v in zip(df["head_dim"], df["head_dim_v"])],  # MLA: D/Dv
             "dtype": df["dtype"].astype(str),
             "S": "S=" + df["seq_len"].astype(str),
@@ -659,8 +688,24 @@ def perplexity(df: pd.DataFrame) -> Table:
     return Table("perplexity", title, data, cols, what=what, section="perplexity", source=_source(t))
 
 
-SIM_PAIR = ["method", "options", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "head_dim_v",
-            "softcap", "sinks", "dtype", "causal", "pass", "workload", "mask_name"]
+SIM_PAIR = [
+    "method",
+    "options",
+    "world_size",
+    "batch",
+    "seq_len",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "head_dim_v",
+    "softcap",
+    "sinks",
+    "dtype",
+    "causal",
+    "pass",
+    "workload",
+    "mask_name",
+]
 
 
 def sim_pairs(df: pd.DataFrame) -> pd.DataFrame:
