@@ -256,6 +256,10 @@ def normalise(df: pd.DataFrame) -> pd.DataFrame:
     ]
     # shape: everything of the problem but its length, mask and pass (figures draw one shape at a
     # time: rows of different shapes are never averaged into one point)
-    df["shape"] = df.apply(lambda r: f"B={r['batch']} H={r['heads']}/{r['kv_heads']} D={_dims(r)} {r['dtype']}", axis=1)
-    df["config"] = df.apply(lambda r: f"{r['shape']} S={r['seq_len']} {r['mask']} {r['pass']}", axis=1)
+    # rows as dicts: apply(axis=1) builds a Series per row (seconds at 10,000 rows)
+    rows = df[["batch", "heads", "kv_heads", "head_dim", "head_dim_v", "dtype"]].to_dict("records")
+    df["shape"] = [f"B={r['batch']} H={r['heads']}/{r['kv_heads']} D={_dims(r)} {r['dtype']}" for r in rows]
+    df["config"] = [
+        f"{shape} S={s} {mask} {p}" for shape, s, mask, p in zip(df["shape"], df["seq_len"], df["mask"], df["pass"])
+    ]
     return df
