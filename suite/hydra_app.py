@@ -146,12 +146,14 @@ class _Tee:
 
 
 register()
+_entered = [False]  # whether Hydra composed a config and called `main` (see `run`)
 
 
 @hydra.main(version_base="1.3", config_path=None, config_name="suite")
 def main(cfg: DictConfig) -> None:
     from suite.cli import sweep_exit_code
 
+    _entered[0] = True
     hc = HydraConfig.get()
     choice = hc.runtime.choices.get(GROUP, "?")
     cli = cfg.get("cli") or {}
@@ -185,5 +187,17 @@ def main(cfg: DictConfig) -> None:
         raise SystemExit(code)
 
 
+def run() -> None:
+    """`main` with one exit code for a config error: Hydra itself exits 1 when it cannot compose
+    the config (a key not in the schema, an unknown `config=` option, an override it cannot
+    parse), before `main` runs; `suite run` exits 2 for those, and so does this app."""
+    try:
+        main()
+    except SystemExit as exc:
+        if exc.code == 1 and not _entered[0]:
+            raise SystemExit(2) from None
+        raise
+
+
 if __name__ == "__main__":
-    main()
+    run()

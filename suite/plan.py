@@ -11,6 +11,7 @@ import functools
 import hashlib
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
 
@@ -203,6 +204,37 @@ class PlannedWorkload(Protocol):
     def passes(self, cfg: SuiteConfig) -> list[str]: ...
 
     def identity(self, cfg: SuiteConfig, *, workload: str, batch: int, seq_len: int) -> str: ...
+
+
+def plan_size(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place]) -> int:
+    """How many trials `expand` would plan at most, from the axis sizes alone (nothing enumerated):
+    the product of the axes and of each method's list-valued options, before `sweep.exclude` (a
+    rule's reach depends on the points themselves). A `head_dim_v` of null beside values equal to
+    `head_dim` plans once in `expand`; here it counts as listed, so this is an upper bound."""
+    s = cfg.sweep
+    axes = (
+        len(places),
+        len(s.world_size),
+        len(s.workload),
+        len(s.batch),
+        len(s.seq_len),
+        len(s.heads),
+        len(s.kv_heads),
+        len(s.head_dim),
+        len(s.head_dim_v),
+        len(s.softcap),
+        len(s.dtype),
+        len(s.mask) if s.mask else len(s.causal),
+        len(s.sinks),
+        len(workload.passes(cfg)),
+    )
+    per_method = 0
+    for m in s.methods:
+        points = 1
+        for value in dict(s.method_options.get(m, {})).values():
+            points *= len(value) if isinstance(value, (list, tuple)) else 1
+        per_method += points
+    return math.prod(axes) * per_method
 
 
 def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], device: str) -> list[TrialSpec]:

@@ -70,7 +70,15 @@ class ResultsStore:
         process, so a kill -9 never leaves a stale lock). Raises StoreLocked naming the holder's pid:
         two writers would time trials on the same cores and append the same keys twice."""
         path = self.run_dir / LOCK
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        if self.trials_path.exists() and not self.trials_path.is_file():
+            raise StoreError(f"{self.trials_path} is not a file (a folder?): this is not a results folder to write")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:  # a read-only folder (--resume of a copy on a read-only mount): one line
+            raise StoreError(
+                f"cannot write to the run folder {self.run_dir}: {exc.strerror or exc} (make it writable, "
+                f"or copy it somewhere writable and --resume the copy)"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
@@ -144,6 +152,8 @@ class ResultsStore:
         store = cls(Path(run_dir))
         if not store.trials_path.exists():
             raise FileNotFoundError(f"{run_dir} is not a results folder (no {TRIALS})")
+        if not store.trials_path.is_file():
+            raise StoreError(f"{run_dir} is not a results folder ({TRIALS} is not a file)")
         return store
 
     def _drop_torn_tail(self) -> None:
@@ -298,3 +308,31 @@ class ResultsStore:
         df.to_parquet(tmp, index=False)
         tmp.replace(out)
         return out
+
+
+def mlflow_client_uri(uri: Optional[str]) -> Optional[str]:
+    """The URI to hand MLflow's client, with the user info of `uri` moved out of it: MLflow prints
+    the server's address as given ("View run NAME at: URI" when a run ends, its request errors), so
+    a URI carrying user:password@ put them on the console. The credentials go where MLflow reads
+    them instead (MLFLOW_TRACKING_USERNAME / MLFLOW_TRACKING_PASSWORD, sent as basic auth as
+    before), and MLflow's own run links are switched off (the suite prints its own, redacted).
+    `uri` None: MLflow's default ($MLFLOW_TRACKING_URI), treated the same way. It lives here, in
+    the bottom layer, because both the tracker and the reports (which load no torch) open clients."""
+    from urllib.parse import unquote, urlsplit, urlunsplit
+
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+    given = uri if uri is not None else os.environ.get("MLFLOW_TRACKING_URI")
+    if not given or "://" not in given:
+        return uri
+    try:
+        parts = urlsplit(given)
+    except ValueError:
+        return uri
+    if "@" not in parts.netloc or parts.scheme.startswith(("sqlite", "file")):
+        return given if uri is not None else None
+    userinfo, host = parts.netloc.rsplit("@", 1)
+    user, _, password = userinfo.partition(":")
+    os.environ["MLFLOW_TRACKING_USERNAME"] = unquote(user)
+    if password:
+        os.environ["MLFLOW_TRACKING_PASSWORD"] = unquote(password)
+    return urlunsplit((parts.scheme, host, parts.path, parts.query, parts.fragment))

@@ -22,7 +22,7 @@ from suite.budget import Budget, runs_on_target, target_method
 from suite.config import SuiteConfig, to_dict
 from suite.env import busy_note, fingerprint, machine_load, redact_uri
 from suite.executors import Executor, make_executor
-from suite.plan import RunSettings, TrialSpec, expand
+from suite.plan import RunSettings, TrialSpec, expand, plan_size
 from suite.records import RowContext, skipped_row
 from suite.results import CONFIG, ENVIRONMENT, RESUMES, ResultsStore, StoreError
 from suite.summary import summary_table
@@ -99,6 +99,15 @@ def run_sweep(
         return None
     try:
         workload = make_workload(cfg.kind, cfg)
+        size = plan_size(cfg, workload, executor.places())
+        if size > cfg.run.max_trials:  # counted from the axis sizes: planning it could take hours
+            from suite.config import ConfigError
+
+            raise ConfigError(
+                f"run.max_trials: the sweep's axes multiply to {size:,} trials (before sweep.exclude), "
+                f"more than run.max_trials={cfg.run.max_trials:,}; narrow the sweep axes, or raise "
+                f"run.max_trials to plan them all"
+            )
         plan = expand(cfg, workload, executor.places(), executor.device)
         if not plan:  # a run folder with no trials in it is a mistake in the config, not a result
             from suite.config import ConfigError
@@ -140,6 +149,7 @@ NOT_COMPARED = (
     "run.startup_timeout_s",
     "run.fail_grace_s",
     "run.max_ranks_per_core",
+    "run.max_trials",
 )
 
 

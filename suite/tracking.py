@@ -42,7 +42,7 @@ from suite import metrics as M
 from suite.env import redact_text, redact_uri
 from suite.env import tags as env_tags
 from suite.metrics import IDENTITY
-from suite.results import CONFIG, ENVIRONMENT, MLFLOW, PARQUET, TRIALS, ResultsStore
+from suite.results import CONFIG, ENVIRONMENT, MLFLOW, PARQUET, TRIALS, ResultsStore, mlflow_client_uri
 
 _MAX_TAG = 4000
 _MAX_PARAM = 6000
@@ -287,7 +287,7 @@ def open_client_readonly(uri: str):
 
     quiet_mlflow_logs()
     with _store_lock(uri):
-        client = MlflowClient(tracking_uri=uri)
+        client = MlflowClient(tracking_uri=mlflow_client_uri(uri))
         client.search_experiments(max_results=1)  # opens (and, for an older schema, migrates) the store
     return client
 
@@ -409,7 +409,7 @@ def open_client(
     quiet_mlflow_logs()  # after the import: importing mlflow sets its loggers' levels
     with _store_lock(uri):
         try:
-            return _open_experiment(MlflowClient(tracking_uri=uri), uri, experiment, artifact_root)
+            return _open_experiment(MlflowClient(tracking_uri=mlflow_client_uri(uri)), uri, experiment, artifact_root)
         except Exception as exc:  # noqa: BLE001 - judged below, raised again unless the file is broken
             why = broken_store(uri, exc)
             if why is None:
@@ -418,7 +418,7 @@ def open_client(
         assert path is not None  # broken_store judges sqlite files only
         aside = _move_aside(path)
         _forget_engines(uri)
-        opened = _open_experiment(MlflowClient(tracking_uri=uri), uri, experiment, artifact_root)
+        opened = _open_experiment(MlflowClient(tracking_uri=mlflow_client_uri(uri)), uri, experiment, artifact_root)
     if moved_aside is not None:
         moved_aside(why, aside)
     return opened

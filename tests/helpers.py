@@ -205,3 +205,94 @@ def assert_block_matches(out, lse, grads, ref_out, ref_lse, ref_grads, tol: floa
     assert float((out.double() - ref_out).abs().max()) < tol
     for got, want in zip(grads, ref_grads):
         assert float((got.double() - want).abs().max()) < tol
+
+
+class FakeMlflowServer:
+    """A stand-in for an MLflow tracking server on loopback: it answers every REST call MLflow's
+    client makes with the smallest valid reply (one experiment, runs that exist once created) and
+    records each request's path and Authorization header, so a test can run a sweep against a
+    reachable server without starting one (MLflow's takes a minute)."""
+
+    def __init__(self):
+        import http.server
+        import itertools
+        import json
+        import threading
+
+        self.requests: list[tuple[str, str]] = []  # (path, Authorization header)
+        runs: dict[str, dict] = {}
+        ids = itertools.count(1)
+        server = self
+
+        def run_of(run_id: str, name: str = "run") -> dict:
+            return runs.setdefault(
+                run_id,
+                {
+                    "info": {
+                        "run_id": run_id,
+                        "run_uuid": run_id,
+                        "run_name": name,
+                        "experiment_id": "1",
+                        "status": "RUNNING",
+                        "start_time": 0,
+                        "lifecycle_stage": "active",
+                        "artifact_uri": f"mlflow-artifacts:/1/{run_id}/artifacts",
+                    },
+                    "data": {"params": [], "tags": [], "metrics": []},
+                },
+            )
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):  # quiet
+                pass
+
+            def _reply(self, body: dict) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def _handle(self) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                raw = self.rfile.read(length) if length else b""
+                server.requests.append((self.path, self.headers.get("Authorization") or ""))
+                try:
+                    body = json.loads(raw or b"{}")
+                except ValueError:
+                    body = {}
+                path = self.path.split("?")[0]
+                query = self.path.split("?")[1] if "?" in self.path else ""
+                exp = {"experiment_id": "1", "name": "exp", "artifact_location": "x", "lifecycle_stage": "active"}
+                if path.endswith("experiments/get-by-name") or path.endswith("experiments/get"):
+                    return self._reply({"experiment": exp})
+                if path.endswith("experiments/create"):
+                    return self._reply({"experiment_id": "1"})
+                if path.endswith("experiments/search"):
+                    return self._reply({"experiments": [exp]})
+                if path.endswith("runs/create"):
+                    run = run_of(f"r{next(ids)}", body.get("run_name") or "run")
+                    run["data"]["tags"] = body.get("tags") or []
+                    return self._reply({"run": run})
+                if path.endswith("runs/get"):
+                    run_id = dict(kv.split("=", 1) for kv in query.split("&") if "=" in kv).get("run_id", "r0")
+                    return self._reply({"run": run_of(run_id)})
+                if path.endswith("runs/update"):
+                    run = run_of(body.get("run_id") or "r0")
+                    run["info"]["status"] = body.get("status") or run["info"]["status"]
+                    return self._reply({"run_info": run["info"]})
+                if path.endswith("runs/search"):
+                    return self._reply({"runs": []})
+                return self._reply({})
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = _handle
+
+        self._httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self._httpd.server_address[1]
+        self._thread = threading.Thread(target=self._httpd.serve_forever, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()

@@ -52,8 +52,11 @@ def test_cfg_job_composes_a_sweep_file_with_scalar_add_and_remove_overrides(tmp_
 def test_config_errors_name_the_key(tmp_path):
     out = app("config=quickstart", "run.repeats=many", "cli.dry_run=true", cwd=tmp_path)
     assert out.returncode == 2 and "config error: config=quickstart: run.repeats:" in out.stderr
+    # a key Hydra cannot place is refused by Hydra itself, before the app runs: the same exit code
     out = app("config=quickstart", "sweep.bogus=1", cwd=tmp_path)
-    assert out.returncode != 0 and "sweep.bogus" in out.stdout + out.stderr
+    assert out.returncode == 2 and "sweep.bogus" in out.stdout + out.stderr
+    out = app("config=no_such_sweep", cwd=tmp_path)
+    assert out.returncode == 2 and "no_such_sweep" in out.stdout + out.stderr
 
 
 @pytest.mark.slow

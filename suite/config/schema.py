@@ -162,6 +162,10 @@ class RunConfig:
     """Hardware label recorded with each trial; auto = detected (GPU name or CPU model)."""
     plugins: list[str] = field(default_factory=list)
     """Python modules imported in the parent and every worker to register extra methods."""
+    max_trials: int = 200_000
+    """A sweep whose axes multiply to more trials than this (before `sweep.exclude`) is refused
+    before anything is planned: a typo in an axis should not plan for hours. The main GPU sweep
+    plans about 6,600; raise it for a larger sweep on purpose."""
 
 
 @dataclass

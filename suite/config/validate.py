@@ -191,6 +191,7 @@ def validate(cfg: SuiteConfig) -> None:
         f"must be a finite number > 0, got {r.max_ranks_per_core}",
     )
     _require(r.threads_per_rank >= 0, "run.threads_per_rank", "must be >= 0 (0 = automatic)")
+    _require(r.max_trials >= 1, "run.max_trials", f"must be >= 1, got {r.max_trials}")
     if r.backend == "nccl":
         _require(r.device != "cpu", "run.backend", "nccl needs run.device cuda (or auto on a GPU machine)")
     _require(bool(cfg.results.root), "results.root", "must be a folder path")
@@ -319,6 +320,11 @@ def expand_method_groups(cfg: SuiteConfig) -> None:
         methods.load_plugins(cfg.run.plugins)
     except ImportError as exc:
         raise ConfigError(f"run.plugins: {exc}") from None
+    named = [str(m) for m in cfg.sweep.methods]
+    twice = sorted({m for m in named if named.count(m) > 1})
+    # as every other axis: a method named twice would run once, which the config does not say (a
+    # group that holds a named method, `[own, ring]`, is a union and stays one)
+    _require(not twice, "sweep.methods", f"names {twice} more than once: {named}; name each method once")
     cfg.sweep.methods = methods.expand_groups(cfg.sweep.methods)
     for rule in cfg.sweep.exclude:
         if "method" in rule:

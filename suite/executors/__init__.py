@@ -43,7 +43,12 @@ def make_executor(cfg: SuiteConfig, *, dry_run: bool = False) -> Executor:
         from suite.executors.threads import ThreadExecutor
 
         return ThreadExecutor(
-            device=device, run=settings, timeout_s=r.timeout_s + r.prepare_timeout_s, hardware=r.hardware
+            device=device,
+            run=settings,
+            timeout_s=r.timeout_s,
+            prepare_timeout_s=r.prepare_timeout_s,
+            grace_s=r.fail_grace_s,
+            hardware=r.hardware,
         )
     from suite.executors.torchrun import TorchrunExecutor, external_launch
 

@@ -11,7 +11,9 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import queue
+import signal
 import socket
+import threading
 import time
 from datetime import timedelta
 from typing import Optional
@@ -34,6 +36,25 @@ def available_cores() -> int:
 
 def threads_per_rank(configured: int, world_size: int) -> int:
     return configured if configured > 0 else max(1, available_cores() // world_size)
+
+
+class sigint_ignored:
+    """Processes started inside ignore SIGINT from their first instruction (the disposition is
+    inherited through exec, and Python keeps an ignored SIGINT ignored): Ctrl-C at a terminal
+    reaches the whole process group, and each worker printed a KeyboardInterrupt traceback of
+    about fifty lines while the parent, which handles Ctrl-C, kills them anyway. Only in the main
+    thread (where signal handlers can be set); elsewhere nothing changes."""
+
+    def __enter__(self):
+        self._old = None
+        if threading.current_thread() is threading.main_thread():
+            self._old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        return self
+
+    def __exit__(self, *exc):
+        if self._old is not None:
+            signal.signal(signal.SIGINT, self._old)
+        return False
 
 
 class GroupStartError(RuntimeError):
@@ -76,8 +97,9 @@ class LocalGroup:
             )
             for r in range(self.world_size)
         ]
-        for p in self._procs:
-            p.start()
+        with sigint_ignored():  # Ctrl-C is the parent's to handle; the workers follow it
+            for p in self._procs:
+                p.start()
         try:
             self._wait_ready(startup_timeout_s)
         except BaseException:

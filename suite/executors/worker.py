@@ -8,6 +8,7 @@ parent disappears (so a killed sweep leaves no orphans).
 
 from __future__ import annotations
 
+import importlib
 import os
 import queue
 import threading
@@ -84,6 +85,9 @@ def worker_main(rank: int, store_port: int, settings: WorkerSettings, tasks, res
             world_size=settings.world_size,
             timeout=timedelta(seconds=settings.comm_timeout_s),
         )
+        # the first trial would import torch._dynamo on its clock (seconds; more under load)
+        importlib.import_module("torch._dynamo")
+
         comm = DistComm()
         comm.barrier()  # the group really works before we say so
     except Exception:  # noqa: BLE001

@@ -6,6 +6,7 @@ one self-contained HTML page (docs/DESIGN.md section 9). Nothing is rerun.
 Layering: this package reads stored rows only (suite.results, suite.metrics); it never imports
 torch, Hydra, `methods` or the planner, so a report is quick to start and runs anywhere.
 """
+
 from __future__ import annotations
 
 import difflib
@@ -28,20 +29,28 @@ class ReportError(ValueError):
 class Report:
     out_dir: Path
     html: Path
-    tables: dict = field(default_factory=dict)      # name -> {fmt: path}
-    figures: list = field(default_factory=list)     # paths (PNG and PDF)
+    tables: dict = field(default_factory=dict)  # name -> {fmt: path}
+    figures: list = field(default_factory=list)  # paths (PNG and PDF)
     notes: list = field(default_factory=list)
     rows: int = 0
     seconds: float = 0.0
-    logged_to: list = field(default_factory=list)   # MLflow parent runs the HTML was attached to
-    redrawn: int = 0                                # figures drawn (the others were unchanged)
+    logged_to: list = field(default_factory=list)  # MLflow parent runs the HTML was attached to
+    redrawn: int = 0  # figures drawn (the others were unchanged)
     read_notes: list = field(default_factory=list)  # what reading the store skipped or de-duplicated
 
 
-def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = None, baseline: Optional[str] = None,
-                 results_root: str | Path = "results", mlflow_experiment: Optional[str] = None,
-                 mlflow_uri: Optional[str] = None, log_to_mlflow: bool = True,
-                 progress: Optional[Callable[[str], None]] = None, workers: Optional[int] = None) -> Report:
+def build_report(
+    paths: list[str] | None = None,
+    *,
+    out: Optional[str | Path] = None,
+    baseline: Optional[str] = None,
+    results_root: str | Path = "results",
+    mlflow_experiment: Optional[str] = None,
+    mlflow_uri: Optional[str] = None,
+    log_to_mlflow: bool = True,
+    progress: Optional[Callable[[str], None]] = None,
+    workers: Optional[int] = None,
+) -> Report:
     """Read the runs (and optionally an MLflow experiment), write tables, figures and the HTML.
 
     baseline: the method speedups divide by; None means `ring` where the runs have it (no speedup
@@ -69,8 +78,10 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
         sets.append(load_mlflow(mlflow_experiment, mlflow_uri))
     data = combine(sets)
     if not data.sources and data.notes:  # every folder named was skipped: nothing to report on
-        raise ReportError(f"no readable results: {data.notes[0]}" + (f" (and {len(data.notes) - 1} more)"
-                                                                      if len(data.notes) > 1 else ""))
+        raise ReportError(
+            f"no readable results: {data.notes[0]}"
+            + (f" (and {len(data.notes) - 1} more)" if len(data.notes) > 1 else "")
+        )
     data.notes[:0] = selection
     df = with_series(data.frame)
     say(f"read {len(df)} rows from {len(data.sources)} run(s) in {time.perf_counter() - t0:.1f}s")
@@ -120,8 +131,10 @@ def build_report(paths: list[str] | None = None, *, out: Optional[str | Path] = 
     logged = [s for s in data.sources if (Path(s.run_dir) / "mlflow.json").exists()] if log_to_mlflow else []
     if logged:
         pngs = [Path(p) for p in figures if str(p).endswith(".png")]
-        say(f"attaching the page and {len(pngs)} figures to {len(logged)} MLflow run(s) "
-            f"(importing MLflow takes a few seconds)")
+        say(
+            f"attaching the page and {len(pngs)} figures to {len(logged)} MLflow run(s) "
+            f"(importing MLflow takes a few seconds)"
+        )
         report.logged_to = _log_html(html, logged, pngs)
         say(f"attached to MLflow ({time.perf_counter() - t0:.1f}s)")
     report.seconds = time.perf_counter() - t0
@@ -172,7 +185,9 @@ def _log_html(html: Path, sources, pngs: list[Path] = ()) -> list[str]:
         try:
             from mlflow.tracking import MlflowClient
 
-            client = MlflowClient(uri)
+            from suite.results import mlflow_client_uri
+
+            client = MlflowClient(mlflow_client_uri(uri))
             client.log_artifact(info["parent_run_id"], str(html), artifact_path="report")
             for png in pngs:
                 client.log_artifact(info["parent_run_id"], str(png), artifact_path="report/figures")

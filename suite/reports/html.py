@@ -2,6 +2,7 @@
 shape, tables with captions, figures embedded (base64 PNG) at their drawn size, and the resolved
 configs and environment fingerprints of the runs it draws on. No scripts, external styles or
 images, so the file can be mailed, archived or attached to an MLflow run as it is."""
+
 from __future__ import annotations
 
 import base64

@@ -14,6 +14,7 @@ import json
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Optional
 
 import numpy as np
 import pandas as pd
@@ -23,10 +24,38 @@ from suite.metrics import method_label
 from suite.reports.style import flop_unit, rank_word
 
 # Columns that, with the series, identify a comparable point (everything but the method).
-POINT = ["hardware", "executor", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "head_dim_v",
-         "softcap", "sinks", "dtype", "causal", "pass", "workload"]
-PROBLEM = ["batch", "seq_len", "heads", "kv_heads", "head_dim", "head_dim_v", "softcap", "sinks", "dtype", "causal",
-           "pass", "workload", "mask_name"]
+POINT = [
+    "hardware",
+    "executor",
+    "world_size",
+    "batch",
+    "seq_len",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "head_dim_v",
+    "softcap",
+    "sinks",
+    "dtype",
+    "causal",
+    "pass",
+    "workload",
+]
+PROBLEM = [
+    "batch",
+    "seq_len",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "head_dim_v",
+    "softcap",
+    "sinks",
+    "dtype",
+    "causal",
+    "pass",
+    "workload",
+    "mask_name",
+]
 
 _OPTION_LABELS = {"ulysses_degree": "U", "ranks_per_node": "per-node"}
 
@@ -64,7 +93,8 @@ def with_series(df: pd.DataFrame) -> pd.DataFrame:
     # the perplexity check's single-device baseline (executor local) is no second kind of timing
     many_exec = df.loc[df["executor"] != "local", "executor"].nunique(dropna=True) > 1
     many_hw = df["hardware"].nunique(dropna=True) > 1
-    df["series"] = df.apply(lambda r: series_label(r, many_exec, many_hw), axis=1)
+    # rows as dicts: apply(axis=1) builds a Series per row (seconds at 10,000 rows)
+    df["series"] = [series_label(r, many_exec, many_hw) for r in df.to_dict("records")]
     return df
 
 
@@ -141,6 +171,7 @@ class Table:
     source: str = ""  # the sweeps, machines and executors the rows come from
     fixed: list[str] = field(default_factory=list)  # what every row shares, known when built
     constants: list[str] = field(default_factory=list)  # ... and found by `shown`
+    _formatted: Optional[tuple] = field(default=None, repr=False, compare=False)  # `formatted`'s, for this data
 
     @property
     def empty(self) -> bool:
@@ -224,7 +255,8 @@ def _problem_parts(df: pd.DataFrame) -> pd.DataFrame:
         {
             "B": "B=" + df["batch"].astype(str),
             "H": "H=" + df["heads"].astype(str) + "/" + df["kv_heads"].astype(str),
-            "D": "D=" + df["head_dim"].astype(str)
+            "D": "D="
+            + df["head_dim"].astype(str)
             + [f"/{v}" if v != d else "" for d, v in zip(df["head_dim"], df["head_dim_v"])],  # MLA: D/Dv
             "dtype": df["dtype"].astype(str),
             "S": "S=" + df["seq_len"].astype(str),
@@ -261,7 +293,7 @@ def correctness_matrix(df: pd.DataFrame) -> Table:
     varying = [c for c in parts.columns if parts[c].nunique() > 1]
     fixed = [parts[c].iloc[0] for c in parts.columns if c not in varying]
     problem = parts[varying].agg(" ".join, axis=1) if varying else pd.Series("all", index=df.index)
-    t = df.assign(cell=df.apply(cell, axis=1), problem=problem, P=df["world_size"])
+    t = df.assign(cell=[cell(r) for r in df.to_dict("records")], problem=problem, P=df["world_size"])
     out = t.pivot_table(index=["series", "P"], columns="problem", values="cell", aggfunc="first")
     problems = sorted(out.columns, key=lambda c: _natural(c))
     out = out[problems].reset_index()
@@ -439,11 +471,13 @@ def speedup_rows(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
 
     base_ms: dict[tuple, list] = {}
     base_samples: dict[tuple, list] = {}
-    for _, r in m[m["method"] == baseline].iterrows():
-        base_ms.setdefault(point(r), []).append(r[M.TIME_MS_MEDIAN])
-        base_samples.setdefault(point(r), []).append(samples(r))
+    rows = m[[*POINT, "method", M.TIME_MS_MEDIAN, M.TIME_MS_SAMPLES]].to_dict("records")  # iterrows: 17 s at 10k rows
+    for r in rows:
+        if r["method"] == baseline:
+            base_ms.setdefault(point(r), []).append(r[M.TIME_MS_MEDIAN])
+            base_samples.setdefault(point(r), []).append(samples(r))
     speed, lo, hi = [], [], []
-    for _, r in m.iterrows():
+    for r in rows:
         k = point(r)
         if k not in base_ms:
             speed.append(math.nan)
@@ -451,7 +485,7 @@ def speedup_rows(df: pd.DataFrame, baseline: str) -> pd.DataFrame:
             hi.append(math.nan)
             continue
         ratios = np.divide.outer(np.concatenate(base_samples[k]), samples(r)).ravel()
-        q_lo, q_hi = np.percentile(ratios, SPEEDUP_INTERVAL)
+        q_lo, q_hi = percentiles(ratios, SPEEDUP_INTERVAL)
         speed.append(float(np.median(base_ms[k])) / r[M.TIME_MS_MEDIAN])
         lo.append(q_lo)
         hi.append(q_hi)
@@ -659,8 +693,24 @@ def perplexity(df: pd.DataFrame) -> Table:
     return Table("perplexity", title, data, cols, what=what, section="perplexity", source=_source(t))
 
 
-SIM_PAIR = ["method", "options", "world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim", "head_dim_v",
-            "softcap", "sinks", "dtype", "causal", "pass", "workload", "mask_name"]
+SIM_PAIR = [
+    "method",
+    "options",
+    "world_size",
+    "batch",
+    "seq_len",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "head_dim_v",
+    "softcap",
+    "sinks",
+    "dtype",
+    "causal",
+    "pass",
+    "workload",
+    "mask_name",
+]
 
 
 def sim_pairs(df: pd.DataFrame) -> pd.DataFrame:
@@ -831,13 +881,34 @@ def mask_families(df: pd.DataFrame) -> Table:
     return Table("mask_families", title, data, cols, what=what, section="balance", source=_source(df))
 
 
+def _nan_none(key) -> tuple:
+    key = key if isinstance(key, tuple) else (key,)
+    return tuple(None if isinstance(v, float) and math.isnan(v) else v for v in key)
+
+
+def percentiles(values, qs) -> list[float]:
+    """np.percentile's default (linear) percentiles of a few values, without its per-call overhead
+    (about 0.2 ms: seconds over the 10,000 rows of a large report)."""
+    a = sorted(float(v) for v in values)
+    n, out = len(a), []
+    for q in qs:
+        pos = q / 100 * (n - 1)
+        lo = math.floor(pos)
+        hi = min(lo + 1, n - 1)
+        out.append(a[lo] + (a[hi] - a[lo]) * (pos - lo))
+    return out
+
+
 def throughput_pct(df: pd.DataFrame) -> pd.Series:
     """Percent of ideal of every measured row, indexed like `measured(df)`."""
     m = measured(df)
     ref = m[(m["method"] == "reference") & (m["world_size"] == 1)]
     ref = ref.groupby(["hardware", "executor"] + PROBLEM, dropna=False)[M.TIME_MS_MEDIAN].median()
-    key = list(zip(*(m[c] for c in ["hardware", "executor"] + PROBLEM)))
-    ref_ms = pd.Series([ref.get(k) for k in key], index=m.index, dtype="float64")
+    # a dict, not Series.get per row (about 0.3 ms each: seconds at 10,000 rows); NaN keys as None,
+    # since NaN is not equal to itself
+    lookup = {_nan_none(k): v for k, v in ref.items()}
+    key = zip(*(m[c] for c in ["hardware", "executor"] + PROBLEM))
+    ref_ms = pd.Series([lookup.get(_nan_none(k)) for k in key], index=m.index, dtype="float64")
     return 100 * (ref_ms / m["world_size"]) / m[M.TIME_MS_MEDIAN]
 
 
@@ -901,6 +972,8 @@ def precise_digits(values) -> int:
 def format_column(values: pd.Series, col: Col, digits: int | None = None) -> list[str]:
     """Cells of one column as text (numbers by the column's kind; strings as they are)."""
     out = []
+    if col.kind == "precise" and not digits:
+        digits = precise_digits(values)  # once per column: per cell it was quadratic in the rows
     for v in values:
         if v is None or (isinstance(v, float) and math.isnan(v)):
             out.append("")
@@ -917,14 +990,18 @@ def format_column(values: pd.Series, col: Col, digits: int | None = None) -> lis
         elif col.kind == "ratio":
             out.append(f"{v:.2f}")
         elif col.kind == "precise":
-            out.append(_sig(float(v), digits or precise_digits(values)))
+            out.append(_sig(float(v), digits))
         else:
             out.append(_sig(float(v)))
     return out
 
 
 def formatted(table: Table) -> tuple[pd.DataFrame, dict[str, Col]]:
-    """The shown columns of `table` as text, ready for any renderer."""
+    """The shown columns of `table` as text, ready for any renderer (formatted once per table: the
+    Markdown, LaTeX and HTML renderers each ask)."""
+    cached = table._formatted
+    if cached is not None and cached[0] is table.data:
+        return cached[1], cached[2]
     data, cols = table.shown()
     groups: dict[str, int] = {}
     for name, col in cols.items():
@@ -934,4 +1011,5 @@ def formatted(table: Table) -> tuple[pd.DataFrame, dict[str, Col]]:
     text = pd.DataFrame(
         {name: format_column(data[name], col, groups.get(col.group)) for name, col in cols.items()}, index=data.index
     )
+    table._formatted = (table.data, text, cols)
     return text, cols

@@ -7,9 +7,13 @@ exchange, as they would with a real bug):
 - `dying`: the worker process exits abruptly (as on a segfault or an OOM kill).
 - `wrong`: no fault in control flow; it forgets the causal mask, so the float64 check must flag it.
 - `slow`: sleeps 0.3 s per call on every rank (to kill a sweep mid-way).
+- `sleepy`: sleeps 6 s per call on every rank, outside any communication (a limit of a second or two
+  must fire although every rank would finish).
+- `deadlocked`: rank 1 takes a lock it already holds (a deadlock no timeout of a wait can end).
 """
 
 import os
+import threading
 import time
 
 from methods.registry import register
@@ -60,6 +64,25 @@ class Slow(_FaultyRing):
 
     def fault(self, rank):
         time.sleep(0.3)
+
+
+@register
+class Sleepy(_FaultyRing):
+    name, description = "sleepy", "test only: ring that sleeps 6 s per call on every rank"
+
+    def fault(self, rank):
+        time.sleep(6.0)
+
+
+@register
+class Deadlocked(_FaultyRing):
+    name, description = "deadlocked", "test only: ring whose rank 1 takes a lock it holds"
+
+    def fault(self, rank):
+        if rank == 1:
+            lock = threading.Lock()
+            lock.acquire()
+            lock.acquire()
 
 
 @register

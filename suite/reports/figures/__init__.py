@@ -7,6 +7,7 @@ steps:
 3. write (`write.render_figures`): each job's PNG and PDF, in parallel worker processes, skipped
    when the same numbers were drawn by the same code before.
 """
+
 from suite.reports.figures.plan import FigureJob, plan_figures
 from suite.reports.figures.write import render_figures
 

@@ -7,6 +7,7 @@ What every figure keeps to:
 - panels of a row share the y axis, which starts at zero on linear scales; log axes carry at
   least two labelled ticks.
 """
+
 from __future__ import annotations
 
 import math
@@ -38,8 +39,21 @@ def draw(job: FigureJob, palette: S.Palette):
         return _DRAWERS[job.kind](job.data, palette, **job.params)
 
 
-def _grid(rows: list, cols: list, legend_w: float, title: str, *, sharey="row", sharex=False, panel_w=PANEL_W,
-          panel_h=PANEL_H, left=0.8, bottom=0.66, top=0.7, hspace_in=0.42):
+def _grid(
+    rows: list,
+    cols: list,
+    legend_w: float,
+    title: str,
+    *,
+    sharey="row",
+    sharex=False,
+    panel_w=PANEL_W,
+    panel_h=PANEL_H,
+    left=0.8,
+    bottom=0.66,
+    top=0.7,
+    hspace_in=0.42,
+):
     """A figure of len(rows) x len(cols) panels with margins in inches (see PANEL_W), at least as
     wide as its title."""
     nr, nc = len(rows), len(cols)
@@ -49,8 +63,14 @@ def _grid(rows: list, cols: list, legend_w: float, title: str, *, sharey="row", 
     width = left + nc * panel_w + (nc - 1) * wspace_in + 0.25 + legend_w
     height = bottom + nr * panel_h + (nr - 1) * hspace_in + top
     fig, axes = plt.subplots(nr, nc, figsize=(width, height), sharey=sharey, sharex=sharex, squeeze=False)
-    fig.subplots_adjust(left=left / width, right=(width - 0.25 - legend_w) / width, bottom=bottom / height,
-                        top=1 - top / height, wspace=wspace_in / panel_w, hspace=hspace_in / panel_h)
+    fig.subplots_adjust(
+        left=left / width,
+        right=(width - 0.25 - legend_w) / width,
+        bottom=bottom / height,
+        top=1 - top / height,
+        wspace=wspace_in / panel_w,
+        hspace=hspace_in / panel_h,
+    )
     return fig, axes
 
 
@@ -73,8 +93,14 @@ def _legend(fig, palette: S.Palette, series: list[str], *, marker=True, title="m
 
 def _legend_right(fig, handles: list, title: str, *, top=None, **kw) -> None:
     """A figure legend right of the axes, its top at the axes' top (or `top`)."""
-    fig.legend(handles=handles, loc="upper left", bbox_to_anchor=(fig.subplotpars.right + 0.01,
-               top or fig.subplotpars.top), title=title, alignment="left", **kw)
+    fig.legend(
+        handles=handles,
+        loc="upper left",
+        bbox_to_anchor=(fig.subplotpars.right + 0.01, top or fig.subplotpars.top),
+        title=title,
+        alignment="left",
+        **kw,
+    )
 
 
 def _title(fig, text: str, height_in: float):
@@ -120,8 +146,7 @@ def _offsets(series: list[str], width: float) -> dict[str, float]:
     return {s: (i - (n - 1) / 2) * step for i, s in enumerate(series)}
 
 
-def _points(data, palette, *, rows, cols, xlabel, ylabel, title, auto_log=False, ref=None, x_order=None,
-            lines=True):
+def _points(data, palette, *, rows, cols, xlabel, ylabel, title, auto_log=False, ref=None, x_order=None, lines=True):
     """Medians with intervals against a swept axis; `x_order` for named (categorical) x values, whose
     points are not joined by lines when `lines` is False."""
     series = palette.sort(data["series"])
@@ -143,11 +168,27 @@ def _points(data, palette, *, rows, cols, xlabel, ylabel, title, auto_log=False,
                 st = palette.style(s)
                 x = [pos[v] + off[s] for v in pts["x"]]
                 if "lo" in pts and (pts["hi"] - pts["lo"]).abs().max() > 0:
-                    ax.errorbar(x, pts["y"], yerr=[pts["y"] - pts["lo"], pts["hi"] - pts["y"]], fmt="none",
-                                ecolor=st.colour, elinewidth=1.0, capsize=2.0, zorder=2)
-                ax.plot(x, pts["y"], color=st.colour, marker=st.marker, markersize=5,
-                        linestyle=st.linestyle if len(pts) > 1 and lines else "none", markeredgecolor="white",
-                        markeredgewidth=0.5, zorder=3)
+                    ax.errorbar(
+                        x,
+                        pts["y"],
+                        yerr=[pts["y"] - pts["lo"], pts["hi"] - pts["y"]],
+                        fmt="none",
+                        ecolor=st.colour,
+                        elinewidth=1.0,
+                        capsize=2.0,
+                        zorder=2,
+                    )
+                ax.plot(
+                    x,
+                    pts["y"],
+                    color=st.colour,
+                    marker=st.marker,
+                    markersize=5,
+                    linestyle=st.linestyle if len(pts) > 1 and lines else "none",
+                    markeredgecolor="white",
+                    markeredgewidth=0.5,
+                    zorder=3,
+                )
                 _mark_busy(ax, pts, x, pts["y"])
             _categorical_x(ax, xs, last_row=i == len(rows) - 1, xlabel=xlabel)
             ax.set_title(f"{r}, {c}" if r != c else r)

@@ -1,5 +1,6 @@
 """Writing: each job's PNG and PDF, drawn in forked worker processes, and not drawn again when a
 key stored beside its files says the same numbers were drawn by the same code before."""
+
 from __future__ import annotations
 
 import hashlib
@@ -35,8 +36,11 @@ def _key(job: FigureJob, palette: S.Palette) -> str:
     h.update(_CODE_VERSION.encode())
     h.update(json.dumps([job.name, job.kind, job.params], sort_keys=True, default=str).encode())
     series = sorted(set(job.data["series"])) if "series" in job.data else []
-    h.update(json.dumps([[s, palette.styles.get(s).__dict__ if s in palette.styles else None]
-                         for s in series], sort_keys=True).encode())
+    h.update(
+        json.dumps(
+            [[s, palette.styles.get(s).__dict__ if s in palette.styles else None] for s in series], sort_keys=True
+        ).encode()
+    )
     h.update(job.data.to_json(orient="split", double_precision=15).encode())
     return h.hexdigest()
 
@@ -57,8 +61,12 @@ def _write(i: int) -> list[str]:
                     text.set_fontfeatures(["-liga"])
             path = out / f"{job.name}.{ext}"
             tmp = path.with_name(f".{path.name}.tmp")
-            fig.savefig(tmp, format=ext, dpi=S.DPI if ext == "png" else None,
-                        metadata={"Creator": "sp-attention-suite report"} if ext == "pdf" else None)
+            fig.savefig(
+                tmp,
+                format=ext,
+                dpi=S.DPI if ext == "png" else None,
+                metadata={"Creator": "sp-attention-suite report"} if ext == "pdf" else None,
+            )
             tmp.replace(path)
             paths.append(str(path))
     plt.close(fig)
@@ -66,9 +74,15 @@ def _write(i: int) -> list[str]:
     return paths
 
 
-def render_figures(jobs: list[FigureJob], palette: S.Palette, out_dir, *, workers: Optional[int] = None,
-                   progress: Optional[Callable[[int, int], None]] = None,
-                   cache: bool = True) -> tuple[dict[str, list[str]], int]:
+def render_figures(
+    jobs: list[FigureJob],
+    palette: S.Palette,
+    out_dir,
+    *,
+    workers: Optional[int] = None,
+    progress: Optional[Callable[[int, int], None]] = None,
+    cache: bool = True,
+) -> tuple[dict[str, list[str]], int]:
     """Write every job's PNG and PDF under `out_dir`; returns ({job name: paths}, figures drawn).
     A job whose key (numbers, styles, code) matches the one stored beside its files is not drawn
     again. The rest are drawn in forked worker processes, one figure per task."""
@@ -82,7 +96,12 @@ def render_figures(jobs: list[FigureJob], palette: S.Palette, out_dir, *, worker
     for job in jobs:
         files = [out / f"{job.name}.png", out / f"{job.name}.pdf"]
         key_file = out / f".{job.name}.key"
-        if cache and all(f.exists() for f in files) and key_file.exists() and key_file.read_text() == _key(job, palette):
+        if (
+            cache
+            and all(f.exists() for f in files)
+            and key_file.exists()
+            and key_file.read_text() == _key(job, palette)
+        ):
             done[job.name] = [str(f) for f in files]
         else:
             todo.append(job)
