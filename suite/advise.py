@@ -914,9 +914,11 @@ def advise(
     import io
 
     from suite.runner import run_sweep
+    from suite.sim.trace import one_torch_thread
 
-    candidates = enumerate_candidates(q)
-    kept = prune(q, candidates)
+    with one_torch_thread():  # the plans' index arithmetic is small: torch's pool costs more than it saves
+        candidates = enumerate_candidates(q)
+        kept = prune(q, candidates)
     pruned = [c for c in candidates if c.pruned]
     if not kept:
         if q.memory_gb is not None and any("--memory-gb" in c.pruned for c in pruned):
@@ -934,6 +936,15 @@ def advise(
     from omegaconf import OmegaConf
 
     yaml_text = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
+    if progress:  # what the wait is for, before the sweep's bar (stderr: stdout keeps the answer)
+        masks = len(q.layer_masks())
+        print(
+            f"advise: {len(candidates)} configurations, {len(pruned)} pruned before tracing; simulating "
+            f"{len(kept)}{f' x {masks} layer masks' if masks > 1 else ''} on {q.topology.name} "
+            "(one trace per schedule shape, then three replays each)",
+            file=sys.stderr,
+            flush=True,
+        )
     result = run_sweep(cfg, yaml_text, out=out or io.StringIO(), progress=progress)
     by_key = {(c.method, c.options_json): c for c in kept}
     counts = {m.name: n for m, n in q.layer_masks()}

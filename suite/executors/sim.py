@@ -27,7 +27,7 @@ from suite.sim.bands import Bands, bound_of, load_bands, topology_kind
 from suite.sim.compute import ComputeModel
 from suite.sim.engine import replay
 from suite.sim.topology import load_topology
-from suite.sim.trace import TraceCache, traced_method
+from suite.sim.trace import TraceCache, one_torch_thread, traced_method
 
 
 class SimExecutor(Executor):
@@ -65,7 +65,8 @@ class SimExecutor(Executor):
 
     def run(self, spec: TrialSpec) -> Outcome:
         try:
-            return Outcome("reported", predict(spec, *self.topologies[spec.topology], self.traces, self.bands))
+            with one_torch_thread():  # tracing computes nothing: torch's thread pool only costs CPU
+                return Outcome("reported", predict(spec, *self.topologies[spec.topology], self.traces, self.bands))
         except Exception as exc:  # noqa: BLE001 - a trace that hangs or breaks is this trial's failure, not the sweep's
             return Outcome("failed", [], f"simulation failed: {type(exc).__name__}: {exc}")
 
