@@ -771,7 +771,7 @@ class Advice:
                 "layout": c.layout,
                 "ranks/node": c.ranks_per_node,
                 "predicted ms": _ms(t),
-                "± %": _band(c),
+                "± %": M.UNVALIDATED if _band(c) is None else _band(c),
                 "% of ideal": round(100 * self.ideal_ms / t, 1),
                 "memory GB/GPU": float(f"{c.memory_bytes / GB:.3g}"),
                 "main cost": main_cost(c.row, self.ideal_ms),
@@ -839,7 +839,7 @@ def tie_line(advice: Advice) -> str:
 
 def _band_text(c: Candidate) -> str:
     b = _band(c)
-    return f" ±{b:g} %" if b is not None else " (no validated error band)"
+    return f" ±{b:g} %" if b is not None else f" ({M.UNVALIDATED}: no published row of its kind was validated)"
 
 
 def advice_sentence(advice: Advice) -> str:
@@ -864,7 +864,10 @@ def advice_sentence(advice: Advice) -> str:
     second = advice.ranked[1]
     gap = 100 * (second.row[M.TIME_MS_MEDIAN] / t - 1)
     if _band(best) is None or _band(second) is None:
-        return text + f"; {gap:.1f} % faster than the next, {second.title}, with no validated band to say it holds."
+        return (
+            text + f"; {gap:.1f} % faster than the next, {second.title}, with no validated band to say it holds "
+            f"({M.UNVALIDATED})."
+        )
     return text + f"; {gap:.1f} % faster than the next, {second.title}, beyond both error bands."
 
 
@@ -1010,7 +1013,9 @@ def header(advice: Advice) -> str:
         + "Memory: one attention call's peak plus what the other layers keep for backward "
         f"({'their inputs only: activation recomputation' if q.recompute else 'no recomputation'}); "
         "ideal: the whole problem as one kernel call on one GPU of the same compute model / P; "
-        "± %: the simulator's validated error for the configuration's family (`python -m suite validate`)."
+        "± %: the simulator's validated error for the configuration's family (`python -m suite validate`); "
+        f"{M.UNVALIDATED}: no published row of its family (hardware kind, method family, kernel- or comm-bound) "
+        "was validated, so no band is given."
     )
 
 

@@ -12,7 +12,8 @@ adapters as the simulator's (`build_method`), so they answer `supports` for the 
 on; their kernels are trace stand-ins, which the rows' `kernel_used` says. A peer that cannot be
 traced (torch's context_parallel) is a recorded skip with the reason.
 Each row also carries the simulator's validated error for its family (`sim_error_pct`: kernel- or
-comm-bound x topology kind, from configs/validate/bands.yaml, written by `suite validate`).
+comm-bound x topology kind x method family, from configs/validate/bands.yaml, written by `suite
+validate`), or none when no published row of its family was validated: the row is "unvalidated".
 """
 
 from __future__ import annotations
@@ -86,7 +87,9 @@ def predict(
     forward = tr.forward_part()
     # the family as the row will show it: time and compute-only time are maxima over ranks
     bound = bound_of(full.time_s * 1e3, max(comp.end_s[r] for r in range(spec.world_size)) * 1e3)
-    band = bands.band_pct(bound, topology_kind(topology, spec.world_size)) if bands is not None else None
+    kind = topology_kind(topology, spec.world_size)
+    # None: no published row of this family was validated; the row then says "unvalidated"
+    band = bands.band_pct(bound, kind, spec.method) if bands is not None else None
     reports = []
     case = spec.run_case(method)
     for r in range(spec.world_size):
