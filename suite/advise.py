@@ -479,6 +479,13 @@ def _run_case(q: Question, method: Method, mask: Optional[Mask] = None) -> Case:
 def prune(q: Question, candidates: list[Candidate]) -> list[Candidate]:
     """Fill each candidate's degrees, layout and memory, and mark the ones that cannot run (or do
     not fit the budget) with the reason. Nothing is traced here. Returns the candidates kept."""
+    from suite.sim.trace import one_torch_thread
+
+    with one_torch_thread():  # the plans' index arithmetic is small: torch's pool costs more than it saves
+        return _prune(q, candidates)
+
+
+def _prune(q: Question, candidates: list[Candidate]) -> list[Candidate]:
     kept = []
     layer_masks = [m for m, _ in q.layer_masks()]
     for c in candidates:
@@ -917,11 +924,9 @@ def advise(
     import io
 
     from suite.runner import run_sweep
-    from suite.sim.trace import one_torch_thread
 
-    with one_torch_thread():  # the plans' index arithmetic is small: torch's pool costs more than it saves
-        candidates = enumerate_candidates(q)
-        kept = prune(q, candidates)
+    candidates = enumerate_candidates(q)
+    kept = prune(q, candidates)
     pruned = [c for c in candidates if c.pruned]
     if not kept:
         if q.memory_gb is not None and any("--memory-gb" in c.pruned for c in pruned):

@@ -306,7 +306,8 @@ def test_the_advice_sentence_names_the_choice_its_band_and_whether_it_holds():
     assert measure_count(tied) == 3
     unbanded = _advice([_fake("a", 100.0, None), _fake("b", 101.0, None)])
     text = advice_sentence(unbanded)
-    assert "(no validated error band)" in text and "no validated band to say it holds" in text
+    assert "(unvalidated: no published row of its kind was validated)" in text
+    assert "no validated band to say it holds (unvalidated)" in text
 
 
 def test_advice_tables_right_align_numbers_and_count_what_they_hide():
