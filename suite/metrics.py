@@ -106,6 +106,8 @@ REDUNDANT_BYTES = "redundant_bytes_per_rank"  # K/V bytes a rank received that n
 # UNVALIDATED, which every place that shows a band says instead of a number (`sim_band_label`)
 SIM_ERROR_PCT = "sim_error_pct"
 UNVALIDATED = "unvalidated"
+# simulated rows: how the band reads, "±4.3 %" or UNVALIDATED (`sim_band_label`); None for measured rows
+SIM_BAND = "sim_band"
 
 
 def sim_band_label(row: dict) -> Optional[str]:
@@ -177,7 +179,7 @@ COLUMNS = (
     + BREAKDOWN
     + BALANCE
     + MODEL_CHECK
-    + (SIM_ERROR_PCT,)
+    + (SIM_ERROR_PCT, SIM_BAND)
     + (
         LOSS_CURVE,
         DOC_LENGTHS,

@@ -177,7 +177,7 @@ def trial_times(record: dict) -> tuple[int, int]:
     return start, start + int(round((record.get(M.DURATION_S) or 0.0) * 1000))
 
 
-SIM_BAND = "sim_band"  # tag of a simulated child run: "±4.3 %", or "unvalidated" (suite/sim/bands.py)
+SIM_BAND = M.SIM_BAND  # tag of a simulated child run: "±4.3 %", or "unvalidated" (suite/sim/bands.py)
 
 
 def child_values(record: dict) -> tuple[dict, dict, dict, dict]:
