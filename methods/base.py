@@ -10,6 +10,7 @@ MLA-like models); lse [B, H, S_local] float32.
 from __future__ import annotations
 
 import functools
+import threading
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional
 
@@ -603,6 +604,29 @@ class DocumentSharding(_MethodMixin):
         return docs
 
 
+def cached_once(maxsize: Optional[int]):
+    """`functools.lru_cache` whose value concurrent callers compute once: the ranks of a trace or of a
+    threads run are threads that ask for the same plan at the same moment, and a bare lru_cache lets
+    each of them build it (a dispatch plan 8 times over on 8 ranks). The first caller builds it while
+    the others wait for it; different keys wait for each other too (the lock is per function), which
+    costs nothing where each key is built once."""
+
+    def wrap(fn):
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+        lock = threading.RLock()
+
+        @functools.wraps(fn)
+        def once(*args):
+            with lock:
+                return cached(*args)
+
+        once.cache_clear = cached.cache_clear  # type: ignore[attr-defined]
+        once.cache_info = cached.cache_info  # type: ignore[attr-defined]
+        return once
+
+    return wrap
+
+
 def chunk_areas(docs: Documents, causal: bool, chunks: int) -> list[int]:
     """The visible area (query-key pairs, summed over the batch) of each of `chunks` equal chunks of
     `docs`'s padded sequence: its queries against every key, counted from the mask's slices."""
@@ -611,7 +635,7 @@ def chunk_areas(docs: Documents, causal: bool, chunks: int) -> list[int]:
     return [docs.block(torch.arange(c * size, (c + 1) * size), keys, causal).pairs for c in range(chunks)]
 
 
-@functools.lru_cache(maxsize=64)
+@cached_once(maxsize=64)
 def _area_layout(docs: Documents, causal: bool, world_size: int, chunks: int) -> layouts.Layout:
     """The area layout of `docs` (cached: every attention call's block masks ask for it again)."""
     return layouts.area(docs.padded_len, world_size, chunk_areas(docs, causal, chunks))

@@ -58,14 +58,21 @@ flight (in the receive buffers themselves) and the fp32 dK/dV sums. Without a ma
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from methods import accumulators, kernels, layouts, merge
-from methods.base import AREA_CHUNKS_PER_RANK, Case, Method, chunk_areas, element_bytes, unseen_kv_bytes
+from methods.base import (
+    AREA_CHUNKS_PER_RANK,
+    Case,
+    Method,
+    cached_once,
+    chunk_areas,
+    element_bytes,
+    unseen_kv_bytes,
+)
 from methods.comm.base import P2P, Comm, DoneWork
 from methods.documents import EMPTY, BlockMask, Documents
 from methods.registry import register
@@ -141,13 +148,13 @@ class DispatchPlan:
         return self._masks[key]
 
 
-@functools.lru_cache(maxsize=16)
+@cached_once(maxsize=16)
 def area_layout(docs: Documents, causal: bool, world_size: int, chunks: int) -> layouts.Layout:
     """Step 1 of the plan: `chunks` equal chunks dealt by visible area (`layouts.area`)."""
     return layouts.area(docs.padded_len, world_size, chunk_areas(docs, causal, chunks))
 
 
-@functools.lru_cache(maxsize=16)
+@cached_once(maxsize=16)
 def build_plan(docs: Documents, causal: bool, world_size: int, chunks: int, stages: int) -> DispatchPlan:
     """The dispatch plan of `docs` under the causal flag on `world_size` ranks, `chunks` chunks in
     all, exchanged in `stages` stages (cached: forward, backward and the byte formula ask again)."""

@@ -479,6 +479,13 @@ def _run_case(q: Question, method: Method, mask: Optional[Mask] = None) -> Case:
 def prune(q: Question, candidates: list[Candidate]) -> list[Candidate]:
     """Fill each candidate's degrees, layout and memory, and mark the ones that cannot run (or do
     not fit the budget) with the reason. Nothing is traced here. Returns the candidates kept."""
+    from suite.sim.trace import one_torch_thread
+
+    with one_torch_thread():  # the plans' index arithmetic is small: torch's pool costs more than it saves
+        return _prune(q, candidates)
+
+
+def _prune(q: Question, candidates: list[Candidate]) -> list[Candidate]:
     kept = []
     layer_masks = [m for m, _ in q.layer_masks()]
     for c in candidates:
@@ -771,7 +778,7 @@ class Advice:
                 "layout": c.layout,
                 "ranks/node": c.ranks_per_node,
                 "predicted ms": _ms(t),
-                "± %": _band(c),
+                "± %": M.UNVALIDATED if _band(c) is None else _band(c),
                 "% of ideal": round(100 * self.ideal_ms / t, 1),
                 "memory GB/GPU": float(f"{c.memory_bytes / GB:.3g}"),
                 "main cost": main_cost(c.row, self.ideal_ms),
@@ -839,7 +846,7 @@ def tie_line(advice: Advice) -> str:
 
 def _band_text(c: Candidate) -> str:
     b = _band(c)
-    return f" ±{b:g} %" if b is not None else " (no validated error band)"
+    return f" ±{b:g} %" if b is not None else f" ({M.UNVALIDATED}: no published row of its kind was validated)"
 
 
 def advice_sentence(advice: Advice) -> str:
@@ -864,7 +871,10 @@ def advice_sentence(advice: Advice) -> str:
     second = advice.ranked[1]
     gap = 100 * (second.row[M.TIME_MS_MEDIAN] / t - 1)
     if _band(best) is None or _band(second) is None:
-        return text + f"; {gap:.1f} % faster than the next, {second.title}, with no validated band to say it holds."
+        return (
+            text + f"; {gap:.1f} % faster than the next, {second.title}, with no validated band to say it holds "
+            f"({M.UNVALIDATED})."
+        )
     return text + f"; {gap:.1f} % faster than the next, {second.title}, beyond both error bands."
 
 
@@ -934,6 +944,15 @@ def advise(
     from omegaconf import OmegaConf
 
     yaml_text = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
+    if progress:  # what the wait is for, before the sweep's bar (stderr: stdout keeps the answer)
+        masks = len(q.layer_masks())
+        print(
+            f"advise: {len(candidates)} configurations, {len(pruned)} pruned before tracing; simulating "
+            f"{len(kept)}{f' x {masks} layer masks' if masks > 1 else ''} on {q.topology.name} "
+            "(one trace per schedule shape, then three replays each)",
+            file=sys.stderr,
+            flush=True,
+        )
     result = run_sweep(cfg, yaml_text, out=out or io.StringIO(), progress=progress)
     by_key = {(c.method, c.options_json): c for c in kept}
     counts = {m.name: n for m, n in q.layer_masks()}
@@ -999,7 +1018,9 @@ def header(advice: Advice) -> str:
         + "Memory: one attention call's peak plus what the other layers keep for backward "
         f"({'their inputs only: activation recomputation' if q.recompute else 'no recomputation'}); "
         "ideal: the whole problem as one kernel call on one GPU of the same compute model / P; "
-        "± %: the simulator's validated error for the configuration's family (`python -m suite validate`)."
+        "± %: the simulator's validated error for the configuration's family (`python -m suite validate`); "
+        f"{M.UNVALIDATED}: no published row of its family (hardware kind, method family, kernel- or comm-bound) "
+        "was validated, so no band is given."
     )
 
 

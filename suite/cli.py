@@ -153,7 +153,8 @@ def _parser() -> argparse.ArgumentParser:
         help="the simulator against published tables: error per row and per family, and its record",
         description="Simulate every published table of configs/validate/ (a sweep with executor=sim "
         "each), print published vs predicted with the error per row and per family (kernel- or "
-        "comm-bound x topology kind), write reports/recorded/sim_validation.md and the record "
+        "comm-bound x topology kind x method family), the leave-one-source-out error (each source's rows "
+        "as a model that never saw that source predicts them), write reports/recorded/sim_validation.md and the record "
         "configs/validate/bands.yaml whose per-family bands every simulated row carries.",
     )
     val.add_argument(

@@ -7,7 +7,7 @@ nothing from the suite (nor torch), so that readers of stored results (reports) 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 # The identity of a trial: what was run, where and how. Everything else in a row is a measurement.
 IDENTITY = (
@@ -100,10 +100,30 @@ KERNEL_SPREAD = "kernel_ms_spread"  # max / mean over ranks of the measured time
 AREA_GINI = "area_gini"  # Gini coefficient of the ranks' visible pairs (0: equal; LongCA-bench's measure)
 REDUNDANT_BYTES = "redundant_bytes_per_rank"  # K/V bytes a rank received that none of its queries attends, max
 # simulated rows (executor sim): the simulator's validated error for the row's family (kernel- or
-# comm-bound x topology kind), the mean |error| `suite validate` recorded over published tables, in
-# percent of the predicted value (configs/validate/bands.yaml); None for measured rows and families
-# no validated row covers
+# comm-bound x topology kind x method family, suite/sim/bands.py), the mean |error| `suite validate`
+# recorded over published tables, in percent of the predicted value (configs/validate/bands.yaml);
+# None for measured rows, and for simulated rows of a family no validated row covers: those are
+# UNVALIDATED, which every place that shows a band says instead of a number (`sim_band_label`)
 SIM_ERROR_PCT = "sim_error_pct"
+UNVALIDATED = "unvalidated"
+# simulated rows: how the band reads, "±4.3 %" or UNVALIDATED (`sim_band_label`); None for measured rows
+SIM_BAND = "sim_band"
+
+
+def sim_band_label(row: dict) -> Optional[str]:
+    """How a row's error band reads: "±4.3 %" for a simulated row of a validated family, UNVALIDATED
+    for a simulated row of a family no published row covers, None for a measured row."""
+    if row.get("executor") != "sim":
+        return None
+    band = row.get(SIM_ERROR_PCT)
+    try:
+        band = None if band is None else float(band)
+    except (TypeError, ValueError):
+        band = None
+    if band is None or band != band:  # None or NaN
+        return UNVALIDATED
+    return f"±{band:.1f} %"
+
 
 BREAKDOWN = (KERNEL_MS, COMM_WAIT_MS, OVERHEAD_RATIO, COMPUTE_ONLY_MS, COMM_ONLY_MS, CCR, OVERLAP_EFF)
 BALANCE = (
@@ -159,7 +179,7 @@ COLUMNS = (
     + BREAKDOWN
     + BALANCE
     + MODEL_CHECK
-    + (SIM_ERROR_PCT,)
+    + (SIM_ERROR_PCT, SIM_BAND)
     + (
         LOSS_CURVE,
         DOC_LENGTHS,

@@ -177,6 +177,9 @@ def trial_times(record: dict) -> tuple[int, int]:
     return start, start + int(round((record.get(M.DURATION_S) or 0.0) * 1000))
 
 
+SIM_BAND = M.SIM_BAND  # tag of a simulated child run: "±4.3 %", or "unvalidated" (suite/sim/bands.py)
+
+
 def child_values(record: dict) -> tuple[dict, dict, dict, dict]:
     """(params, metrics, tags, step series) of a trial row."""
     params = {k: _flat_value(record.get(k)) for k in IDENTITY if k not in ("options", "workload")}
@@ -206,6 +209,9 @@ def child_values(record: dict) -> tuple[dict, dict, dict, dict]:
         "workload": record.get("workload") or "",
     }
     tags.update(shown_tags(metrics))
+    band = M.sim_band_label(record)
+    if band is not None:  # a simulated row: its validated band, or "unvalidated" (no number borrowed)
+        tags[SIM_BAND] = band
     steps = {SAMPLES: record[M.TIME_MS_SAMPLES]} if record.get(M.TIME_MS_SAMPLES) else {}
     if record.get(M.LOSS_CURVE):
         steps[TRAIN_LOSS] = record[M.LOSS_CURVE]

@@ -21,6 +21,18 @@ and unit, and how each row maps onto a simulated row. The command:
 
 Rows marked `counted: false` (a table's derived lines, e.g. percentages of its own iter/s rows) are
 shown but not counted in any summary.
+
+Validation is kept apart from fitting. A row says whether it may calibrate anything (`calibrates`,
+per table under `validation:` or per row; default false): only a calibrating row (a single-GPU kernel
+benchmark, never an end-to-end sequence-parallel result) may be a topology figure's source, and a
+topology that took a figure from one names the row's source under `fitted_from` (each table's
+`source.id`, default its file stem; tables of one publication share it). Besides the table above,
+the command prints the leave-one-source-out error: each source's rows as predicted by a model that
+never saw that source. No parameter is fitted in code, so a row's blind prediction is its own
+unless a topology it runs on was fitted on its source; such rows cannot be predicted blind without
+a figure from elsewhere, and are left out of the line and listed (as are calibrating rows):
+
+    leave-one-source-out: N rows, K sources, mean X %, median Y %, max Z %
 """
 
 from __future__ import annotations
@@ -64,6 +76,7 @@ class PublishedRow:
     counted: bool = True
     stand_in: Optional[dict[str, Any]] = None  # {method, options, note}: what stands in for a measured peer
     note: str = ""  # why a row is not counted, or any other caveat the report repeats
+    calibrates: bool = False  # may be a topology figure's source (a single-GPU kernel benchmark row)
 
 
 @dataclass
@@ -74,6 +87,7 @@ class PublishedTable:
     source: dict[str, Any]
     notes: str
     rows: list[PublishedRow]
+    source_id: str = ""  # the publication: tables of one source share it (leave-one-source-out)
 
 
 def validation_files(root: Path = VALIDATE_DIR) -> list[Path]:
@@ -89,6 +103,9 @@ def load_table(path: Path) -> PublishedTable:
         raise ValidationError(f"{path}: no `validation:` section")
     unit = v.get("unit")
     defaults = dict(v.get("defaults") or {})
+    calibrates = v.get("calibrates", False)
+    if not isinstance(calibrates, bool):
+        raise ValidationError(f"{where}.calibrates: true or false, got {calibrates!r}")
     rows = []
     for i, r in enumerate(v.get("rows") or []):
         at = f"{where}.rows[{i}]"
@@ -99,6 +116,9 @@ def load_table(path: Path) -> PublishedTable:
             raise ValidationError(f"{at}.unit: {u!r} is not one of {list(UNITS)}")
         if u in ("percent", "speedup") and not r.get("baseline"):
             raise ValidationError(f"{at}.baseline: a {u} row needs the row it is relative to")
+        row_cal = r.get("calibrates", calibrates)
+        if not isinstance(row_cal, bool):
+            raise ValidationError(f"{at}.calibrates: true or false, got {row_cal!r}")
         value = r["value"]
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
             raise ValidationError(f"{at}.value: a published number > 0, got {value!r}")
@@ -113,13 +133,15 @@ def load_table(path: Path) -> PublishedTable:
                 counted=bool(r.get("counted", True)),
                 stand_in=dict(r["stand_in"]) if r.get("stand_in") else None,
                 note=str(r.get("note", "")),
+                calibrates=row_cal,
             )
         )
     if not rows:
         raise ValidationError(f"{where}.rows: no published rows")
+    source = dict(v.get("source") or {})
     return PublishedTable(
-        Path(path).stem, Path(path), str(v.get("title", Path(path).stem)), dict(v.get("source") or {}),
-        " ".join(str(v.get("notes", "")).split()), rows,
+        Path(path).stem, Path(path), str(v.get("title", Path(path).stem)), source,
+        " ".join(str(v.get("notes", "")).split()), rows, str(source.get("id") or Path(path).stem),
     )  # fmt: skip
 
 
@@ -240,10 +262,12 @@ class RowResult:
     note: str = ""  # a stand-in's note, or why the row was not simulated
     bound: str = ""
     kind: str = ""
+    method: str = ""  # the method whose simulated rows were used (a stand-in's, where one stood in)
+    topologies: tuple[str, ...] = ()  # the topologies of the simulated rows used (the baseline's too)
 
     @property
     def family(self) -> str:
-        return family(self.bound, self.kind) if self.bound else ""
+        return family(self.bound, self.kind, self.method) if self.bound else ""
 
     @property
     def counted(self) -> bool:
@@ -287,6 +311,9 @@ def evaluate(table: PublishedTable, records: list[dict[str, Any]], kinds: dict[t
                 except TopologyError:
                     kinds[key] = "unknown"
             res.bound, res.kind = bound_of(found.time_ms, found.compute_only_ms), kinds[key]
+            res.method = str(first["method"])
+            used = found.records + (base.records if base else [])
+            res.topologies = tuple(sorted({str(r["topology"]) for r in used if r.get("topology")}))
             break
         if res.error is None:
             note = str((row.stand_in or {}).get("note", ""))
@@ -362,6 +389,79 @@ def check(results: list[RowResult], bands: Bands) -> list[str]:
     return problems
 
 
+# -- leave one source out -----------------------------------------------------------------------------------------
+@dataclass
+class LeaveOneOut:
+    """The rows each predicted by a model that never saw its source: their |error| summary, the
+    number of sources they come from, and the rows left out with why."""
+
+    summary: Optional[Summary]
+    sources: int
+    left_out: list[tuple[RowResult, str]]
+
+    def line(self) -> str:
+        if self.summary is None:
+            return "leave-one-source-out: 0 rows, 0 sources (no row could be predicted blind)"
+        s = self.summary
+        return (
+            f"leave-one-source-out: {s.rows} rows, {self.sources} sources, mean {s.mean_abs_pct:.1f} %, "
+            f"median {s.median_abs_pct:.1f} %, max {s.max_abs_pct:.1f} %"
+        )
+
+
+def fitted_sources(topologies: set[str]) -> dict[str, dict[str, str]]:
+    """topology name -> {validation source id: what of it was derived from that source}."""
+    from suite.sim.topology import TopologyError, load_topology
+
+    out = {}
+    for name in sorted(topologies):
+        try:
+            out[name] = {str(k): str(v) for k, v in load_topology(name).fitted_from.items()}
+        except TopologyError:
+            out[name] = {}
+    return out
+
+
+def check_fitting(tables: list[PublishedTable], fitted: dict[str, dict[str, str]]) -> None:
+    """Every source a topology says it was fitted on must have a calibrating row: an end-to-end
+    result may never be a topology's source."""
+    calibrating = {t.source_id for t in tables if any(r.calibrates for r in t.rows)}
+    known = {t.source_id for t in tables}
+    for topo, sources in fitted.items():
+        for src in sources:
+            if src in known and src not in calibrating:
+                raise ValidationError(
+                    f"topology {topo}: fitted_from names {src!r}, none of whose rows says `calibrates: true`; "
+                    f"a topology figure may come from a micro-benchmark or a calibrating (single-GPU kernel) row "
+                    f"only: take the figure from elsewhere, or mark the row it came from `calibrates: true`"
+                )
+
+
+def leave_one_source_out(tables: list[PublishedTable], results: list[RowResult]) -> LeaveOneOut:
+    """Each source's counted rows as a model that never saw the source predicts them. Nothing is
+    fitted in code, so that is the row's own prediction unless a topology it ran on names the source
+    under `fitted_from` (then it is left out: it has no blind prediction); calibrating rows are the
+    fit's inputs and are left out too."""
+    source_of = {t.name: t.source_id for t in tables}
+    fitted = fitted_sources({x for r in results for x in r.topologies})
+    check_fitting(tables, fitted)
+    errors, sources, left = [], set(), []
+    for r in results:
+        if not r.counted:
+            continue
+        src = source_of.get(r.table, r.table)
+        if r.row.calibrates:
+            left.append((r, "a calibrating row (a fit's input, not a prediction)"))
+            continue
+        seen = [f"{t}: {fitted[t][src]}" for t in r.topologies if src in fitted.get(t, {})]
+        if seen:
+            left.append((r, f"its topology was fitted on its own source ({'; '.join(seen)})"))
+            continue
+        errors.append(r.error)
+        sources.add(src)
+    return LeaveOneOut(Summary.of(errors) if errors else None, len(sources), left)
+
+
 # -- output ---------------------------------------------------------------------------------------------------
 def _num(x: Optional[float]) -> str:
     if x is None:
@@ -394,7 +494,9 @@ def summary_table(results: list[RowResult]) -> list[list[str]]:
     return lines
 
 
-def render_report(tables: list[PublishedTable], results: list[RowResult], command: str) -> str:
+def render_report(
+    tables: list[PublishedTable], results: list[RowResult], command: str, loso: Optional[LeaveOneOut] = None
+) -> str:
     from tabulate import tabulate
 
     overall, _, _ = summarize(results)
@@ -418,8 +520,28 @@ def render_report(tables: list[PublishedTable], results: list[RowResult], comman
             f"{overall.median_abs_pct:.1f} %, max {overall.max_abs_pct:.1f} %.**",
             "",
         ]
+    if loso is not None:
+        lines += [
+            "## Leave one source out",
+            "",
+            f"`{loso.line()}`",
+            "",
+            "Each source's rows as predicted by a model that never saw that source (tables of one publication "
+            "are one source). No parameter is fitted in code: a topology figure comes from a micro-benchmark, or "
+            "from a row marked `calibrates: true` (a single-GPU kernel benchmark), and the topology then names "
+            "that row's source under `fitted_from`. A row's blind prediction is therefore its own, except where a "
+            "topology it runs on was fitted on its own source: such rows, and the calibrating rows themselves, "
+            "are left out of this line:",
+            "",
+            *[f"- {r.table}: {r.row.label}: {why}" for r, why in loso.left_out],
+            "",
+        ]
     lines += [
         "## Per family",
+        "",
+        "A family is a kind of hardware (switch, mesh, pcie, multi-node, host) x method family x kernel- or "
+        "comm-bound. A simulated row of a family with no validated row here carries no band and says "
+        "`unvalidated` (no band is borrowed from another family).",
         "",
         tabulate(summary_table(results), headers=SUMMARY_HEADERS, tablefmt="github", disable_numparse=True),
         "",
@@ -516,11 +638,17 @@ def run_command(args) -> int:
         print(tabulate(row_table(mine), headers=ROW_HEADERS, disable_numparse=True))
     print()
     print(tabulate(summary_table(v.results), headers=SUMMARY_HEADERS, disable_numparse=True))
+    try:
+        loso = leave_one_source_out(v.tables, v.results)
+    except ValidationError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(loso.line())
     command = COMMAND + (" " + " ".join(str(p) for p in args.configs) if args.configs else "")
     if args.out or not args.check:
         report = Path(args.out) if args.out else REPORT
         report.parent.mkdir(parents=True, exist_ok=True)
-        report.write_text(render_report(v.tables, v.results, command))
+        report.write_text(render_report(v.tables, v.results, command, loso))
         print(f"report: {report}")
     if args.check:
         problems = check(v.results, recorded)

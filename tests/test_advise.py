@@ -167,7 +167,8 @@ def test_advise_mask_answers_for_a_window_and_names_it(tmp_path, capsys):
     it, and no configuration is above 100 % of the same mask's ideal."""
     from suite.advise import _mask_label
 
-    q = make_question(model="8/8/64", topology="h100_sxm", seq_len=4096, pass_="fwd", mask="sliding_window:256")
+    # 4 GPUs: the property does not need a whole node, and each trial traces half the ranks
+    q = make_question(model="8/8/64", topology="h100_sxm", seq_len=4096, pass_="fwd", mask="sliding_window:256", gpus=4)
     assert q.mask.name == "sliding_window:symmetric=false,window=256" and q.causal
     adv = advise(q, results_root=str(tmp_path), mlflow=False)
     assert len(adv.ranked) >= 5 and not adv.failed
@@ -176,7 +177,19 @@ def test_advise_mask_answers_for_a_window_and_names_it(tmp_path, capsys):
     assert all(r["mask"] == "sliding_window(256)" and 0 < r["% of ideal"] <= 100 for r in rows), rows
     assert _mask_label(q) == "sliding_window(256)"
     # the command line names it too, and a bad mask is refused naming --mask
-    args = ["advise", "--model", "8/8/64", "--topology", "h100_sxm", "--seq-len", "4096", "--pass", "fwd"]
+    args = [
+        "advise",
+        "--model",
+        "8/8/64",
+        "--topology",
+        "h100_sxm",
+        "--seq-len",
+        "4096",
+        "--pass",
+        "fwd",
+        "--gpus",
+        "4",
+    ]
     common = ["--no-mlflow", "--results-root", str(tmp_path), "--out", str(tmp_path / "out"), "--top", "3"]
     assert main([*args, "--mask", "shared_question:question=512,answers=2", *common]) == 0
     out = capsys.readouterr().out
@@ -198,7 +211,7 @@ def test_a_per_layer_model_adds_its_layers_times(tmp_path):
     path.write_text(
         "name: tiny\nheads: 8\nkv_heads: 8\nhead_dim: 64\nlayers: 5\nattention_pattern: [sliding_window:128, causal]\n"
     )
-    q = make_question(model=str(path), topology="h100_sxm", seq_len=4096, pass_="fwd")
+    q = make_question(model=str(path), topology="h100_sxm", seq_len=4096, pass_="fwd", gpus=4)
     assert q.per_layer and [(m.short, n) for m, n in q.layer_masks()] == [("sliding_window(128)", 3), ("causal", 2)]
     adv = advise(q, results_root=str(tmp_path), mlflow=False)
     assert len(adv.ranked) >= 5 and not adv.failed
@@ -306,7 +319,8 @@ def test_the_advice_sentence_names_the_choice_its_band_and_whether_it_holds():
     assert measure_count(tied) == 3
     unbanded = _advice([_fake("a", 100.0, None), _fake("b", 101.0, None)])
     text = advice_sentence(unbanded)
-    assert "(no validated error band)" in text and "no validated band to say it holds" in text
+    assert "(unvalidated: no published row of its kind was validated)" in text
+    assert "no validated band to say it holds (unvalidated)" in text
 
 
 def test_advice_tables_right_align_numbers_and_count_what_they_hide():

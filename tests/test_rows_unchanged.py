@@ -74,7 +74,7 @@ TOL_FACTOR = 2.0
 LOSS_REL = 1e-4
 # Columns added after the golden rows were written, with the value every older trial has: a row
 # that holds exactly these (sinks off, no dsink checked) records what it recorded before.
-NEW_COLUMNS = {"sinks": False, "err_dsink": None, "tol_dsink": None}
+NEW_COLUMNS = {"sinks": False, "err_dsink": None, "tol_dsink": None, "sim_band": None}
 FINGERPRINT_FILE = GOLDEN / "fingerprint.json"
 
 SWEEPS = {

@@ -111,14 +111,15 @@ def test_error_is_relative_to_the_published_value_in_its_unit():
 
 def test_summaries_count_only_counted_simulated_rows():
     def res(err, counted=True, bound=KERNEL_BOUND, kind="switch"):
-        return RowResult("t", PublishedRow("r", 1.0, "ms", {}, counted=counted), 1.0, err, bound=bound, kind=kind)
+        row = PublishedRow("r", 1.0, "ms", {}, counted=counted)
+        return RowResult("t", row, 1.0, err, bound=bound, kind=kind, method="zigzag_ring")
 
     results = [res(-10.0), res(30.0), res(5.0, bound=COMM_BOUND, kind="pcie"), res(500.0, counted=False)]
     results.append(RowResult("t", PublishedRow("x", 1.0, "ms", {})))  # not simulated
     overall, bounds, families = summarize(results)
     assert overall.rows == 3 and overall.mean_abs_pct == pytest.approx(15.0) and overall.max_abs_pct == 30.0
     assert overall.median_abs_pct == 10.0
-    assert families["kernel-bound/switch"].mean_abs_pct == pytest.approx(20.0)
+    assert families["kernel-bound/switch/ring"].mean_abs_pct == pytest.approx(20.0)
     assert set(bounds) == {KERNEL_BOUND, COMM_BOUND}
 
 
@@ -135,19 +136,35 @@ def test_check_fails_on_a_regressed_mean_and_on_a_row_beyond_the_limit():
     assert len(problems) == 1 and "row 21.0" in problems[0]
 
 
-def test_the_band_of_a_family_falls_back_to_its_bound_then_all_rows():
+def test_a_family_without_validated_rows_borrows_no_band():
     bands = Bands(
         Summary(10, 20.0, 10.0, 90.0),
         bounds={KERNEL_BOUND: Summary(6, 8.0, 7.0, 15.0)},
-        families={"kernel-bound/switch": Summary(4, 5.0, 5.0, 9.0)},
+        families={"kernel-bound/switch/ring": Summary(4, 5.0, 5.0, 9.0)},
     )
-    assert bands.band_pct(KERNEL_BOUND, "switch") == 5.0
-    assert bands.band_pct(KERNEL_BOUND, "mesh") == 8.0  # no mesh table: every kernel-bound row
-    assert bands.band_pct(COMM_BOUND, "mesh") == 20.0  # nothing comm-bound recorded: all rows
-    assert bands.band_pct(KERNEL_BOUND, "host") is None  # GPU tables say nothing of a CPU host
+    assert bands.band_pct(KERNEL_BOUND, "switch", "zigzag_ring") == 5.0  # a ring, as the validated rows
+    assert bands.band_pct(KERNEL_BOUND, "switch", "rfa_stripe") == 5.0  # a peer's ring joins the family
+    assert bands.band_pct(KERNEL_BOUND, "switch", "tasp") is None  # another method family: unvalidated
+    assert bands.band_pct(KERNEL_BOUND, "mesh", "ring") is None  # another kind of hardware
+    assert bands.band_pct(COMM_BOUND, "switch", "ring") is None  # another regime
+    assert bands.band_pct(KERNEL_BOUND, "host", "ring") is None
     again = Bands.from_dict(bands.to_dict())
-    assert again.band_pct(KERNEL_BOUND, "mesh") == 8.0 and again.row_limit_pct == 20.0
+    assert again.band_pct(KERNEL_BOUND, "switch", "ring") == 5.0 and again.row_limit_pct == 20.0
+    assert again.band_pct(KERNEL_BOUND, "mesh", "ring") is None
     assert bound_of(100.0, 86.0) == KERNEL_BOUND and bound_of(100.0, 84.0) == COMM_BOUND
+
+
+def test_unvalidated_is_said_wherever_a_band_is_shown():
+    sim = {"executor": "sim", M.SIM_ERROR_PCT: None}
+    assert M.sim_band_label(sim) == M.UNVALIDATED
+    assert M.sim_band_label({**sim, M.SIM_ERROR_PCT: 4.3}) == "±4.3 %"
+    assert M.sim_band_label({"executor": "local", M.SIM_ERROR_PCT: None}) is None  # measured: no band at all
+    from suite.tracking import SIM_BAND, child_values
+
+    rec = {**_rec(), "executor": "sim", M.KEY: "k", M.SIM_ERROR_PCT: None}
+    assert child_values(rec)[2][SIM_BAND] == M.UNVALIDATED  # MLflow: a tag, not a borrowed number
+    assert child_values({**rec, M.SIM_ERROR_PCT: 5.0})[2][SIM_BAND] == "±5.0 %"
+    assert SIM_BAND not in child_values({**rec, "executor": "local"})[2]
 
 
 def test_topology_kinds():
@@ -193,6 +210,9 @@ def test_simulated_points_draw_their_band():
     out = _with_band(d)
     assert out["lo"].tolist() == [8.0, 9.0] and out["hi"].tolist() == [12.0, 11.0]  # measured rows keep theirs
     assert "±20 %" in sim_band_caption(d) and sim_band_caption(d.drop(columns=[M.SIM_ERROR_PCT])) == ""
+    both_sim = d.assign(executor="sim")
+    assert M.UNVALIDATED in sim_band_caption(both_sim)  # the row without a band says so
+    assert M.UNVALIDATED not in sim_band_caption(both_sim.iloc[:1])
 
 
 # -- the whole validation ------------------------------------------------------------------------------------
@@ -211,8 +231,49 @@ def test_validation_does_not_regress_past_the_record(tmp_path):
         f"{bands.overall.mean_abs_pct:.1f}% + {bands.margin_pct}%"
     )
     from suite.results import ResultsStore
+    from suite.sim.bands import family
+    from suite.sim.topology import load_topology
+
+    kinds = {}
+    for run_dir in v.run_dirs.values():
+        for r in ResultsStore.open(run_dir).records():
+            key = (r["topology"], r["world_size"])
+            if key not in kinds:
+                kinds[key] = topology_kind(load_topology(r["topology"]), r["world_size"])
 
     for run_dir in v.run_dirs.values():
         for r in ResultsStore.open(run_dir).records():
-            if r[M.STATUS] == M.OK:
-                assert r[M.SIM_ERROR_PCT] is not None and r[M.SIM_ERROR_PCT] > 0, r["method"]
+            if r[M.STATUS] == M.OK:  # its family's recorded band, or none (unvalidated) when it has none
+                bound = bound_of(r[M.TIME_MS_MEDIAN], r.get(M.COMPUTE_ONLY_MS))
+                fam = family(bound, kinds[r["topology"], r["world_size"]], r["method"])
+                want = bands.families.get(fam)
+                assert r[M.SIM_ERROR_PCT] == (None if want is None else want.mean_abs_pct), (r["method"], fam)
+
+
+def test_leave_one_source_out_predicts_no_row_with_a_model_fitted_on_its_source():
+    from pathlib import Path
+
+    from suite.validate import PublishedTable, leave_one_source_out
+
+    def table(name, source_id, rows):
+        return PublishedTable(name, Path(f"{name}.yaml"), name, {}, "", rows, source_id)
+
+    cal = PublishedRow("A100 one GPU", 1.0, "iter/s", {}, calibrates=True)
+    ring_a100, ring_h800 = PublishedRow("A100 ring", 1.0, "iter/s", {}), PublishedRow("H800 ring", 1.0, "iter/s", {})
+    burst = PublishedRow("burst", 1.0, "ms", {})
+    # a100_sxm names ring-flash-attn-readme under fitted_from (its kernel figures come from that README)
+    tables = [table("rfa", "ring-flash-attn-readme", [cal, ring_a100, ring_h800]), table("b", "b", [burst])]
+    results = [
+        RowResult("rfa", cal, 1.0, 2.0, topologies=("a100_sxm",)),
+        RowResult("rfa", ring_a100, 1.0, 50.0, topologies=("a100_sxm",)),
+        RowResult("rfa", ring_h800, 1.0, -10.0, topologies=("h800_sxm",)),
+        RowResult("b", burst, 1.0, 20.0, topologies=("a100_sxm",)),  # fitted on another source: blind
+    ]
+    loso = leave_one_source_out(tables, results)
+    assert loso.summary.rows == 2 and loso.sources == 2 and loso.summary.max_abs_pct == 20.0
+    assert [r.row.label for r, _ in loso.left_out] == ["A100 one GPU", "A100 ring"]
+    assert loso.line() == "leave-one-source-out: 2 rows, 2 sources, mean 15.0 %, median 15.0 %, max 20.0 %"
+    # a topology may not be fitted on a source none of whose rows may calibrate (an end-to-end table)
+    tables[0].rows[0] = PublishedRow("A100 one GPU", 1.0, "iter/s", {})
+    with pytest.raises(ValidationError, match="fitted_from names 'ring-flash-attn-readme'"):
+        leave_one_source_out(tables, results)

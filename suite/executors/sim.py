@@ -12,7 +12,8 @@ adapters as the simulator's (`build_method`), so they answer `supports` for the 
 on; their kernels are trace stand-ins, which the rows' `kernel_used` says. A peer that cannot be
 traced (torch's context_parallel) is a recorded skip with the reason.
 Each row also carries the simulator's validated error for its family (`sim_error_pct`: kernel- or
-comm-bound x topology kind, from configs/validate/bands.yaml, written by `suite validate`).
+comm-bound x topology kind x method family, from configs/validate/bands.yaml, written by `suite
+validate`), or none when no published row of its family was validated: the row is "unvalidated".
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from suite.sim.bands import Bands, bound_of, load_bands, topology_kind
 from suite.sim.compute import ComputeModel
 from suite.sim.engine import replay
 from suite.sim.topology import load_topology
-from suite.sim.trace import TraceCache, traced_method
+from suite.sim.trace import TraceCache, one_torch_thread, traced_method
 
 
 class SimExecutor(Executor):
@@ -65,7 +66,8 @@ class SimExecutor(Executor):
 
     def run(self, spec: TrialSpec) -> Outcome:
         try:
-            return Outcome("reported", predict(spec, *self.topologies[spec.topology], self.traces, self.bands))
+            with one_torch_thread():  # tracing computes nothing: torch's thread pool only costs CPU
+                return Outcome("reported", predict(spec, *self.topologies[spec.topology], self.traces, self.bands))
         except Exception as exc:  # noqa: BLE001 - a trace that hangs or breaks is this trial's failure, not the sweep's
             return Outcome("failed", [], f"simulation failed: {type(exc).__name__}: {exc}")
 
@@ -85,7 +87,9 @@ def predict(
     forward = tr.forward_part()
     # the family as the row will show it: time and compute-only time are maxima over ranks
     bound = bound_of(full.time_s * 1e3, max(comp.end_s[r] for r in range(spec.world_size)) * 1e3)
-    band = bands.band_pct(bound, topology_kind(topology, spec.world_size)) if bands is not None else None
+    kind = topology_kind(topology, spec.world_size)
+    # None: no published row of this family was validated; the row then says "unvalidated"
+    band = bands.band_pct(bound, kind, spec.method) if bands is not None else None
     reports = []
     case = spec.run_case(method)
     for r in range(spec.world_size):

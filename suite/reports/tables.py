@@ -324,7 +324,8 @@ def _natural(text: str) -> list:
 
 SIM_BAND_NOTE = (
     "± (simulated rows): predicted, with the simulator's validated error for the row's family "
-    "(mean |error| against published tables, `python -m suite validate`)"
+    "(mean |error| against published tables, `python -m suite validate`); unvalidated: no published row "
+    "of the row's family (hardware kind, method family, kernel- or comm-bound) was validated, so no band is given"
 )
 
 
@@ -332,14 +333,22 @@ def sim_band_caption(rows: pd.DataFrame) -> str:
     """ "simulated series are predicted (±12 %: ...)" for rows with an error band, else ""."""
     if rows.empty or M.SIM_ERROR_PCT not in rows:
         return ""
-    bands = pd.to_numeric(rows[M.SIM_ERROR_PCT], errors="coerce").dropna()
+    every = pd.to_numeric(rows[M.SIM_ERROR_PCT], errors="coerce")
+    if "executor" in rows:
+        every = every[rows["executor"] == "sim"]
+    bands = every.dropna()
+    unvalidated = (
+        f"{M.UNVALIDATED}: no published row of their family was validated, so they carry no band"
+        if every.isna().any()
+        else ""
+    )
     if bands.empty:
-        return ""
+        return f"simulated series are predicted ({unvalidated})" if unvalidated else ""
     lo, hi = bands.min(), bands.max()
     span = f"±{lo:.0f} %" if round(lo) == round(hi) else f"±{lo:.0f}-{hi:.0f} %"
     return (
         f"simulated series are predicted ({span}: the simulator's validated error for their family, "
-        "`python -m suite validate`)"
+        "`python -m suite validate`" + (f"; some {unvalidated}" if unvalidated else "") + ")"
     )
 
 
@@ -379,7 +388,7 @@ def sim_note(rows: pd.DataFrame) -> str:
     sim = rows[rows["executor"] == "sim"] if not rows.empty else rows
     if sim.empty:
         return ""
-    if M.SIM_ERROR_PCT in sim and pd.to_numeric(sim[M.SIM_ERROR_PCT], errors="coerce").notna().any():
+    if M.SIM_ERROR_PCT in sim:  # a band, or "unvalidated" where the row's family has none
         return SIM_BAND_NOTE
     return "simulated rows (executor sim) are the simulator's predictions, not timed repeats"
 
@@ -405,8 +414,15 @@ def throughput(df: pd.DataFrame) -> Table:
         f"Median, min and max time of one iteration over the timed repeats; {unit.label} per {word} at the "
         "median (flash-attention FLOP convention); ideal = single-device reference time / P"
     )
-    if not data.empty and data["sim_error_pct"].notna().any():
-        cols["sim_error_pct"] = Col("± (%)", "pct")
+    sim = data["executor"] == "sim" if not data.empty else pd.Series(dtype=bool)
+    if not data.empty and sim.any():
+        # a simulated row's band, or "unvalidated" where no published row of its family was validated
+        # (no band is borrowed from another family); measured rows have none
+        data["sim_error_pct"] = [
+            (f"{e:.1f}" if pd.notna(e) else M.UNVALIDATED) if is_sim else ""
+            for e, is_sim in zip(data["sim_error_pct"], sim)
+        ]
+        cols["sim_error_pct"] = Col("± (%)", "textnum")
     else:
         data = data.drop(columns=["sim_error_pct"], errors="ignore")
     if sim_note(data):
@@ -433,8 +449,9 @@ def throughput_pivot(df: pd.DataFrame) -> Table:
         _sig(tf * unit.scale)
         + ("" if pd.isna(p) else f" ({p:.0f}%)")
         + ("" if pd.isna(e) else f" ±{e:.0f}%")
+        + (f" {M.UNVALIDATED}" if x == "sim" and pd.isna(e) else "")
         + (" *" if b else "")
-        for tf, p, e, b in zip(t["tflops_per_gpu"], t["pct_of_ideal"], t["sim_error_pct"], t["busy"])
+        for tf, p, e, b, x in zip(t["tflops_per_gpu"], t["pct_of_ideal"], t["sim_error_pct"], t["busy"], t["executor"])
     ]
     out = t.pivot_table(
         index=["shape", "P", "mask", "pass", "series"], columns="seq_len", values="cell", aggfunc="first"

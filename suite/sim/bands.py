@@ -11,9 +11,14 @@ A family is what decides which part of the model a prediction leans on:
   `multi-node` (ranks on more than one node), or `host` (a calibrated CPU host whose ranks share
   its cores; no published table covers it).
 
+- method: the method family whose schedule was simulated (`method_family`): a ring, Ulysses/USP, an
+  all-gather of K/V, Burst, TASP, TokenRing, dispatch, or one GPU's kernel alone.
+
 Every simulated row carries the band of its family (`sim_error_pct`, suite/metrics.py): the family's
-mean |error|; a family with no validated row takes its bound's mean over every GPU kind, then the
-mean over all rows; a host row takes only a host family's band (GPU tables say nothing about it).
+mean |error| over its validated rows. A family with no validated row borrows nothing: its rows carry
+no band and say "unvalidated" (suite/metrics.py `UNVALIDATED`) wherever a band would be shown
+(simulated rows, the advisor, reports, MLflow). A band measured on one kind of hardware, method or
+regime says nothing about another.
 """
 
 from __future__ import annotations
@@ -51,8 +56,25 @@ def bound_of(time_ms: Optional[float], compute_only_ms: Optional[float]) -> str:
     return KERNEL_BOUND if (time_ms - compute_only_ms) / time_ms < EXPOSED_SHARE else COMM_BOUND
 
 
-def family(bound: str, kind: str) -> str:
-    return f"{bound}/{kind}"
+# Methods whose simulated schedules share what the simulator leans on (the same messages per step and
+# the same overlap): a peer library's method joins the family of the own method it mirrors. A method
+# not named here is a family of its own.
+METHOD_FAMILIES = {
+    "reference": "single-gpu",
+    **dict.fromkeys(("ring", "zigzag_ring", "stripe_ring", "rfa_ring", "rfa_zigzag", "rfa_stripe"), "ring"),
+    **dict.fromkeys(("ulysses", "usp", "yunchang_ulysses", "yunchang_usp", "torch_cp_alltoall"), "ulysses-usp"),
+    **dict.fromkeys(("allgather_kv", "rfa_llama3", "torch_cp_allgather"), "allgather"),
+}
+
+
+def method_family(method: str) -> str:
+    """The method family a simulated row of `method` is validated as (see METHOD_FAMILIES)."""
+    return METHOD_FAMILIES.get(method, method)
+
+
+def family(bound: str, kind: str, method: str = "") -> str:
+    """A family's key: `bound/kind/method family` (`bound/kind` for a summary over every method)."""
+    return f"{bound}/{kind}/{method_family(method)}" if method else f"{bound}/{kind}"
 
 
 @dataclass
@@ -98,16 +120,11 @@ class Bands:
     row_limit_pct: float = 20.0  # --check: no row's |error| beyond this
     meta: dict[str, Any] = field(default_factory=dict)  # date, command, code version, configs
 
-    def band_pct(self, bound: str, kind: str) -> Optional[float]:
-        """The error band (mean |error|, percent) a simulated row of this family carries."""
-        exact = self.families.get(family(bound, kind))
-        if exact is not None:
-            return exact.mean_abs_pct
-        if kind == "host":
-            return None
-        if bound in self.bounds:
-            return self.bounds[bound].mean_abs_pct
-        return self.overall.mean_abs_pct
+    def band_pct(self, bound: str, kind: str, method: str) -> Optional[float]:
+        """The error band (mean |error|, percent) a simulated row of this family carries; None when
+        no validated row is of its family (the row is unvalidated: no band is borrowed from another)."""
+        exact = self.families.get(family(bound, kind, method))
+        return None if exact is None else exact.mean_abs_pct
 
     def to_dict(self) -> dict[str, Any]:
         return {

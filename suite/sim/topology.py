@@ -33,6 +33,12 @@ A topology is one node type repeated `nodes` times (as many as a world size need
   ranks share CPU cores instead of owning a GPU each; `host_sync_us`: what the device idles each
   time the code makes the host wait for it (suite/sim/engine.py `HostSync`; default 0).
 
+- `fitted_from` (optional): the published validation sources (a validation file's `source.id`,
+  configs/validate/) some figure of the file was derived from, each with what: `suite validate`
+  then does not count that source's rows on this topology in its leave-one-source-out error (a
+  model fitted on them cannot predict them blind), and refuses a source named here none of whose
+  rows says `calibrates: true`. Hardware figures should come from micro-benchmarks instead.
+
 GB/s are 1e9 bytes per second, one direction. Every number in the shipped files carries its
 source in a comment, tagged [P] (a primary source: the vendor's or the library's own
 document or code), [S] (a secondary source), [D] (derived by arithmetic from cited numbers) or
@@ -117,6 +123,7 @@ class Topology:
     compute: dict
     source: Optional[Path] = None
     overlap: dict = field(default_factory=dict)
+    fitted_from: dict = field(default_factory=dict)  # validation source id -> what was derived from it
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: Optional[Path] = None) -> "Topology":
@@ -136,6 +143,7 @@ class Topology:
             compute=dict(d["compute"]),
             source=source,
             overlap=dict(d.get("overlap") or {}),
+            fitted_from=dict(d.get("fitted_from") or {}),
         )
         t._validate(where)
         return t

@@ -12,6 +12,7 @@ same way behind a fake torch.distributed (suite/sim/peers.py).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 from typing import Any, Optional
 
@@ -23,6 +24,24 @@ from methods.base import Case
 from methods.comm import run_threads
 from methods.comm.counting import CommRecord
 from suite.sim.record import Compute, Event, Memory, Trace, TraceLedger, TracingComm, TracingKernel, _Bookkeeping
+
+
+@contextlib.contextmanager
+def one_torch_thread():
+    """Run the block with torch's intra-op pool at one thread. Nothing the simulator runs is worth
+    parallelising (meta tensors, small index arithmetic of the plans), and the pool's hand-offs cost
+    more CPU than the work: the advisor's pruning took 4.0 s of CPU with torch's two threads and 0.3 s
+    with one, 24 s and 2.7 s of wall time on a loaded 2-core machine. torch's setting is per process,
+    so it is restored after the block."""
+    n = torch.get_num_threads()
+    if n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def traced_method(method_name: str, options: Optional[dict[str, Any]] = None) -> methods.Method:

@@ -163,6 +163,7 @@ class AttentionWorkload(Workload):
                 M.REASON: "; ".join(bad),
             }
         )
+        row[M.SIM_BAND] = M.sim_band_label(row)  # a simulated row: its band, or "unvalidated"
         return finish(row, outcome)
 
 

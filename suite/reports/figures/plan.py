@@ -122,11 +122,14 @@ def _titled(title: str, part: pd.DataFrame) -> str:
         return title
     if not sim.all():
         return f"{title} (measured and predicted)"
-    bands = pd.to_numeric(part[M.SIM_ERROR_PCT], errors="coerce").dropna() if M.SIM_ERROR_PCT in part else []
+    every = pd.to_numeric(part[M.SIM_ERROR_PCT], errors="coerce") if M.SIM_ERROR_PCT in part else None
+    bands = every.dropna() if every is not None else []
     band = ""
     if len(bands):
         lo, hi = bands.min(), bands.max()
         band = f" (±{lo:.0f} %)" if round(lo) == round(hi) else f" (±{lo:.0f}-{hi:.0f} %)"
+    if every is None or every.isna().any():  # some series of a family no published row validated
+        band = f" ({M.UNVALIDATED})" if not band else band[:-1] + f"; some {M.UNVALIDATED})"
     return f"Predicted {title[0].lower()}{title[1:]}{band}"
 
 
