@@ -1,0 +1,209 @@
+"""The conformance cases the sweeps lack (the silent bugs of context-parallel libraries): strided
+inputs, the LSE on the rows at mask boundaries, tail padding and document lengths that 2P does not
+divide for every layout, world sizes 3, 5, 6, 7, and CP=1 vs CP=k training parity per mask family
+(tests/test_perplexity.py). Every own method, on virtual ranks (threads), against float64 on the
+unsharded inputs.
+"""
+
+import pytest
+import torch
+
+import methods
+from methods import Case
+from methods.comm import run_threads
+from methods.masks import parse
+from tests.helpers import (
+    TENSORS,
+    errors_vs_reference,
+    own_variants,
+    problem_for,
+    run_method_rank,
+    seq_len_for,
+    variant_id,
+)
+from tests.test_varlen import check_documents
+
+OWN = own_variants()
+IDS = [variant_id(n, o) for n, o in OWN]
+
+
+# -- 1. strided (non-contiguous) inputs ---------------------------------------------------------------
+def _views(style: str, q, k, v, dout):
+    """q, k, v, dout as the strided views a model passes, holding the same values.
+    fused: head slices of one fused projection [B, S, H + 2 Hkv, D] (LLaMA's qkv); transposed: BHSD
+    storage seen as BSHD; sliced: every other head dim of a wider tensor (stride 2 on the last dim)."""
+    if style == "fused":
+        h, hkv = q.shape[2], k.shape[2]
+        qkv = torch.cat([q, k, v], dim=2)  # [B, S, H + 2 Hkv, D]
+        q2, k2, v2 = qkv.split([h, hkv, hkv], dim=2)
+        return q2, k2, v2, dout.transpose(1, 2).contiguous().transpose(1, 2)
+    if style == "transposed":
+        return tuple(x.transpose(1, 2).contiguous().transpose(1, 2) for x in (q, k, v, dout))
+    if style == "sliced":
+        return tuple(torch.stack([x, torch.full_like(x, float("nan"))], dim=-1)[..., 0] for x in (q, k, v, dout))
+    raise AssertionError(style)
+
+
+STYLES = ("fused", "transposed", "sliced")
+
+
+@pytest.mark.parametrize("name,options", OWN, ids=IDS)
+def test_strided_inputs_give_the_contiguous_answer_bit_for_bit(name, options):
+    """q, k, v and dout as strided views (a fused projection's head slices, BHSD storage, a stride-2
+    head dim) through autograd and through the direct forward+backward: every tensor equals the
+    contiguous inputs' result bit for bit, and float64 within the pass rule. P = 4, GQA."""
+    world_size = 4
+    case = Case(2, seq_len_for(name, world_size, options, 4, 2), 4, 2, 8, "float32", True, world_size)
+    m = methods.get_method(name, **options)
+    assert m.supports(case)[0]
+    prob = problem_for(case)
+    lay = m.layout(case)
+
+    def rank(comm):
+        shards = [lay.shard(x, comm.rank) for x in (prob.q, prob.k, prob.v, prob.dout)]
+
+        def autograd(q, k, v, dout):
+            q, k, v = (x.detach().requires_grad_() for x in (q, k, v))
+            out, lse = m.attention(q, k, v, causal=True, comm=comm, return_lse=True)
+            return (out.detach(), lse) + torch.autograd.grad(out, (q, k, v), dout)
+
+        results = {"contiguous": autograd(*shards)}
+        for style in STYLES:
+            views = _views(style, *shards)
+            assert not any(x.is_contiguous() for x in views[1:]), style
+            assert all(torch.equal(a, b) for a, b in zip(views, shards))
+            results[style] = autograd(*views)
+            results[style + " direct"] = m.attention_fwd_bwd(*views, causal=True, comm=comm)
+        return results
+
+    per_rank = run_threads(world_size, rank)
+    for key in per_rank[0]:
+        for r, res in enumerate(per_rank):
+            for t, got, want in zip(TENSORS, res[key], res["contiguous"]):
+                assert torch.equal(got, want), (name, options, key, t, r)
+    errs = errors_vs_reference(m, case, prob, [dict(zip(TENSORS, res["sliced"])) for res in per_rank])
+    bad = {t: e for t, e in errs.items() if not e[0] <= e[1]}
+    assert not bad, bad
+
+
+# -- 3. tail padding and document lengths 2P does not divide --------------------------------------------
+def _tail_cases(world_size: int, every: bool):
+    """(seq_len, lengths, causal) at S = 2P k + r for r = 1, P, 2P - 1 (the layout pads the tail: one
+    token, half a zigzag pair, all but one token of a chunk pair): one document per sequence (batch
+    2) causal, packed documents of odd lengths only (batch 1) causal and full. `every`: each r with
+    each; else one of them per r, in turn."""
+    two_p = 2 * world_size
+    out = []
+    for i, r in enumerate((1, world_size, two_p - 1)):
+        seq_len = two_p * 3 + r
+        odd = _odd_lengths(seq_len)
+        assert all(n % two_p for n in odd), odd
+        kinds = [(((seq_len,), (seq_len,)), True), ((odd,), True), ((odd,), False)]
+        out += [(seq_len, *kind) for j, kind in enumerate(kinds) if every or j == (i + world_size) % 3]
+    return out
+
+
+def _check_tails(name, options, world_size, every):
+    for seq_len, lengths, causal in _tail_cases(world_size, every):
+        why = check_documents(name, options, world_size, seq_len, lengths, causal)
+        if why:  # the Ulysses split of the 6 heads, or burst's node size
+            assert _honest(options, world_size, 6, 3, why), (name, options, world_size, why)
+
+
+@pytest.mark.parametrize("name,options", OWN, ids=IDS)
+def test_tail_padding_and_odd_documents_on_every_layout(name, options):
+    """Every layout at P = 3 and 4, with lengths 2P does not divide: every tensor of the real rows vs
+    float64 (the padding rows cut off); a third of the (r, documents, causal) cases per P, in turn
+    (the slow test below runs them all)."""
+    for world_size in (3, 4):
+        _check_tails(name, options, world_size, every=False)
+
+
+def test_the_tail_rotation_covers_every_remainder_and_kind():
+    for p in (3, 4):
+        cases = _tail_cases(p, every=False)
+        assert sorted(c[0] % (2 * p) for c in cases) == sorted({1, p, 2 * p - 1})
+    both = _tail_cases(3, every=False) + _tail_cases(4, every=False)
+    assert {(len(c[1]), c[2]) for c in both} == {(2, True), (1, True), (1, False)}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,options", OWN, ids=IDS)
+def test_tail_padding_and_odd_documents_every_combination(name, options):
+    for world_size in (3, 4):
+        _check_tails(name, options, world_size, every=True)
+
+
+def _odd_lengths(seq_len: int) -> tuple[int, ...]:
+    """Odd document lengths filling `seq_len` (a lone even remainder is impossible: seq_len - sum of
+    odd lengths; the last one takes the rest and stays odd when seq_len's parity allows)."""
+    ls, total, n = [], 0, 1
+    while total < seq_len:
+        n = min(n + 2, seq_len - total)
+        ls.append(n)
+        total += n
+    if ls[-1] % 2 == 0:  # merge an even tail into its neighbour: odd + even = odd
+        ls[-2:] = [ls[-2] + ls[-1]]
+    return tuple(ls)
+
+
+def _honest(options: dict, world_size: int, heads: int, kv_heads: int, why: str) -> bool:
+    """Whether a refusal names a constraint the case really breaks: a Ulysses degree that does not
+    divide the world size or the heads, or a node size that does not divide the world size."""
+    u = options.get("ulysses_degree")
+    if u is not None and world_size % u and "does not divide" in why:
+        return True
+    per_node = options.get("ranks_per_node")
+    if per_node is not None and world_size % per_node and str(per_node) in why:
+        return True
+    degree = u or world_size
+    return ("heads" in why) and (heads % degree != 0 or kv_heads % degree != 0) and str(degree) in why
+
+
+# -- 4. world sizes 3, 5, 6, 7 ---------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", [3, 5, 6, 7])
+@pytest.mark.parametrize("name,options", OWN, ids=IDS)
+def test_odd_and_non_power_of_two_world_sizes(name, options, world_size):
+    """Forward and backward against float64, GQA with heads 2P and kv_heads P (the Ulysses split
+    fits): a sliding window on packed documents (S = 7P + 5: padded) at every P, and plain causal
+    at a length the layout takes at P = 7 (tests/test_methods.py runs it at 3, 5, 6). A refusal
+    must name a constraint the case breaks."""
+    heads, kv_heads = 2 * world_size, world_size
+    m = methods.get_method(name, **options)
+    seq_len = 7 * world_size + 5
+    lengths = ((seq_len // 3, seq_len // 3 + 1, seq_len - 2 * (seq_len // 3) - 1),)
+    why = check_documents(
+        name,
+        options,
+        world_size,
+        seq_len,
+        lengths,
+        True,
+        mask=parse("sliding_window:5"),
+        heads=heads,
+        kv_heads=kv_heads,
+    )
+    if why:
+        assert _honest(options, world_size, heads, kv_heads, why), (name, options, world_size, why)
+        pytest.skip(why)
+    if world_size in (3, 5, 6):  # plain causal at these: tests/test_methods.py
+        return
+    case = Case(
+        1,
+        seq_len_for(name, world_size, options, heads, kv_heads, factor=1),
+        heads,
+        kv_heads,
+        8,
+        "float32",
+        True,
+        world_size,
+    )
+    ok, why = m.supports(case)
+    if not ok:
+        assert _honest(options, world_size, heads, kv_heads, why), (name, options, world_size, why)
+        pytest.skip(why)
+    prob = problem_for(case)
+    per_rank = run_threads(world_size, lambda comm: run_method_rank(m, case, prob, comm))
+    errs = errors_vs_reference(m, case, prob, per_rank)
+    bad = {t: e for t, e in errs.items() if not e[0] <= e[1]}
+    assert not bad, bad
