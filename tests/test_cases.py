@@ -5,13 +5,18 @@ divide for every layout, world sizes 3, 5, 6, 7, and CP=1 vs CP=k training parit
 unsharded inputs.
 """
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 
 import methods
 from methods import Case
 from methods.comm import run_threads
+from methods.documents import Documents
 from methods.masks import parse
+from suite.check import build_problem
 from tests.helpers import (
     TENSORS,
     errors_vs_reference,
@@ -21,6 +26,7 @@ from tests.helpers import (
     seq_len_for,
     variant_id,
 )
+from tests.test_masks import METHOD_MASKS
 from tests.test_varlen import check_documents
 
 OWN = own_variants()
@@ -84,6 +90,136 @@ def test_strided_inputs_give_the_contiguous_answer_bit_for_bit(name, options):
     errs = errors_vs_reference(m, case, prob, [dict(zip(TENSORS, res["sliced"])) for res in per_rank])
     bad = {t: e for t, e in errs.items() if not e[0] <= e[1]}
     assert not bad, bad
+
+
+# -- 2. the LSE on the rows at mask boundaries ----------------------------------------------------------
+BOUNDARY_LENGTHS = ((9, 11, 13),)  # S = 33 = 7P + 5 at P = 4: padded on every layout; odd documents
+
+
+@functools.lru_cache(maxsize=None)
+def _boundary_problem(text: str, causal: bool):
+    """The float64 problem of mask `text` on BOUNDARY_LENGTHS (the same for every method)."""
+    mask = parse(text)
+    seq_len = sum(BOUNDARY_LENGTHS[0])
+    true_docs = Documents(BOUNDARY_LENGTHS, seq_len, None if mask.plain else mask)
+    return build_problem(
+        1,
+        seq_len,
+        8,
+        4,
+        8,
+        "float32",
+        causal,
+        "masks",
+        seed=0,
+        device=torch.device("cpu"),
+        with_reference=True,
+        documents=true_docs,
+    )
+
+
+def _boundary_lse(name, options, text, world_size=4, forward=None):
+    """(err_lse_boundary, its tolerance, err_lse, its tolerance, the float64 problem, the method's
+    unsharded lse) of `name` under mask `text` on BOUNDARY_LENGTHS, forward only. `forward`: wraps
+    the method's forward (a planted bug)."""
+    mask = parse(text)
+    causal = mask.family == "causal" if mask.plain else mask.causal
+    heads, kv_heads = 8, 4
+    seq_len = sum(BOUNDARY_LENGTHS[0])
+    m = methods.get_method(name, **options)
+    if forward is not None:
+        m.forward = forward(m.forward)
+    true_docs = Documents(BOUNDARY_LENGTHS, seq_len, None if mask.plain else mask)
+    case = Case(1, seq_len, heads, kv_heads, 8, "float32", causal, world_size, documents=true_docs)
+    padded = m.padded_len(case)
+    docs = Documents(BOUNDARY_LENGTHS, padded, true_docs.mask)
+    case = dataclasses.replace(case, seq_len=padded, documents=docs)
+    ok, why = m.supports(case)
+    assert ok, why
+    prob = _boundary_problem(text, causal)
+    lay = m.layout(case)
+
+    def rank(comm):
+        q, k, v = (
+            lay.shard(torch.nn.functional.pad(x, (0, 0, 0, 0, 0, padded - seq_len)), comm.rank)
+            for x in (prob.q, prob.k, prob.v)
+        )
+        with torch.no_grad():
+            return m.attention(q, k, v, causal=causal, comm=comm, return_lse=True, docs=docs)[1]
+
+    lse = lay.unshard(run_threads(world_size, rank), dim=2).narrow(2, 0, seq_len)
+    err_all = float((lse.double() - prob.ref["lse"]).abs().max())
+    return (
+        prob.lse_boundary_error(lse),
+        prob.tolerance("lse_boundary", world_size),
+        err_all,
+        prob.tolerance("lse", world_size),
+        prob,
+        lse,
+    )
+
+
+@pytest.mark.parametrize("name,options", OWN, ids=IDS)
+def test_lse_at_every_mask_boundary(name, options):
+    """Every mask family (tests/test_masks.py's METHOD_MASKS), P = 4, three documents of odd lengths
+    and tail padding: the LSE on the boundary rows (a document's first and last rows, a window's
+    edges, chunk and block edges, a prefix's end, the last row before the padding) within its own
+    tolerance. (tests/test_masks.py checks it too, forward and backward, at P = 2, 3, 4 in turn.)"""
+    for text in METHOD_MASKS:
+        err, tol, err_all, tol_all, prob, _ = _boundary_lse(name, options, text)
+        assert prob.boundary.any(), text
+        assert err <= tol, (text, err, tol)
+        assert err_all <= tol_all, (text, err_all, tol_all)
+
+
+def test_boundary_rows_are_the_edges_of_each_family():
+    """The rows `boundary_rows` reads from the mask, against where each family's edges are by its
+    definition, on documents (13, 9) padded to 24."""
+    from suite.check import boundary_rows
+
+    def rows(text, causal=True):
+        mask = parse(text)
+        docs = Documents(((13, 9),), 24, None if mask.plain else mask)
+        return set(boundary_rows(docs, 1, 22, causal)[0].nonzero().flatten().tolist())
+
+    starts_ends = {0, 12, 13, 21}  # each document's first and last row (21: the last before the padding)
+    assert starts_ends <= rows("causal")
+    assert rows("causal") - starts_ends <= {11, 14}  # a document start kinks the steps around it
+    assert {2, 3, 4, 15, 16, 17} <= rows("sliding_window:4")  # last clipped, first full, first sliding
+    assert {3, 4, 7, 8, 16, 17} <= rows("chunked:4")  # chunk edges (13 + 4 = 17)
+    assert {4, 5, 17, 18} <= rows("prefix_lm:5", causal=False)  # the prefix's last row and the next
+    assert {1, 2, 14, 15} <= rows("global_window:globals=2,window=3", causal=False)  # the global rows' end
+    interior = set(range(5, 11))  # a causal run far from the edges
+    assert not rows("causal") & interior
+
+
+def test_a_boundary_lse_bug_is_caught_and_placed_on_the_boundary_rows():
+    """Planted bug: ring's forward returns the LSE of each document's first row shifted by 1e-3 (the
+    output untouched). err_lse_boundary exceeds its tolerance, and the error off the boundary
+    rows stays within the whole-row tolerance: the check places the fault on the boundary rows."""
+    shift = 1e-3
+
+    def shifted(forward):
+        def wrapped(q, k, v, *, comm, docs=None, **kw):
+            out, lse, res = forward(q, k, v, comm=comm, docs=docs, **kw)
+            if lse is not None and docs is not None:
+                pos = (
+                    methods.get_method("ring")
+                    .layout(Case(1, docs.padded_len, q.shape[2], k.shape[2], 8, "float32", True, comm.world_size))
+                    .positions(comm.rank)
+                )
+                first = (docs.starts[0, pos] == pos) & (pos < docs.seq_len)
+                lse = lse.clone()
+                lse[:, :, first] += shift
+            return out, lse, res
+
+        return wrapped
+
+    for text in ("causal", "sliding_window:5", "prefix_lm:0.25"):
+        err, tol, _, tol_all, prob, lse = _boundary_lse("ring", {}, text, forward=shifted)
+        assert err > tol and abs(err - shift) < 1e-5, (text, err, tol)
+        off = ~prob.boundary.unsqueeze(1).expand(lse.shape)
+        assert float((lse.double() - prob.ref["lse"])[off].abs().max()) <= tol_all
 
 
 # -- 3. tail padding and document lengths 2P does not divide --------------------------------------------
