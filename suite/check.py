@@ -20,6 +20,15 @@ one block of 16 at P = 16) stays invisible; float32 runs catch it.
 
 The reference is computed in chunks of query rows, so its memory stays bounded
 (chunk x S scores at a time) whatever the sequence length.
+
+LSE at mask boundaries (`boundary_rows`, `Problem.lse_boundary_error`): the rows where a mask's
+shape changes (a document's first and last rows, a window's last clipped and first full rows, a
+chunk's or a block's edges, a prefix's end, the last row before tail padding) are where a method's
+off-by-one hides, and a wrong row there moves the max over all rows little when the other rows'
+naive error is larger. Their LSE is checked by itself, with the pass rule restricted to them:
+    max|lse - ref64| over boundary rows  <=  2 * max|naive - ref64| over boundary rows
+                                             + floor * max(1, max|ref64| over boundary rows),
+the same floor as above (the same roundings happen on every row), `tolerance("lse_boundary", P)`.
 """
 
 from __future__ import annotations
@@ -53,11 +62,89 @@ class Problem:
     ref: dict[str, torch.Tensor] = field(default_factory=dict)  # out, lse, dq, dk, dv (dsink) in float64
     naive_err: dict[str, float] = field(default_factory=dict)  # max |naive same-dtype - ref|
     ref_scale: dict[str, float] = field(default_factory=dict)  # max(1, max |ref|)
+    documents: Optional[Documents] = None  # the packed documents and mask the reference used
+    causal: bool = True  # the causal flag the reference used
+    naive_lse: Optional[torch.Tensor] = None  # [B, H, S] the naive same-dtype lse (for `lse_boundary`)
+    _boundary: Optional[torch.Tensor] = None
+
+    @property
+    def boundary(self) -> torch.Tensor:
+        """[B, S] bool: the rows at the mask's boundaries (`boundary_rows`), found on first use."""
+        if self._boundary is None:
+            b, s = self.q.shape[:2]
+            self._boundary = boundary_rows(self.documents, b, s, self.causal)
+        return self._boundary
 
     def tolerance(self, name: str, world_size: int) -> float:
-        """The pass-rule bound for tensor `name` of a method running on `world_size` ranks."""
+        """The pass-rule bound for tensor `name` of a method running on `world_size` ranks
+        ("lse_boundary": the lse on the rows at mask boundaries, module docstring)."""
+        if name == "lse_boundary" and name not in self.naive_err:
+            self._boundary_stats()
         floor = pass_floor(self.q.dtype, self.q.shape[1], world_size)
         return tolerance(self.naive_err[name], self.ref_scale[name], floor)
+
+    def lse_boundary_error(self, lse: torch.Tensor) -> float:
+        """max |lse - ref64| over the rows at mask boundaries (`boundary_rows`); `lse` [B, H, S] is the
+        method's, unsharded, real rows only. Rows that see no key have lse -inf on both sides (a
+        finite lse there is an error of inf)."""
+        assert "lse" in self.ref, "built with_reference"
+        return _lse_error(lse, self.ref["lse"], self.boundary)
+
+    def _boundary_stats(self) -> None:
+        assert self.naive_lse is not None, "built with_reference"
+        ref = self.ref["lse"]
+        self.naive_err["lse_boundary"] = _lse_error(self.naive_lse, ref, self.boundary)
+        on = ref[self.boundary.unsqueeze(1).expand(ref.shape)].double()
+        on = on[torch.isfinite(on)]
+        self.ref_scale["lse_boundary"] = max(1.0, float(on.abs().max()) if on.numel() else 0.0)
+
+
+def _lse_error(lse: torch.Tensor, ref: torch.Tensor, rows: torch.Tensor) -> float:
+    """max |lse - ref| over `rows` ([B, S] bool) of lse/ref [B, H, S], -inf equal to -inf."""
+    sel = rows.unsqueeze(1).expand(ref.shape)
+    got, want = lse.double()[sel], ref.double()[sel]
+    if got.numel() == 0:
+        return 0.0
+    both_empty = torch.isneginf(got) & torch.isneginf(want)
+    diff = torch.where(both_empty, torch.zeros_like(got), (got - want).abs())
+    return float(diff.nan_to_num(nan=math.inf).max())
+
+
+def boundary_rows(documents: Optional[Documents], batch: int, seq_len: int, causal: bool) -> torch.Tensor:
+    """[B, seq_len] bool: the query rows at the mask's boundaries, read from the mask itself (so
+    every family, packed documents and their combinations are covered by one rule).
+
+    Each row i has three numbers: how many keys it sees, its first and its last visible key. Inside
+    a uniform stretch (a causal run, a full window sliding, a chunk's interior) each grows by the
+    same step from row to row; where the step into row i differs from the step into row i - 1, rows
+    i - 2, i - 1 and i are boundary rows: a window's last clipped row, its first full one and the
+    first that slides; a chunk's last rows and the next chunk's first; a prefix's last row and the
+    first after it; a block's edges; a document's first and last rows. The first and last rows of
+    the sequence (the last one next to the tail padding) are always in. Rows are read in chunks,
+    so memory stays at a chunk x S mask."""
+    docs = documents or Documents.single(batch, seq_len)
+    keys = torch.arange(seq_len)
+    rows_per_chunk = max(1, 2**24 // max(1, batch * seq_len))
+    count, first, last = (torch.empty(batch, seq_len, dtype=torch.int64) for _ in range(3))
+    for r0 in range(0, seq_len, rows_per_chunk):
+        r1 = min(seq_len, r0 + rows_per_chunk)
+        vis = docs.block(torch.arange(r0, r1), keys, causal).dense()  # [B, R, S]
+        count[:, r0:r1] = vis.sum(-1)
+        index = keys.expand_as(vis)
+        first[:, r0:r1] = torch.where(vis, index, seq_len).amin(-1)
+        last[:, r0:r1] = torch.where(vis, index, -1).amax(-1)
+    edge = torch.zeros(batch, seq_len, dtype=torch.bool)
+    for x in (count, first, last):
+        step = x[:, 1:] - x[:, :-1]  # step[i - 1]: from row i - 1 to row i
+        change = step[:, 1:] != step[:, :-1]  # change[i - 2]: the step into row i differs from the one before
+        edge[:, 2:] |= change
+        edge[:, 1:-1] |= change
+        edge[:, :-2] |= change
+    starts = docs.starts[:, :seq_len]
+    edge |= starts == keys  # every document's first row
+    edge[:, :-1] |= starts[:, 1:] == keys[1:]  # and its last
+    edge[:, 0] = edge[:, -1] = True
+    return edge
 
 
 def pass_floor(dtype: torch.dtype, seq_len: int, world_size: int) -> float:
@@ -396,6 +483,8 @@ def build_problem(
         for name, ref in prob.ref.items():
             prob.naive_err[name] = max_abs_err(naive[name], ref)
             prob.ref_scale[name] = max(1.0, float(ref.abs().max()))
+        # the boundary rows and their part of the pass rule are found when first asked for
+        prob.documents, prob.causal, prob.naive_lse = documents, bool(causal), naive["lse"]
     return prob
 
 

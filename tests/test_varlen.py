@@ -147,10 +147,14 @@ def _threads(world_size, fn, *args):
     return run_threads(world_size, lambda comm: fn(comm, *args))
 
 
-def check_documents(name, options, world_size, seq_len, lengths, causal, comm_runner=_threads, mask=None):
+def check_documents(
+    name, options, world_size, seq_len, lengths, causal, comm_runner=_threads, mask=None, heads=6, kv_heads=3
+):
     """Every rank's out, lse and gradients of `name` on packed documents (`mask`: a mask family
     inside each, methods/masks.py) equal float64 attention; '' or the method's reason to refuse."""
-    m, case = _documents_case(name, options, world_size, seq_len, lengths, causal, mask=mask)
+    m, case = _documents_case(
+        name, options, world_size, seq_len, lengths, causal, mask=mask, heads=heads, kv_heads=kv_heads
+    )
     ok, why = m.supports(case)
     if not ok:
         return why

@@ -22,7 +22,7 @@ loss (`prefix_loss_skip`), in the baseline and the methods alike.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -72,6 +72,7 @@ class TrainResult:
     step_ms: list[float]  # wall time of each step on this rank
     attn_bytes_sent: int = 0  # attention communication of one training step (forward + backward)
     attn_bytes_recv: int = 0
+    grad_norms: list[float] = field(default_factory=list)  # global gradient 2-norm of each step, before clipping
 
     @property
     def perplexity(self) -> float:
@@ -147,6 +148,7 @@ def train_and_evaluate(
                     comm.all_reduce(flat)
             _unflatten_grads(flat[:-1], params)
             result.losses.append(float(flat[-1]) / n_tokens)
+            result.grad_norms.append(float(torch.linalg.vector_norm(flat[:-1])))
             if tc.grad_clip > 0:
                 torch.nn.utils.clip_grad_norm_(params, tc.grad_clip)
             opt.step()
