@@ -835,7 +835,13 @@ def run_conformance(
     baseline = []
     # One executor, so that its problem cache keeps each trial's float64 reference from the
     # baseline run to the mutated runs that follow it.
-    executor = ThreadExecutor(device="cpu", run=SETTINGS, timeout_s=TRIAL_TIMEOUT_S, hardware="cpu:conformance")
+    executor = ThreadExecutor(
+        device="cpu",
+        run=SETTINGS,
+        timeout_s=TRIAL_TIMEOUT_S,
+        prepare_timeout_s=TRIAL_TIMEOUT_S,
+        hardware="cpu:conformance",
+    )
     try:
         for pt, spec in specs.items():
             base = verdict(spec, executor.run(spec))

@@ -239,7 +239,11 @@ class ProbeRunner:
                 from suite.executors.threads import ThreadExecutor
 
                 self._executors[kind] = ThreadExecutor(
-                    device=self.device, run=self.settings, timeout_s=self.timeout_s, hardware="probe"
+                    device=self.device,
+                    run=self.settings,
+                    timeout_s=self.timeout_s,
+                    prepare_timeout_s=defaults.prepare_timeout_s,
+                    hardware="probe",
                 )
             else:
                 from suite.executors import resolve_backend
