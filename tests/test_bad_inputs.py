@@ -274,15 +274,21 @@ def test_threads_executor_keeps_its_limits_and_outlives_a_rank_that_exits(tmp_pa
 def test_worker_processes_leave_ctrl_c_to_the_parent():
     """Ctrl-C at a terminal reaches every process of the group: workers start with SIGINT ignored
     (inherited through exec), so only the parent answers it, in one line."""
+    import signal
     import subprocess
     import sys
 
     from suite.executors.local import sigint_ignored
 
     probe = [sys.executable, "-c", "import signal; print(signal.getsignal(signal.SIGINT) is signal.SIG_IGN)"]
-    with sigint_ignored():
-        assert subprocess.run(probe, capture_output=True, text=True).stdout.strip() == "True"
-    assert subprocess.run(probe, capture_output=True, text=True).stdout.strip() == "False"
+    # a test process started in the background (CI, `&`) inherits SIGINT ignored: start from Python's own handler
+    inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with sigint_ignored():
+            assert subprocess.run(probe, capture_output=True, text=True).stdout.strip() == "True"
+        assert subprocess.run(probe, capture_output=True, text=True).stdout.strip() == "False"
+    finally:
+        signal.signal(signal.SIGINT, inherited)
 
 
 @pytest.mark.slow
@@ -313,6 +319,8 @@ def test_ctrl_c_to_the_process_group_is_one_line_exit_130_rows_kept(tmp_path):
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
+            # as from a terminal: a background test run (CI, `&`) would pass SIGINT on ignored
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         t0 = time.monotonic()
         while time.monotonic() - t0 < 240:

@@ -46,14 +46,16 @@ class sigint_ignored:
     thread (where signal handlers can be set); elsewhere nothing changes."""
 
     def __enter__(self):
-        self._old = None
-        if threading.current_thread() is threading.main_thread():
-            self._old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        self._set = threading.current_thread() is threading.main_thread()
+        if self._set:
+            # None: a handler not installed from Python (a library's C handler): put back the default
+            self._old = signal.getsignal(signal.SIGINT)
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
         return self
 
     def __exit__(self, *exc):
-        if self._old is not None:
-            signal.signal(signal.SIGINT, self._old)
+        if self._set:
+            signal.signal(signal.SIGINT, signal.SIG_DFL if self._old is None else self._old)
         return False
 
 
