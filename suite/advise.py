@@ -291,7 +291,7 @@ def make_question(
             "--topology",
             f"unknown or unusable topology {topology!r}: choose one of "
             f"{available_topologies()} or a topology YAML file "
-            f"(e.g. from `python -m suite calibrate`) ({exc})",
+            f"(e.g. from `{M.suite_command()} calibrate`) ({exc})",
         ) from None
     if nodes is not None and not 1 <= nodes <= topo.max_nodes:
         raise AdviceError(
@@ -839,7 +839,7 @@ def tie_line(advice: Advice) -> str:
     band = f"±{bands[0]:g} %" if len(bands) == 1 else f"±{bands[0]:g}-{bands[-1]:g} %"
     return (
         f"Tied: ranks {', '.join(map(str, ranks))} ({', '.join(c.title for c in tied)}) lie within each other's "
-        f"error band ({band}, the simulator's validated error, `python -m suite validate`), so the simulator "
+        f"error band ({band}, the simulator's validated error, `{M.suite_command()} validate`), so the simulator "
         f"cannot order them: measure them on your hardware (next step below)."
     )
 
@@ -878,6 +878,17 @@ def advice_sentence(advice: Advice) -> str:
     return text + f"; {gap:.1f} % faster than the next, {second.title}, beyond both error bands."
 
 
+def evidence_line(advice: Advice) -> str:
+    """What backs the answer: a prediction, no run of these configurations on the GPUs it names (the
+    header says "simulated"; a reader skimming for the answer must not take it for a measurement)."""
+    q = advice.question
+    return (
+        f"No multi-GPU run backs this answer: it is the simulator's prediction for {q.world_size} x "
+        f"{q.topology.gpu}, checked only against published tables (`{M.suite_command()} validate`); "
+        "measure the top configurations on your hardware before relying on it (the next step below)."
+    )
+
+
 def measure_count(advice: Advice) -> int:
     """How many of the top configurations are worth measuring: the ones tied with the first, else 3."""
     return len(tied_with_best(advice)) or min(3, len(advice.ranked))
@@ -891,13 +902,13 @@ def next_step(advice: Advice, command: str, emitted: Optional[str] = None) -> st
     if emitted:
         measured = f"results/{sweep_name(advice.question)}_measured"
         return (
-            f"Next: measure them on your hardware: `python -m suite run {emitted}`, then compare: "
+            f"Next: measure them on your hardware: `{M.suite_command()} run {emitted}`, then compare: "
             f"`{command} --compare {measured}`."
         )
     n = measure_count(advice)
     return (
         f"Next: measure the top {n} on your hardware: `{command} --top {n} --emit-config measure.yaml`, "
-        f"then `python -m suite run measure.yaml`."
+        f"then `{M.suite_command()} run measure.yaml`."
     )
 
 
@@ -1018,7 +1029,7 @@ def header(advice: Advice) -> str:
         + "Memory: one attention call's peak plus what the other layers keep for backward "
         f"({'their inputs only: activation recomputation' if q.recompute else 'no recomputation'}); "
         "ideal: the whole problem as one kernel call on one GPU of the same compute model / P; "
-        "± %: the simulator's validated error for the configuration's family (`python -m suite validate`); "
+        f"± %: the simulator's validated error for the configuration's family (`{M.suite_command()} validate`); "
         f"{M.UNVALIDATED}: no published row of its family (hardware kind, method family, kernel- or comm-bound) "
         "was validated, so no band is given."
     )
@@ -1072,7 +1083,7 @@ def emit_config(advice: Advice, path: Path, top: int) -> Path:
         }
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(
-        f"# Written by `python -m suite advise`: the top {top} configurations, measured.\n"
+        f"# Written by `{M.suite_command()} advise`: the top {top} configurations, measured.\n"
         + yaml.safe_dump(keep, sort_keys=False)
     )
     return path
@@ -1179,7 +1190,7 @@ def command_line(args) -> str:
     --emit-config, --out and --compare: the start of the next command to run."""
     import shlex
 
-    parts = ["python -m suite advise", "--model", args.model, "--topology", args.topology]
+    parts = [f"{M.suite_command()} advise", "--model", args.model, "--topology", args.topology]
     for flag, value, default in (
         ("--nodes", args.nodes, None),
         ("--gpus", args.gpus, None),
@@ -1243,6 +1254,8 @@ def run_command(args) -> int:
         emitted = str(emit_config(advice, Path(args.emit_config), args.top))
     step = next_step(advice, command_line(args), emitted)
     print(advice_sentence(advice))
+    if not args.compare:  # with --compare, the measured order is printed below
+        print(evidence_line(advice))
     print(header(advice))
     print(render(advice, args.top))
     print(counts_line(advice, args.top))

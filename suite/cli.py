@@ -11,6 +11,9 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from suite.bundled import MODELS
+from suite.metrics import suite_command
+
 EPILOG = """examples:
   python -m suite run configs/quickstart.yaml
   python -m suite run configs/quickstart.yaml run.repeats=3 sweep.seq_len=[256,512]
@@ -29,9 +32,9 @@ EPILOG = """examples:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="python -m suite",
+        prog=suite_command(),
         description="Sequence-parallel attention benchmark suite",
-        epilog=EPILOG,
+        epilog=EPILOG.replace("python -m suite", suite_command()),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -86,9 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     adv.add_argument(
         "--model",
         required=True,
-        help="a model of configs/models (llama3_8b, llama3_70b, qwen2_5_7b, "
-        "qwen2_5_72b, mistral_7b), a model YAML, or "
-        "heads/kv_heads/head_dim such as 32/8/128",
+        help=f"a model of configs/models ({', '.join(sorted(p.stem for p in MODELS.glob('*.yaml')))}), "
+        "a model YAML, or heads/kv_heads/head_dim such as 32/8/128",
     )
     adv.add_argument(
         "--topology",
@@ -439,7 +441,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{c['logged']} child runs added, {c['completed']} completed, {c['deleted']} duplicates deleted, "
             f"{c['killed']} stale runs ended KILLED, {c['retagged']} given their display tags"
         )
-        print(f"runs: {tracker.link} (serve it with `python -m suite ui`)")
+        print(f"runs: {tracker.link} (serve it with `{suite_command()} ui`)")
         print(f"the sweep's run: {run_link(tracker.uri, tracker.experiment_id, tracker.parent_run_id)}")
         return 0
     return 2

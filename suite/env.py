@@ -16,6 +16,9 @@ from urllib.parse import urlsplit, urlunsplit
 
 import torch
 
+# the load line lives with the column names, where the reports (which import no torch) read it too
+from suite.metrics import BUSY_LOAD_PER_CORE, busy_note  # noqa: F401 - re-exported
+
 PACKAGES = (
     "torch",
     "numpy",
@@ -163,11 +166,6 @@ def git_info() -> dict:
     return {"commit": commit, "dirty": bool(dirty) if commit else None}
 
 
-# A machine whose 1-minute load average at a sweep's start reaches this share of its cores was
-# busy before the sweep began: other processes then take CPU time from the ranks and the launches.
-BUSY_LOAD_PER_CORE = 0.5
-
-
 def machine_load(at: str) -> dict:
     """How busy this machine is now, for environment.json's `load` list (one sample at the start of
     a sweep or resume, one at its end): the load averages (runnable processes over 1, 5 and 15
@@ -205,30 +203,6 @@ def _gpu_load(line: str) -> dict:
     fields = [f.strip() for f in line.split(",")]
     values = [float(f) if f.replace(".", "", 1).isdigit() else None for f in fields + [""] * (2 - len(fields))]
     return {"utilization_pct": values[0], "sm_mhz": values[1]}
-
-
-def busy_note(samples: list[dict], *, measured: bool = True) -> str:
-    """One line on the machine's load over a sweep from environment.json's `load` samples ("" when
-    there are none): the 1-minute load average at the start and end against the cores, flagged
-    when the start's (before any rank of the sweep ran) reaches half the cores, unless the sweep
-    measured nothing (`measured` False: simulated)."""
-    starts = [s for s in samples if s.get("at") == "start" and s.get("loadavg")]
-    ends = [s for s in samples if s.get("at") == "end" and s.get("loadavg")]
-    if not starts:
-        return ""
-    start, cores = starts[-1], starts[-1].get("cpu_count") or 1
-    text = f"machine load (1-minute average) {start['loadavg'][0]:g} at the start"
-    if ends:
-        text += f", {ends[-1]['loadavg'][0]:g} at the end (the sweep's own ranks count there)"
-    text += f", on {cores} cores"
-    if start.get("cpu_mhz"):
-        mhz = start["cpu_mhz"]
-        text += f"; CPU clock {mhz['min']}-{mhz['max']} MHz"
-    if not measured:
-        text += " (a simulated sweep: its predictions do not depend on the load)"
-    elif start["loadavg"][0] >= BUSY_LOAD_PER_CORE * cores:
-        text += " - BUSY: other work shared the machine, timings are noisy (rerun on an idle machine)"
-    return text
 
 
 def fingerprint(device: str) -> dict:

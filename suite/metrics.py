@@ -7,7 +7,19 @@ nothing from the suite (nor torch), so that readers of stored results (reports) 
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any, Optional
+
+
+def suite_command() -> str:
+    """How the user started the suite, for the commands its messages suggest: `sp-suite` when the
+    installed script runs (`pip install .`), `python -m suite` otherwise (also under torchrun and
+    pytest). A message that says `python -m suite` to a user of `sp-suite` names a command their
+    environment may not have."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "sp-suite" if os.path.splitext(name)[0] == "sp-suite" else "python -m suite"
+
 
 # The identity of a trial: what was run, where and how. Everything else in a row is a measurement.
 IDENTITY = (
@@ -279,11 +291,42 @@ def workload_label(workload) -> str:
 # them): the run folder of a row, and headline numbers written for the runs table, where a metric
 # shows 14 digits and loses its exponent.
 MLFLOW_RUN_FOLDER = "run folder"  # <sweep>/<timestamp> of the row's run folder
+MLFLOW_SHOWN_BEFORE = ("TFLOP/s per GPU",)  # display tags of older suites (read back, skipped like the others)
 MLFLOW_SHOWN = {  # tag -> (metric, how it is written)
     "time ms": (TIME_MS_MEDIAN, "sig3"),
-    "TFLOP/s per GPU": (TFLOPS_PER_GPU, "sig3"),
+    # "per rank", not "per GPU": the same tag is written on CPU rows, whose ranks are processes
+    "TFLOP/s per rank": (TFLOPS_PER_GPU, "sig3"),
     "sent per rank": (BYTES_SENT, "bytes"),
     "peak memory": (PEAK_MEM, "bytes"),
     "err out": (ERR["out"], "err"),
     "ppl rel diff": (PPL_REL_DIFF, "signed"),
 }
+
+
+# A machine whose 1-minute load average at a sweep's start reaches this share of its cores was
+# busy before the sweep began: other processes then take CPU time from the ranks and the launches.
+BUSY_LOAD_PER_CORE = 0.5
+
+
+def busy_note(samples: list[dict], *, measured: bool = True) -> str:
+    """One line on the machine's load over a sweep from environment.json's `load` samples ("" when
+    there are none): the 1-minute load average at the start and end against the cores, flagged
+    when the start's (before any rank of the sweep ran) reaches half the cores, unless the sweep
+    measured nothing (`measured` False: simulated)."""
+    starts = [s for s in samples if s.get("at") == "start" and s.get("loadavg")]
+    ends = [s for s in samples if s.get("at") == "end" and s.get("loadavg")]
+    if not starts:
+        return ""
+    start, cores = starts[-1], starts[-1].get("cpu_count") or 1
+    text = f"machine load (1-minute average) {start['loadavg'][0]:g} at the start"
+    if ends:
+        text += f", {ends[-1]['loadavg'][0]:g} at the end (the sweep's own ranks count there)"
+    text += f", on {cores} cores"
+    if start.get("cpu_mhz"):
+        mhz = start["cpu_mhz"]
+        text += f"; CPU clock {mhz['min']}-{mhz['max']} MHz"
+    if not measured:
+        text += " (a simulated sweep: its predictions do not depend on the load)"
+    elif start["loadavg"][0] >= BUSY_LOAD_PER_CORE * cores:
+        text += " - BUSY: other work shared the machine, timings are noisy (rerun on an idle machine)"
+    return text

@@ -207,10 +207,13 @@ def breakdown_columns(reports: list[RankReport], total_ms: float) -> dict[str, A
 
 def redundant_bytes(method, case, rank: int) -> Optional[int]:
     """K/V bytes rank `rank` of `method` receives in one forward of `case` that none of its queries
-    attends (`Method.redundant_kv_bytes`), for rows with a mask family; None for the plain masks
-    (their rows stay as they were recorded) and for methods that do not declare it."""
+    attends (`Method.redundant_kv_bytes`), for rows with a mask family or packed documents (more
+    than one document in a sequence: causal_document, the commonest real workload, where a ring
+    moves most of its K/V to ranks that never read it); None for the plain masks, one document
+    per sequence with or without padding (their rows stay as they were recorded), and for methods
+    that do not declare it."""
     docs = case.documents
-    if docs is None or docs.mask is None:
+    if docs is None or (docs.mask is None and all(len(ls) == 1 for ls in docs.lengths)):
         return None
     return method.redundant_kv_bytes(case, rank)
 

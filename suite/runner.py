@@ -453,7 +453,7 @@ def _print_footer(
     if tracker.enabled:
         print(
             f"MLflow: {redact_uri(tracker.uri)} (experiment {tracker.experiment!r}); browse with "
-            f"`python -m suite ui`, then open {tracker.link}",
+            f"`{M.suite_command()} ui`, then open {tracker.link}",
             file=out,
         )
         if tracker.caught_up:

@@ -600,7 +600,7 @@ class MlflowTracker:
         self.enabled = False
         warnings.warn(
             f"MLflow disabled ({self.disabled_reason}); results are still written to the results "
-            f"store; log them later with `python -m suite relog RUN_DIR`",
+            f"store; log them later with `{M.suite_command()} relog RUN_DIR`",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -681,7 +681,7 @@ class MlflowTracker:
                 continue
         if not others:
             return ""
-        return f" (this run folder; {others} other(s) were logged there: `python -m suite relog RUN_DIR` each)"
+        return f" (this run folder; {others} other(s) were logged there: `{M.suite_command()} relog RUN_DIR` each)"
 
     def _find_parent(self, store: ResultsStore):
         """The run folder's parent run: the one mlflow.json names, else the one tagged with the
@@ -808,7 +808,7 @@ class MlflowTracker:
             self._retrying(lambda: self._reconcile(store))
         except Exception as exc:  # noqa: BLE001
             self.enabled, self.disabled_reason = False, reason
-            warnings.warn(f"MLflow catch-up failed too ({type(exc).__name__}); run `python -m suite relog RUN_DIR`")
+            warnings.warn(f"MLflow catch-up failed too ({type(exc).__name__}); run `{M.suite_command()} relog RUN_DIR`")
             return
         self.disabled_reason, self.caught_up = None, reason
 

@@ -195,6 +195,9 @@ def test_advise_mask_answers_for_a_window_and_names_it(tmp_path, capsys):
     out = capsys.readouterr().out
     label = "shared_question(answers=2, question=512)"  # Mask.short: several values name their parameters
     assert f"mask {label}" in out and label in (tmp_path / "out/advice.md").read_text()
+    # a reader skimming for the answer learns it is a prediction no multi-GPU run backs (issue 39)
+    backing = [line for line in out.splitlines() if line.startswith("No multi-GPU run backs this answer")]
+    assert len(backing) == 1 and "4 x H100" in backing[0]
     assert main([*args, "--mask", "sliding_window:0", *common]) == 2
     assert capsys.readouterr().err.startswith("error: --mask:")
 
@@ -321,6 +324,10 @@ def test_the_advice_sentence_names_the_choice_its_band_and_whether_it_holds():
     text = advice_sentence(unbanded)
     assert "(unvalidated: no published row of its kind was validated)" in text
     assert "no validated band to say it holds (unvalidated)" in text
+    from suite.advise import evidence_line
+
+    line = evidence_line(clear)
+    assert line.startswith("No multi-GPU run backs this answer") and "8 x " in line and "validate" in line
 
 
 def test_advice_tables_right_align_numbers_and_count_what_they_hide():

@@ -160,3 +160,28 @@ def test_relog_of_a_folder_that_is_no_run_is_one_line(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.splitlines()[-1] == f"error: {tmp_path / 'nothing'} is not a results folder (no trials.jsonl)"
     assert "Traceback" not in err
+
+
+def test_messages_name_the_command_the_user_invoked(monkeypatch, capsys):
+    """Installed as a package the command is `sp-suite`: help and suggested commands say so, not
+    `python -m suite` (issue 39); `python -m suite` users keep theirs."""
+    from suite import metrics as M
+
+    monkeypatch.setattr(sys, "argv", ["/env/bin/sp-suite", "--help"])
+    assert M.suite_command() == "sp-suite"
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert out.startswith("usage: sp-suite") and "sp-suite run configs/quickstart.yaml" in out
+    assert "python -m suite" not in out
+    monkeypatch.setattr(sys, "argv", ["/repo/suite/__main__.py"])
+    assert M.suite_command() == "python -m suite"
+
+
+def test_advise_help_lists_every_model_it_knows(capsys):
+    """`--model` help names each model of configs/models, read from the folder (it listed 5 of 11)."""
+    with pytest.raises(SystemExit):
+        main(["advise", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    models = sorted(p.stem for p in (ROOT / "configs" / "models").glob("*.yaml"))
+    assert len(models) >= 11 and all(m in out for m in models), [m for m in models if m not in out]

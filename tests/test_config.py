@@ -278,3 +278,17 @@ def test_results_root_expands_home_and_variables_or_names_the_unset_one(write_co
     with pytest.raises(ConfigError) as err:
         load_config(path, ["results.root=$SP_SUITE_UNSET_DIR/x"])
     assert "results.root" in str(err.value) and "SP_SUITE_UNSET_DIR" in str(err.value)
+
+
+def test_narrowing_methods_keeps_the_options_of_the_others_harmless(write_config):
+    """`sweep.methods=[ring]` on a config that sets another method's options (h100_sweep sets
+    yunchang_usp's ring_impl) runs ring: the user touched no option (issue 39). A name that is no
+    method at all is still an error, and the options of an unselected method are still checked."""
+    cfg, _ = load_config("configs/h100_sweep.yaml", ["sweep.methods=[ring]"])
+    assert cfg.sweep.methods == ["ring"]
+    path = write_config(BASE + "  method_options: {usp: {ulysses_degree: 2}}\n")
+    assert load_config(path)[0].sweep.methods == ["reference", "ring", "ulysses"]
+    with pytest.raises(ConfigError, match="options for 'rnig', which is no method"):
+        load_config(write_config(BASE + "  method_options: {rnig: {x: 1}}\n"))
+    with pytest.raises(ConfigError, match="unknown option 'degree'"):
+        load_config(write_config(BASE + "  method_options: {usp: {degree: 2}}\n"))

@@ -170,3 +170,23 @@ def test_tasp_receives_every_unit_and_token_ring_no_kv():
         want = sum(_brute_unseen_bytes(case, pos(r), pos(o), 2) for o in range(4) if o != r)
         assert tasp.redundant_kv_bytes(case, r) == want > 0
         assert methods.get_method("token_ring").redundant_kv_bytes(case, r) == 0
+
+
+def test_packed_documents_record_redundant_bytes_under_the_plain_causal_mask():
+    """causal_document (packed documents, no mask family: LongCA-bench's commonest workload) records
+    the K/V a rank received and never reads (issue 39: it was None for every packed row); one
+    document per sequence, with or without padding, stays None as recorded before."""
+    from suite.records import redundant_bytes
+
+    plain = Case(1, 16, 4, 2, 8, "bfloat16", True, 4)
+    packed = replace(plain, documents=Documents(((5, 11),), 16))
+    for name in ("ring", "zigzag_ring", "allgather_kv", "dispatch"):
+        m = methods.get_method(name)
+        pos = m.layout(packed).positions
+        got = [redundant_bytes(m, packed, r) for r in range(4)]
+        assert got == [m.redundant_kv_bytes(packed, r) for r in range(4)] and None not in got, name
+        if name == "ring":  # rank 3 (keys 12-15, document 2) gets rank 0's keys 0-3, all of document 1
+            assert got[3] >= _brute_unseen_bytes(packed, pos(3), pos(0), 2) > 0
+        assert redundant_bytes(m, plain, 0) is None
+        padded = replace(plain, seq_len=16, documents=Documents(((13,),), 16))
+        assert redundant_bytes(m, padded, 0) is None

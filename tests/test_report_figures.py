@@ -282,3 +282,19 @@ def test_time_split_is_one_iterations_parts(tmp_path):
     got = split.data.iloc[0]
     assert (got["kernels"], got["comm"]) == (40.0, 20.0) and got["other"] == pytest.approx(3.0)
     assert "same iteration" in split.caption
+    # the rows ran on CPU processes: the title says so, as the throughput figure's does (issue 39)
+    assert split.params["title"].startswith("Time split, P = 2 CPU ranks, S = ")
+    gpu = plan_figures(frame_of(tmp_path / "gpu", [dict(r, hardware="cuda:H100")]), None)[0]
+    assert next(j for j in gpu if j.kind == "split").params["title"].startswith("Time split, P = 2, S = ")
+
+
+def test_busy_rings_have_a_legend_entry_only_where_drawn(tmp_path):
+    """The red rings of busy points are named in the legend (issue 39: circles without a legend entry
+    read as a data series); a figure without busy points has no such entry."""
+    t = 512 * 512 / 2 / 1e4
+    rows = [row("ring", 2, 256), row("ring", 2, 512, samples=[t, t, 2 * t]), row("ulysses", 2, 512)]
+    figs, _ = _figures(frame_of(tmp_path, rows))
+    texts = [x.get_text() for x in figs["throughput_B-1-H-8-8-D-64-float32"].legends[0].get_texts()]
+    assert D.BUSY_LABEL in texts and "ring" in texts
+    calm, _ = _figures(frame_of(tmp_path / "calm", [row("ring", 2, 256), row("ring", 2, 512)]))
+    assert D.BUSY_LABEL not in [x.get_text() for x in calm["throughput_B-1-H-8-8-D-64-float32"].legends[0].get_texts()]

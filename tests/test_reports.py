@@ -138,8 +138,15 @@ def _pick(data, **where):
 
 
 # -- tables ------------------------------------------------------------------------------------------
+GPU = "cuda:NVIDIA H100 80GB HBM3"  # a hardware label whose ranks are devices: percent of ideal means something
+
+
+def on_gpu(rows: list[dict]) -> list[dict]:
+    return [dict(r, hardware=GPU) for r in rows]
+
+
 def test_tables_hold_the_right_numbers(tmp_path, sweep_rows):
-    t = build_tables(frame_of(tmp_path, sweep_rows), "ring")
+    t = build_tables(frame_of(tmp_path, on_gpu(sweep_rows)), "ring")
     # speedup over ring = ring time / method time (ring factor 1.25, ulysses 1.0, burst 1.1); ring
     # itself (1 by definition) has no column
     sp = t["speedup_over_ring"].data
@@ -171,6 +178,43 @@ def test_tables_hold_the_right_numbers(tmp_path, sweep_rows):
     assert counts.loc["ring", M.TIMEOUT] == 1 and counts.loc["ring", "total"] == 13
 
 
+def test_cpu_rows_show_no_percent_of_ideal_and_say_why(tmp_path, sweep_rows):
+    """On CPU the P ranks share one machine's cores: single-device time / P bounds nothing (issue 39:
+    the quick start showed up to 190 %). CPU rows carry no percent of ideal, every table that would
+    show it says why, and GPU rows beside them keep theirs."""
+    fast = row("ring", 2, 512, time_ms=0.2 * 512 * 512 / 2 / 1e4)  # 5x faster than ideal: 500 %
+    t = build_tables(frame_of(tmp_path, sweep_rows + [dict(fast, key="fast")]), "ring")
+    thr = t["throughput"].data
+    assert "pct_of_ideal" not in thr and "pct_of_ideal" not in t["throughput"].cols
+    assert "no percent of ideal on CPU rows" in t["throughput"].what
+    assert "%)" not in "".join(t["throughput_by_seq_len"].data.astype(str).values.ravel())
+    assert "no percent of ideal on CPU rows" in t["throughput_by_seq_len"].what
+    # a mix: GPU rows keep theirs, CPU rows are empty
+    mixed = build_tables(
+        frame_of(tmp_path / "mix", sweep_rows + [dict(r, key=r["key"] + "-gpu") for r in on_gpu(sweep_rows[:7])]),
+        "ring",
+    )["throughput"]
+    pct = mixed.data.set_index("series")["pct_of_ideal"]
+    assert pct.notna().sum() == 7 and pct.isna().sum() == len(pct) - 7  # the GPU reference (100 %) and 6 others
+
+
+def test_rows_with_a_time_but_no_rate_do_not_crash_the_report(tmp_path, sweep_rows):
+    """A measured row whose TFLOP/s is empty (None in the store) is left out of the pivot, kept in the
+    throughput table, and crashes nothing (it was a TypeError in throughput_pivot)."""
+    rows = [dict(r, **{M.TFLOPS_PER_GPU: None}) if r["method"] == "burst" else r for r in sweep_rows]
+    t = build_tables(frame_of(tmp_path, rows), "ring")
+    assert "burst" not in set(t["throughput_by_seq_len"].data["series"])
+    assert "ring" in set(t["throughput_by_seq_len"].data["series"])
+    thr = t["throughput"].data
+    assert thr.loc[thr["series"] == "burst", "gflops_per_rank"].isna().all()
+    rep = build_report([str(write_run(tmp_path / "r", "syn", rows))], out=tmp_path / "out", log_to_mlflow=False)
+    assert rep.tables
+    # no row with a rate at all: the column is read back as None objects (None * 1e3 was the TypeError)
+    none = [dict(r, **{M.TFLOPS_PER_GPU: None}) for r in sweep_rows]
+    t = build_tables(frame_of(tmp_path / "none", none), "ring")
+    assert t["throughput_by_seq_len"].empty and t["throughput"].data["gflops_per_rank"].isna().all()
+
+
 def test_tables_read_like_a_paper(tmp_path, sweep_rows):
     """No index column, human headers with units, captions from the sweep, numbers right-aligned
     (siunitx S columns in LaTeX), constant columns named once in the caption."""
@@ -180,7 +224,7 @@ def test_tables_read_like_a_paper(tmp_path, sweep_rows):
     md = markdown(t["throughput"])
     header = md.splitlines()[2]
     assert header.split("|")[1].strip() == "CPU ranks"  # the first column is data, not a pandas index
-    assert "Time (ms)" in header and "GFLOP/s per CPU rank" in header and "% of ideal" in header
+    assert "Time (ms)" in header and "GFLOP/s per CPU rank" in header
     assert "('" not in md and "_" not in header
     assert "Sweep my_sweep" in md and "cpu:test" in md and "All rows: B=1 H=8/8 D=64 float32" in md
     align = md.splitlines()[3].split("|")[1:-1]
@@ -191,7 +235,7 @@ def test_tables_read_like_a_paper(tmp_path, sweep_rows):
     assert "e+" not in md
     tex = latex(t["throughput"])
     assert "\\toprule" in tex and "S[table-format=" in tex and "\\caption{Throughput." in tex
-    assert "{Time (ms)}" in tex and "\\% of ideal" in tex
+    assert "{Time (ms)}" in tex
     # operations are words, not JSON
     assert "{" not in markdown(t["communication"]).split("\n", 2)[2]
 
@@ -522,7 +566,7 @@ def test_packed_workloads_get_their_own_panels_balance_table_and_figure(tmp_path
                     },
                 )
             )
-    df = frame_of(tmp_path, rows)
+    df = frame_of(tmp_path, on_gpu(rows))
     assert set(df["mask"]) == {"causal", "causal, docs:short"}
     tables = build_tables(df, "ring")
     bal = tables["balance"].data
@@ -559,7 +603,7 @@ def test_mask_families_get_their_own_reference_table_and_figure(tmp_path):
                 **{M.REDUNDANT_BYTES: redundant, M.IMBALANCE: 1.5},
             )
         )
-    df = frame_of(tmp_path, rows)
+    df = frame_of(tmp_path, on_gpu(rows))
     assert set(df["family"]) == {"causal", "sliding_window(64)", "shared_question(answers=4, question=128)"}
     t = build_tables(df, "ring")
     thr = t["throughput"].data
@@ -673,3 +717,25 @@ def test_variant_identity_read_back_as_text_keeps_its_meaning():
     out = normalise(df)
     assert list(out["sinks"]) == [False, True, False]
     assert list(out["head_dim_v"]) == [8, 4, 8] and list(out["softcap"]) == [0.0, 5.0, 0.0]
+
+
+def test_html_page_says_the_machine_was_busy_as_the_console_does(tmp_path):
+    """A run whose environment.json says the machine was loaded when the sweep started gets the
+    console's load line on the HTML page and a warning at its top (issue 39); an idle run neither."""
+    rows = [row("reference", 1, 256), row("ring", 2, 256)]
+
+    def run_with_load(root, sweep, loadavg):
+        load = [{"at": "start", "loadavg": [loadavg, 1.0, 1.0], "cpu_count": 2}]
+        load.append({"at": "end", "loadavg": [2.0, 1.0, 1.0], "cpu_count": 2})
+        store = ResultsStore.create(root, sweep, f"name: {sweep}\n", {"cpu": "test", "load": load})
+        for r in rows:
+            store.append(r)
+        return str(store.run_dir)
+
+    busy = build_report([run_with_load(tmp_path / "b", "loaded", 3.5)], out=tmp_path / "o1", log_to_mlflow=False)
+    page = busy.html.read_text()
+    assert "The machine was busy" in page and "machine load (1-minute average) 3.5 at the start" in page
+    assert "BUSY: other work shared the machine" in page
+    calm = build_report([run_with_load(tmp_path / "c", "idle", 0.1)], out=tmp_path / "o2", log_to_mlflow=False)
+    page = calm.html.read_text()
+    assert "The machine was busy" not in page and "machine load (1-minute average) 0.1 at the start" in page

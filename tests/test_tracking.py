@@ -88,6 +88,8 @@ def test_runs_open_on_the_answer(stored, tmp_path):
     # the columns the view selects are tags every trial carries (the numbers written to be read)
     shown = {c[len("tags.`") : -1] for c in view["selectedColumns"] if c.startswith("tags.")}
     assert {"time ms", "err out", "peak memory", "run folder"} <= shown
+    # the rate's tag names no GPU: the rows here ran on CPU processes (issue 39)
+    assert "TFLOP/s per rank" in shown and not any("GPU" in c for c in shown)
     assert parents[0].data.tags["run folder"] == f"{stored.parent.name}/{stored.name}"
     assert len({c.info.run_name for c in children}) == 4
     for child in children:

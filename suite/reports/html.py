@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from suite import metrics as M
 from suite.reports.render import html_table
 from suite.reports.style import DPI
 
@@ -50,6 +51,7 @@ table.data thead tr > :first-child { z-index: 2; }
 figure { margin: .4em 0 1.2em; max-width: 100%; overflow-x: auto; }
 figure img { max-width: none; display: block; }
 figcaption, .note { color: #555; font-size: .9em; }
+.warn { color: #8a1c1c; background: #fdecea; padding: .4em .6em; }
 details > summary { cursor: pointer; color: #444; margin: .3em 0; }
 pre { background: #f7f7f7; padding: .8em; overflow-x: auto; font-size: .8em; }
 """
@@ -139,6 +141,14 @@ def write_html(
     executors = ", ".join(sorted(df["executor"].dropna().unique())) if not df.empty else "none"
     hardware = ", ".join(sorted(df["hardware"].dropna().astype(str).unique())) if not df.empty else "none"
     generated = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    busy_runs = [s for s in sources if "BUSY" in load_line(s, df[df["run_dir"] == s.run_dir] if not df.empty else df)]
+    busy = (
+        f'<p class="warn"><b>The machine was busy</b> when {len(busy_runs)} of {len(sources)} run(s) started '
+        f"({esc(', '.join(s.sweep for s in busy_runs))}): other work shared it, so their timings are noisy; "
+        'rerun on an idle machine before trusting them (<a href="#runs">machine load per run</a>).</p>'
+        if busy_runs
+        else ""
+    )
     page = f"""<!DOCTYPE html>
 <html lang="en">
 <head>
@@ -153,6 +163,7 @@ def write_html(
 Executors: {esc(executors)}. Rows from different executors or machines are labelled in every table and figure and never
 averaged together; numbers from <code>threads</code> (virtual ranks) or <code>sim</code> (simulator) are not measured
 hardware performance.</p>
+{busy}
 <nav class="toc" id="contents"><h2>Contents</h2><ol>
 {chr(10).join(toc)}
 </ol></nav>
@@ -183,6 +194,14 @@ def _figure(job, paths: list[str], number: int) -> str:
     )
 
 
+def load_line(source, part: pd.DataFrame) -> str:
+    """The run's machine-load line (metrics.busy_note: the console's, from environment.json), "" where
+    the run stored no load samples."""
+    samples = ((source.environment or {}).get("load") or [])[-2:]
+    measured = part.empty or bool((part["executor"] != "sim").any())
+    return M.busy_note(samples, measured=measured)
+
+
 def _runs(sources, df: pd.DataFrame) -> str:
     esc = html.escape
     rows = []
@@ -195,13 +214,16 @@ def _runs(sources, df: pd.DataFrame) -> str:
         rows.append(
             f'<tr><td class="txt">{esc(s.sweep)}</td><td class="txt">{esc(s.run_dir)}</td>'
             f'<td class="num">{s.rows}</td><td class="txt">{esc(status)}</td><td class="txt">{esc(hw)}</td>'
-            f'<td class="txt">{esc(ex)}</td></tr>'
+            f'<td class="txt">{esc(ex)}</td><td class="txt">{esc(load_line(s, part))}</td></tr>'
         )
-    return '<p class="tcaption">The runs this report reads, with their trials per status.</p>' + _scroll(
-        '<table class="data"><thead><tr><th class="txt">Sweep</th><th class="txt">Run folder</th>'
-        '<th class="num">Rows</th><th class="txt">Status</th><th class="txt">Hardware</th>'
-        '<th class="txt">Executors</th></tr></thead>'
-        f"<tbody>{''.join(rows)}</tbody></table>"
+    return (
+        '<p class="tcaption">The runs this report reads, with their trials per status and the machine\'s load.</p>'
+        + _scroll(
+            '<table class="data"><thead><tr><th class="txt">Sweep</th><th class="txt">Run folder</th>'
+            '<th class="num">Rows</th><th class="txt">Status</th><th class="txt">Hardware</th>'
+            '<th class="txt">Executors</th><th class="txt">Machine load</th></tr></thead>'
+            f"<tbody>{''.join(rows)}</tbody></table>"
+        )
     )
 
 

@@ -169,9 +169,9 @@ def load_mlflow(experiment: str, uri: Optional[str] = None) -> ResultSet:
     metrics, status and reason from tags)."""
     from mlflow.tracking import MlflowClient
 
-    DISPLAY_ONLY = set(M.MLFLOW_SHOWN) | {
-        M.MLFLOW_RUN_FOLDER
-    }  # tags that only show a row's numbers and folder in the UI
+    DISPLAY_ONLY = (
+        set(M.MLFLOW_SHOWN) | set(M.MLFLOW_SHOWN_BEFORE) | {M.MLFLOW_RUN_FOLDER}
+    )  # tags that only show a row's numbers and folder in the UI
     from suite.results import mlflow_client_uri
 
     client_uri = mlflow_client_uri(uri)  # its user info moved to MLflow's variables: never printed

@@ -21,7 +21,7 @@ import pandas as pd
 
 from suite import metrics as M
 from suite.metrics import method_label
-from suite.reports.style import flop_unit, rank_word
+from suite.reports.style import flop_unit, is_cpu, rank_word
 
 # Columns that, with the series, identify a comparable point (everything but the method).
 POINT = [
@@ -371,8 +371,9 @@ def throughput_rows(df: pd.DataFrame) -> pd.DataFrame:
             "time_ms": m[M.TIME_MS_MEDIAN],
             "time_ms_min": m[M.TIME_MS_MIN],
             "time_ms_max": m[M.TIME_MS_MAX],
-            "tflops_per_gpu": m[M.TFLOPS_PER_GPU],
-            "tokens_per_s": m[M.TOKENS_PER_S],
+            # numeric: a row with a time but no rate (None, an object column) is NaN, not a TypeError later
+            "tflops_per_gpu": pd.to_numeric(m[M.TFLOPS_PER_GPU], errors="coerce"),
+            "tokens_per_s": pd.to_numeric(m[M.TOKENS_PER_S], errors="coerce"),
             "pct_of_ideal": throughput_pct(df),
             "sim_error_pct": pd.to_numeric(m[M.SIM_ERROR_PCT], errors="coerce"),
             "busy": busy(m),
@@ -414,6 +415,11 @@ def throughput(df: pd.DataFrame) -> Table:
         f"Median, min and max time of one iteration over the timed repeats; {unit.label} per {word} at the "
         "median (flash-attention FLOP convention); ideal = single-device reference time / P"
     )
+    if not data.empty and data["pct_of_ideal"].isna().all():  # no row with a meaningful ideal (CPU only)
+        data = data.drop(columns=["pct_of_ideal"])
+        del cols["pct_of_ideal"]
+    if cpu_ideal_note(df):
+        what += "; " + cpu_ideal_note(df)
     sim = data["executor"] == "sim" if not data.empty else pd.Series(dtype=bool)
     if not data.empty and sim.any():
         # a simulated row's band, or "unvalidated" where no published row of its family was validated
@@ -443,6 +449,8 @@ def throughput_pivot(df: pd.DataFrame) -> Table:
     t = throughput_rows(df)
     word, unit = rank_word(df), flop_unit(df)
     title = "Throughput by sequence length"
+    if not t.empty:  # a row without a rate has no cell (its time is in "throughput")
+        t = t[t["tflops_per_gpu"].notna()]
     if t.empty:
         return Table("throughput_by_seq_len", title, t, {})
     t["cell"] = [
@@ -464,6 +472,8 @@ def throughput_pivot(df: pd.DataFrame) -> Table:
         f"{unit.label} per {word} at the median time (percent of ideal: single-device reference time / P); "
         "columns are sequence lengths in tokens"
     )
+    if cpu_ideal_note(df):
+        what += "; " + cpu_ideal_note(df)
     if sim_note(t):
         what += "; " + sim_note(t)
     if t["busy"].any():
@@ -835,6 +845,9 @@ def packed_vs_uniform(df: pd.DataFrame) -> Table:
         values="pct_of_ideal",
         aggfunc="median",
     )
+    out = out.dropna(how="all")  # CPU rows: no percent of ideal (cpu_ideal_note)
+    if out.empty:
+        return Table("packed_vs_uniform", title, pd.DataFrame(), {})
     mixes = ["uniform"] + sorted(c for c in out.columns if c != "uniform")
     out = out.reindex(columns=[c for c in mixes if c in out.columns]).reset_index()
     out.columns.name = None
@@ -895,6 +908,8 @@ def mask_families(df: pd.DataFrame) -> Table:
         "the ranks' visible (query, key) pairs: busiest over mean, and their Gini coefficient (0 = equal). "
         "Simulated rows carry their error band in the throughput table"
     )
+    if cpu_ideal_note(df):
+        what += "; " + cpu_ideal_note(df)
     return Table("mask_families", title, data, cols, what=what, section="balance", source=_source(df))
 
 
@@ -916,8 +931,25 @@ def percentiles(values, qs) -> list[float]:
     return out
 
 
+# Why CPU rows show no percent of ideal. On CPU the P ranks are processes sharing one machine's cores,
+# memory bandwidth and caches, not P devices, so single-device time / P bounds nothing: the quick
+# start showed up to 190 % of it (issue 39), a number a reader takes for a bug. The ideal means something only
+# where each rank is its own device (GPU rows, measured or predicted).
+CPU_IDEAL_NOTE = (
+    "no percent of ideal on CPU rows: their P ranks are processes sharing one machine's cores and caches, "
+    "not P devices, so single-device time / P is no bound there (such rows measure over 100 %)"
+)
+
+
+def cpu_ideal_note(df: pd.DataFrame) -> str:
+    """CPU_IDEAL_NOTE where a measured row ran on CPU, "" otherwise."""
+    m = measured(df) if not df.empty else df
+    return CPU_IDEAL_NOTE if not m.empty and m["hardware"].map(is_cpu).any() else ""
+
+
 def throughput_pct(df: pd.DataFrame) -> pd.Series:
-    """Percent of ideal of every measured row, indexed like `measured(df)`."""
+    """Percent of ideal of every measured row, indexed like `measured(df)`; NaN on CPU rows
+    (CPU_IDEAL_NOTE) and where no reference row of the problem exists."""
     m = measured(df)
     ref = m[(m["method"] == "reference") & (m["world_size"] == 1)]
     ref = ref.groupby(["hardware", "executor"] + PROBLEM, dropna=False)[M.TIME_MS_MEDIAN].median()
@@ -926,7 +958,8 @@ def throughput_pct(df: pd.DataFrame) -> pd.Series:
     lookup = {_nan_none(k): v for k, v in ref.items()}
     key = zip(*(m[c] for c in ["hardware", "executor"] + PROBLEM))
     ref_ms = pd.Series([lookup.get(_nan_none(k)) for k in key], index=m.index, dtype="float64")
-    return 100 * (ref_ms / m["world_size"]) / m[M.TIME_MS_MEDIAN]
+    pct = 100 * (ref_ms / m["world_size"]) / m[M.TIME_MS_MEDIAN]
+    return pct.mask(m["hardware"].map(is_cpu).astype(bool))
 
 
 def build_tables(df: pd.DataFrame, baseline: str) -> dict[str, Table]:

@@ -55,6 +55,7 @@ from typing import Optional
 import numpy as np
 import yaml
 
+from suite.metrics import suite_command
 from suite.sim.record import Compute, Memory
 from suite.sim.topology import Topology, TopologyError
 
@@ -356,7 +357,7 @@ class ComputeModel:
         if not path.is_file():
             raise TopologyError(
                 f"topology {self.topology.name}: compute table {path} not found "
-                f"(write it with `python -m suite calibrate`)"
+                f"(write it with `{suite_command()} calibrate`)"
             )
         data = yaml.safe_load(path.read_text()) or {}
         mem = data.get("memory") or {}

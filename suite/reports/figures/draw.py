@@ -80,7 +80,14 @@ def _legend_width(labels: list[str], title: str = "method") -> float:
     return 0.5 + 0.074 * longest  # DejaVu Sans at 9 pt: about 0.074 in per character on average
 
 
-def _legend(fig, palette: S.Palette, series: list[str], *, marker=True, title="method", top=None):
+BUSY_LABEL = "busy? (see caption)"  # the legend entry of the red rings (`_mark_busy`)
+
+
+def _any_busy(data: pd.DataFrame) -> bool:
+    return "busy" in data and bool(data["busy"].fillna(False).astype(bool).any())
+
+
+def _legend(fig, palette: S.Palette, series: list[str], *, marker=True, title="method", top=None, busy=False):
     handles = []
     for s in series:
         st = palette.style(s)
@@ -88,6 +95,20 @@ def _legend(fig, palette: S.Palette, series: list[str], *, marker=True, title="m
             handles.append(Line2D([], [], color=st.colour, marker=st.marker, linestyle=st.linestyle, label=s))
         else:
             handles.append(Patch(facecolor=st.colour, label=s))
+    if busy:  # the red rings get an entry: a mark the legend does not name reads as a data series
+        handles.append(
+            Line2D(
+                [],
+                [],
+                linestyle="none",
+                marker="o",
+                markersize=9,
+                markerfacecolor="none",
+                markeredgecolor=BUSY_COLOUR,
+                markeredgewidth=1.4,
+                label=BUSY_LABEL,
+            )
+        )
     _legend_right(fig, handles, title, top=top, handlelength=2.2)
 
 
@@ -153,7 +174,7 @@ def _points(data, palette, *, rows, cols, xlabel, ylabel, title, auto_log=False,
     xs = [x for x in x_order if x in set(data["x"])] if x_order else sorted(data["x"].unique())
     pos = {x: i for i, x in enumerate(xs)}
     off = _offsets(series, 0.6)
-    legend_w = _legend_width(series)
+    legend_w = _legend_width(series + ([BUSY_LABEL] if _any_busy(data) else []))
     fig, axes = _grid(rows, cols, legend_w, title)
     positive = data["y"][data["y"] > 0]
     logy = auto_log and len(positive) and positive.max() / positive.min() > 30
@@ -197,7 +218,7 @@ def _points(data, palette, *, rows, cols, xlabel, ylabel, title, auto_log=False,
         _row_y(axes[i], data[data["row"] == r], logy, ref)
     _room_for_slanted(fig, xs)
     _title(fig, title, fig.get_figheight())
-    _legend(fig, palette, series)
+    _legend(fig, palette, series, busy=_any_busy(data))
     return fig
 
 
@@ -296,7 +317,7 @@ def _bars(data, palette, *, rows, cols, xlabel, ylabel, title, ref=1.0):
     pos = {x: i for i, x in enumerate(xs)}
     width = min(0.8 / max(len(series), 1), 0.35)
     off = {s: (k - (len(series) - 1) / 2) * width for k, s in enumerate(series)}
-    fig, axes = _grid(rows, cols, _legend_width(series), title)
+    fig, axes = _grid(rows, cols, _legend_width(series + ([BUSY_LABEL] if _any_busy(data) else [])), title)
     for i, r in enumerate(rows):
         for j, c in enumerate(cols):
             ax = axes[i][j]
@@ -327,7 +348,7 @@ def _bars(data, palette, *, rows, cols, xlabel, ylabel, title, ref=1.0):
                 ax.set_ylabel(ylabel)
         _row_y(axes[i], data[data["row"] == r], False, ref)
     _title(fig, title, fig.get_figheight())
-    _legend(fig, palette, series, marker=False)
+    _legend(fig, palette, series, marker=False, busy=_any_busy(data))
     return fig
 
 

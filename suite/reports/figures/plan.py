@@ -26,13 +26,13 @@ from suite import metrics as M
 from suite.metrics import method_label
 from suite.reports import style as S
 from suite.reports.tables import (
-    percentiles,
     BUSY_SPREAD,
     SPEEDUP_INTERVAL,
     _options,
     attention_rows,
     busy,
     measured,
+    percentiles,
     perplexity_rows,
     samples,
     sim_band_caption,
@@ -392,7 +392,12 @@ def _plan_time_split(df, _baseline) -> list[FigureJob]:
                     rows=sorted(tidy["row"].unique(), key=_row_key),
                     cols=sorted(tidy["col"].unique()),
                     xlabel="time per iteration (ms)",
-                    title=_titled(f"Time split, P = {p}, S = {size_label(s)}, {shape}", m),
+                    # "P = 4 CPU ranks" where the ranks were CPU processes, as the throughput title says
+                    title=_titled(
+                        f"Time split, P = {p}{' ' + S.rank_word(m, plural=True) if S.rank_word(m) != 'GPU' else ''}, "
+                        f"S = {size_label(s)}, {shape}",
+                        m,
+                    ),
                 ),
                 section="communication",
                 shape=shape,
