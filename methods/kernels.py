@@ -817,8 +817,8 @@ def cpu_block_working_set(
         cols = batch * c * heads * (head_dim + dv)  # k, v of its keys, GQA-repeated
         if kernel == "math":
             copies = 0 if e == a and heads == kv_heads else 2 * (rows + cols) * a  # none: views of the inputs
-            mask = 2 * m if keys.masked(r0, r1, c0, c1) else 0
-            tile = (1 if op == "fwd" else 3 if softcap else 2) * n * a + mask + copies
+            mask_bytes = 2 * m if keys.masked(r0, r1, c0, c1) else 0
+            tile = (1 if op == "fwd" else 3 if softcap else 2) * n * a + mask_bytes + copies
         else:
             tile = (1 if op == "fwd" else 2) * (2 + e) * m + rows * e + (cols * e if op == "bwd" else 0)
         worst = max(worst, tile)
