@@ -503,4 +503,5 @@ class ProblemCache:
                 self._problem = None  # free the old one before building the next
                 self._problem = build()
                 self._key = key
+            assert self._problem is not None  # built for the key just now or before
             return self._problem

@@ -18,13 +18,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Sequence, Union
+from typing import Optional, Protocol, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+class Attend(Protocol):
+    """attend(q, k, v) or, for a model with attention sinks, attend(q, k, v, sinks=...)."""
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor: ...
+
+
 Attends = Union[Attend, Sequence[Attend]]
 """One attention for every layer, or one per layer (a per-layer mask pattern)."""
 

@@ -19,6 +19,7 @@ import colorsys
 import hashlib
 import math
 from dataclasses import dataclass, field
+from typing import AbstractSet
 
 import pandas as pd
 
@@ -129,12 +130,12 @@ def palette_for(df: pd.DataFrame) -> Palette:
     for m in methods:
         variants = sorted(first.loc[first["method"] == m, "series"])
         for s, shade in zip(variants, shades(colours[m], len(variants))):
-            styles[s] = Style(shade, markers[m], LINESTYLES.get(executor.get(s), "-"))
+            styles[s] = Style(shade, markers[m], LINESTYLES.get(executor.get(s) or "", "-"))
             order.append(s)
     return Palette(methods, order, styles, colours)
 
 
-def method_colour(name: str, taken: set[str] = frozenset()) -> str:
+def method_colour(name: str, taken: AbstractSet[str] = frozenset()) -> str:
     """The colour of method `name`: the first of COLOURS, in an order seeded by the name, that is not
     in `taken` (the colours of the report's methods before it in the alphabet). A stable hash
     (blake2b, not Python's per-process `hash`), so the colour is the same in every run and report."""
@@ -178,7 +179,8 @@ def delta_e(a: str, b: str) -> float:
 
 
 def _rgb(h: str) -> tuple[float, float, float]:
-    return tuple(int(h[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    r, g, b = (int(h[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    return r, g, b
 
 
 def _hex(rgb) -> str:
