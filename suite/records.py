@@ -13,7 +13,7 @@ import json
 import math
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from suite import metrics as M
 from suite.check import tolerance
@@ -78,7 +78,7 @@ class Outcome:
     """What the executor saw of one trial: every rank's report, or why not."""
 
     kind: str  # "reported", "failed", "timeout"
-    reports: list[Optional[RankReport]]
+    reports: Sequence[Optional[RankReport]]  # one per rank (None: it did not report)
     message: str = ""  # why it failed or timed out (the executor's view)
     note: str = ""  # a caveat appended to the row's reason
 

@@ -18,19 +18,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Protocol, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-
-class Attend(Protocol):
-    """attend(q, k, v) or, for a model with attention sinks, attend(q, k, v, sinks=...)."""
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs: torch.Tensor) -> torch.Tensor: ...
-
-
+# attend(q, k, v), or attend(q, k, v, sinks=...) in a model with attention sinks
+Attend = Callable[..., torch.Tensor]
 Attends = Union[Attend, Sequence[Attend]]
 """One attention for every layer, or one per layer (a per-layer mask pattern)."""
 
