@@ -13,7 +13,7 @@ import itertools
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Protocol
+from typing import Any, Callable, ClassVar, Iterable, Optional, Protocol
 
 import methods
 from methods.base import Case
@@ -199,7 +199,7 @@ class Place:
 class PlannedWorkload(Protocol):
     """What planning needs of a workload (suite/workloads)."""
 
-    kind: str
+    kind: ClassVar[str]
 
     def passes(self, cfg: SuiteConfig) -> list[str]: ...
 
