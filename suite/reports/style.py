@@ -19,9 +19,12 @@ import colorsys
 import hashlib
 import math
 from dataclasses import dataclass, field
-from typing import AbstractSet
+from typing import TYPE_CHECKING, AbstractSet, Any
 
 import pandas as pd
+
+if TYPE_CHECKING:  # matplotlib is imported where figures are drawn, not here
+    from matplotlib.typing import LineStyleType, RcKeyType
 
 # Colour sequence (Okabe-Ito first, then further hues), ordered so that any prefix stays distinct.
 COLOURS = (
@@ -45,11 +48,11 @@ COLOURS = (
 GREYS = ("#000000", "#6E6E6E", "#A0A0A0")
 # Filled markers only: an open marker and a filled one in the same legend read as two styles of one series.
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<", ">", "p", "d", "H", "8")
-LINESTYLES = {"dist": "-", "local": "-", "threads": ":", "sim": "--"}
+LINESTYLES: dict[str, LineStyleType] = {"dist": "-", "local": "-", "threads": ":", "sim": "--"}
 
 # matplotlib settings of every figure. Type 42 (TrueType) fonts in PDF and PS: camera-ready checks
 # (IEEE PDF eXpress, ACM) reject the Type 3 bitmap-like fonts matplotlib embeds by default.
-RC = {
+RC: dict[RcKeyType, Any] = {
     "pdf.fonttype": 42,
     "ps.fonttype": 42,
     "svg.fonttype": "none",
@@ -89,7 +92,7 @@ class Style:
 
     colour: str
     marker: str
-    linestyle: str
+    linestyle: LineStyleType
 
 
 @dataclass
