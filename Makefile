@@ -50,13 +50,14 @@ test: install
 	$(PY) -m pytest -q $(PYTEST_PAR)
 
 # ruff (pyproject.toml [tool.ruff]): 120 columns, unused or undefined names, import order, and the
-# format (`make format` writes it); mypy (pyproject.toml [tool.mypy]) type-checks methods/.
+# format (`make format` writes it); mypy (pyproject.toml [tool.mypy], with check_untyped_defs) type-checks
+# methods/ and suite/.
 # .pre-commit-config.yaml runs the same before each commit.
 LINTED := suite methods tests benchmarks .ci
 lint: install
 	$(PY) -m ruff check $(LINTED)
 	$(PY) -m ruff format --check $(LINTED)
-	$(PY) -m mypy methods
+	$(PY) -m mypy methods suite
 
 format: install
 	$(PY) -m ruff format $(LINTED)

@@ -251,6 +251,8 @@ class AllGatherKV(DocumentSharding, Method):
         q, k, v, out, lse, masks = residuals
         k_full, v_full, zz = self._gather(comm, causal, masks, q, k, v)
         acc = merge.acc_dtype(q.dtype)
+        dk_acc: Optional[torch.Tensor]
+        dv_acc: Optional[torch.Tensor]
         if zz is not None:  # rank-major fp32 accumulators, the reduce-scatter's input as they are
             shape = (comm.world_size, 2, zz.c, k.shape[0], k.shape[2])  # then each tensor's head dim
             dk_acc = torch.empty(*shape, k.shape[3], dtype=acc, device=q.device)
@@ -258,7 +260,7 @@ class AllGatherKV(DocumentSharding, Method):
         else:  # packed documents: the first call's gradients start the accumulators
             dk_acc = dv_acc = None
         calls = sorted(self._calls(causal, comm, q.shape[1], masks), key=lambda call: -call[1])
-        dq = torch.empty_like(q) if len(calls) > 1 else None  # one call: its dq is the result
+        dq: Optional[torch.Tensor] = torch.empty_like(q) if len(calls) > 1 else None  # one call: its dq is the result
         # the call over the most keys first: it covers every key another call reads, so it starts
         # the accumulators
         for i, (rows, keys, offset) in enumerate(calls):
@@ -277,8 +279,10 @@ class AllGatherKV(DocumentSharding, Method):
             if len(calls) == 1:
                 dq = bdq
             else:
+                assert dq is not None
                 dq[:, rows] = bdq
             if zz is not None:
+                assert dk_acc is not None and dv_acc is not None
                 zz.add_grad_(dk_acc, bdk, start=i == 0)
                 zz.add_grad_(dv_acc, bdv, start=i == 0)
             elif i == 0:
@@ -286,8 +290,10 @@ class AllGatherKV(DocumentSharding, Method):
             else:
                 # add_ on the slice, not `+=` on an indexed tensor: Python's augmented assignment would
                 # write the sum back through __setitem__, a second full pass over the slice
+                assert dk_acc is not None and dv_acc is not None
                 dk_acc[:, :keys].add_(bdk)
                 dv_acc[:, :keys].add_(bdv)
+        assert dk_acc is not None and dv_acc is not None  # set above, or by the first call
         if zz is not None:
             return dq, zz.reduce_scatter(dk_acc, k.dtype), zz.reduce_scatter(dv_acc, v.dtype)
         where = self._where(self._order(comm, q.shape[1], masks), q.device)

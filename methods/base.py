@@ -119,7 +119,8 @@ class Method:
     def __init__(self, kernel: str = "auto"):
         if kernel not in kernels.KERNEL_CHOICES:
             raise ValueError(f"{self.name}: unknown kernel {kernel!r}; choose one of {kernels.KERNEL_CHOICES}")
-        self.kernel = kernel
+        # a name; the suite swaps in a TimedKernel wrapping one while it measures or traces a trial
+        self.kernel: kernels.KernelChoice = kernel
 
     # -- what the harness asks ----------------------------------------------------------------
     @classmethod
@@ -184,7 +185,7 @@ class Method:
             return False, "needs CUDA, which is not available here"
         try:
             kernels.resolve_kernel(
-                self.kernel,
+                self._kernel_name(),
                 torch.device(case.device),
                 case.torch_dtype,
                 case.head_dim,
@@ -210,7 +211,13 @@ class Method:
         softcap: float = 0.0,
     ) -> str:
         """The local attention kernel this method runs with (recorded with each trial)."""
-        return kernels.resolve_kernel(self.kernel, device, dtype, head_dim, head_dim_v=head_dim_v, softcap=softcap)
+        return kernels.resolve_kernel(
+            self._kernel_name(), device, dtype, head_dim, head_dim_v=head_dim_v, softcap=softcap
+        )
+
+    def _kernel_name(self) -> str:
+        """The configured kernel name, also while a TimedKernel wraps it."""
+        return self.kernel.name if isinstance(self.kernel, kernels.TimedKernel) else self.kernel
 
     # -- the algorithm: plain functions, written by each method ----------------------------------
     def forward(

@@ -73,7 +73,7 @@ from methods.base import (
     element_bytes,
     unseen_kv_bytes,
 )
-from methods.comm.base import P2P, Comm, DoneWork
+from methods.comm.base import P2P, Comm, DoneWork, Work
 from methods.documents import EMPTY, BlockMask, Documents
 from methods.registry import register
 
@@ -382,7 +382,8 @@ class Dispatch(Method):
         else:
             dk = torch.zeros(k.shape, dtype=accd, device=k.device)
             dv = torch.zeros(v.shape, dtype=accd, device=v.device)
-        returns = []  # (work, [(message, buffer)]) of the dK/dV partials coming home
+        # (work, [(message, buffer)]) of the dK/dV partials coming home
+        returns: list[tuple[Work, list[tuple[Message, torch.Tensor]]]] = []
         home = 0  # how many of `returns` have been waited for and added
 
         def add_home(until: int) -> int:

@@ -90,8 +90,8 @@ class Ulysses(Method):
         if sinks is not None:  # every row of this rank's heads is final here: their slice of the sinks
             out_h, lse_h = merge.fold_sink(out_h, lse_h, head_slice(sinks, comm))
         out = heads_to_seq(comm, out_h)  # [B, L, H, D]
-        lse = lse_heads_to_seq(comm, lse_h) if return_lse else None  # [B, H, L]
-        return out, lse, (q_h, k_h, v_h, out_h, lse_h, rep, mask)
+        lse_seq = lse_heads_to_seq(comm, lse_h) if return_lse else None  # [B, H, L]
+        return out, lse_seq, (q_h, k_h, v_h, out_h, lse_h, rep, mask)
 
     def backward(self, dout, residuals, *, comm, causal, scale, docs=None):
         q_h, k_h, v_h, out_h, lse_h, rep, mask = residuals

@@ -133,22 +133,22 @@ def load_model(text: str) -> ModelShape:
                 f"unknown model {text!r}: choose one of {available_models()} or give "
                 f"heads/kv_heads/head_dim (e.g. 32/8/128)",
             )
-        d = yaml.safe_load(path.read_text()) or {}
+        spec = yaml.safe_load(path.read_text()) or {}
         try:
             shape = ModelShape(
-                str(d.get("name", path.stem)),
-                int(d["heads"]),
-                int(d["kv_heads"]),
-                int(d["head_dim"]),
-                int(d.get("layers", 1)),
-                int(d.get("hidden", 0)),
-                str(d.get("source", "")),
+                str(spec.get("name", path.stem)),
+                int(spec["heads"]),
+                int(spec["kv_heads"]),
+                int(spec["head_dim"]),
+                int(spec.get("layers", 1)),
+                int(spec.get("hidden", 0)),
+                str(spec.get("source", "")),
             )
-            hdv = d.get("head_dim_v")  # absent or null: equal to head_dim
+            hdv = spec.get("head_dim_v")  # absent or null: equal to head_dim
             hdv = None if hdv is None or int(hdv) == shape.head_dim else int(hdv)
         except (KeyError, TypeError, ValueError) as exc:
             raise AdviceError("--model", f"{path}: needs integer heads, kv_heads, head_dim ({exc})") from None
-        shape = replace(shape, pattern=layer_pattern(d, max(shape.layers, 1), str(path)), head_dim_v=hdv)
+        shape = replace(shape, pattern=layer_pattern(spec, max(shape.layers, 1), str(path)), head_dim_v=hdv)
     if min(shape.heads, shape.kv_heads, shape.head_dim, shape.layers, shape.head_dim_v or 1) < 1:
         raise AdviceError("--model", f"heads, kv_heads, head_dim, head_dim_v and layers must be >= 1 in {text!r}")
     if shape.heads % shape.kv_heads:
@@ -723,13 +723,14 @@ def total_row(rows: dict[str, dict], counts: dict[str, int]) -> dict:
     out = dict(rs[0][0])
     out[M.TIME_MS_MEDIAN] = sum(n * r[M.TIME_MS_MEDIAN] for r, n in rs)
     comps = [(r.get(M.COMPUTE_ONLY_MS), r.get(M.IMBALANCE) or 1.0, n) for r, n in rs]
-    if all(c is not None for c, _, _ in comps):
-        comp = sum(n * c for c, _, n in comps)
+    known = [(c, imb, n) for c, imb, n in comps if c is not None]
+    if len(known) == len(comps):
+        comp = sum(n * c for c, _, n in known)
         out[M.COMPUTE_ONLY_MS] = comp
-        balanced = sum(n * c / imb for c, imb, n in comps)
+        balanced = sum(n * c / imb for c, imb, n in known)
         out[M.IMBALANCE] = comp / balanced if balanced else 1.0
     bands = [r.get(M.SIM_ERROR_PCT) for r, _ in rs]
-    out[M.SIM_ERROR_PCT] = None if any(b is None for b in bands) else max(float(b) for b in bands)
+    out[M.SIM_ERROR_PCT] = None if any(b is None for b in bands) else max(float(b) for b in bands if b is not None)
     out["mask"] = "+".join(counts)
     return out
 
@@ -835,7 +836,7 @@ def tie_line(advice: Advice) -> str:
     if not tied:
         return ""
     ranks = [i for i, c in enumerate(advice.ranked, 1) if c in tied]
-    bands = sorted({_band(c) for c in tied})
+    bands = sorted({b for c in tied if (b := _band(c)) is not None})  # all of them: a tie needs both bands
     band = f"±{bands[0]:g} %" if len(bands) == 1 else f"±{bands[0]:g}-{bands[-1]:g} %"
     return (
         f"Tied: ranks {', '.join(map(str, ranks))} ({', '.join(c.title for c in tied)}) lie within each other's "
@@ -965,6 +966,7 @@ def advise(
             flush=True,
         )
     result = run_sweep(cfg, yaml_text, out=out or io.StringIO(), progress=progress)
+    assert result is not None  # not a dry run, and the sim executor's one rank leads
     by_key = {(c.method, c.options_json): c for c in kept}
     counts = {m.name: n for m, n in q.layer_masks()}
     for r in result.records:
@@ -1075,6 +1077,7 @@ def emit_config(advice: Advice, path: Path, top: int) -> Path:
     cfg = build_config(q, advice.ranked[:top], executor="dist", name=sweep_name(q) + "_measured")
     cfg.description = f"measure the top {top} of `suite advise` ({cfg.description})"
     d = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    assert isinstance(d, dict)  # a structured config is a mapping
     keep = {"name": d["name"], "description": d["description"], "sweep": d["sweep"], "run": {"executor": "dist"}}
     if d.get("documents"):
         keep["documents"] = {

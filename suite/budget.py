@@ -149,7 +149,7 @@ class _LinearBytes:
 
     def __init__(self, method: methods.Method):
         self._method = method
-        self._cache: dict[tuple, object] = {}
+        self._cache: dict[tuple, Optional[tuple[int, int]]] = {}
 
     def __getattr__(self, name: str):
         return getattr(self._method, name)
@@ -169,7 +169,8 @@ class _LinearBytes:
         if got is None:
             return None
         scale = case.batch * case.seq_len / ref_len
-        return tuple(int(b * scale) for b in got)  # type: ignore[union-attr]
+        sent, recv = got
+        return int(sent * scale), int(recv * scale)
 
 
 def predict_memory(spec: TrialSpec, method: methods.Method, checked: bool) -> MemoryPrediction:

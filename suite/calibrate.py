@@ -324,6 +324,7 @@ def calibrate(
         return out
     sizes = [4, 64 * KB, MB, 4 * MB, 16 * MB]
     cores = available_cores()
+    assert threads is not None  # set above: past the CUDA case, the host's CPU
     eff_cores = min(effective_cores(cores, threads, repeats), float(cores))
     log(f"{cores} cores do {eff_cores:.2f} ranks' worth of kernel work at once")
     log("measuring gloo loopback: latency and one flow (2 ranks), a ring step of 4 ranks")

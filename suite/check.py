@@ -38,7 +38,7 @@ import math
 import threading
 import zlib
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
@@ -488,16 +488,20 @@ def build_problem(
     return prob
 
 
+_P = TypeVar("_P")
+
+
 class ProblemCache:
     """Keeps the most recent problem (inputs + reference) per worker; thread-safe, so virtual
-    ranks share one. Trials are ordered so that consecutive ones share problems."""
+    ranks share one. Trials are ordered so that consecutive ones share problems. A workload keeps
+    what its `build` returns (a `Problem`, or its own bundle of inputs and reference)."""
 
     def __init__(self):
         self._lock = threading.Lock()
         self._key = None
-        self._problem: Optional[Problem] = None
+        self._problem: Any = None  # what `build` returned for `_key`
 
-    def get(self, key: tuple, build) -> Problem:
+    def get(self, key: tuple, build: Callable[[], _P]) -> _P:
         with self._lock:
             if self._key != key:
                 self._problem = None  # free the old one before building the next

@@ -442,6 +442,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             f"{c['killed']} stale runs ended KILLED, {c['retagged']} given their display tags"
         )
         print(f"runs: {tracker.link} (serve it with `{suite_command()} ui`)")
+        assert tracker.experiment_id is not None and tracker.parent_run_id is not None  # relog opened them
         print(f"the sweep's run: {run_link(tracker.uri, tracker.experiment_id, tracker.parent_run_id)}")
         return 0
     return 2

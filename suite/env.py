@@ -11,7 +11,7 @@ import socket
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional, overload
 from urllib.parse import urlsplit, urlunsplit
 
 import torch
@@ -77,6 +77,14 @@ ENV_VARS = (
     "NCCL_TOPO_FILE",
 )
 _URI_VARS = ("MLFLOW_TRACKING_URI",)
+
+
+@overload
+def redact_uri(uri: str) -> str: ...
+@overload
+def redact_uri(uri: None) -> None: ...
+@overload
+def redact_uri(uri: Optional[str]) -> Optional[str]: ...
 
 
 def redact_uri(uri: Optional[str]) -> Optional[str]:
@@ -207,13 +215,13 @@ def _gpu_load(line: str) -> dict:
 
 def fingerprint(device: str) -> dict:
     """Everything needed to interpret a number later. Cheap (< 1 s), best effort."""
-    versions = {}
+    versions: dict[str, Optional[str]] = {}
     for pkg in PACKAGES:
         try:
             versions[pkg] = importlib.metadata.version(pkg)
         except importlib.metadata.PackageNotFoundError:
             versions[pkg] = None
-    env = {
+    env: dict[str, Any] = {
         "timestamp": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "hostname": socket.gethostname(),
         "platform": platform.platform(),

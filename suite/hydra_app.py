@@ -55,6 +55,7 @@ def register(root: Path = CONFIGS) -> None:
     # that one value for a list axis is accepted and checked later by the schema), then the chosen
     # sweep file on top: any setting can be overridden, also one the file does not mention.
     defaults = OmegaConf.to_container(OmegaConf.structured(SuiteConfig))
+    assert isinstance(defaults, dict)  # a structured config is a mapping
     defaults.pop("name")  # required: it comes from the sweep file
     cs.store(
         name="suite",
@@ -157,7 +158,8 @@ def main(cfg: DictConfig) -> None:
     hc = HydraConfig.get()
     choice = hc.runtime.choices.get(GROUP, "?")
     cli = cfg.get("cli") or {}
-    node = OmegaConf.masked_copy(cfg, [k for k in cfg if k not in ("cli", "hydra")])
+    keep: list[Any] = [k for k in cfg if k not in ("cli", "hydra")]  # keys as they are (see config.load._keys)
+    node = OmegaConf.masked_copy(cfg, keep)
     output_dir = Path(hc.runtime.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     # under torchrun every rank runs this; only rank 0 (the one that writes results) writes it

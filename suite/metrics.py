@@ -262,10 +262,10 @@ def mask_label(mask, causal) -> str:
         return "causal" if _truthy(causal) else "full"
     family, _, rest = mask.partition(":")
     parts = [p.partition("=") for p in rest.split(",")] if rest else []
-    parts = [(k, v) for k, _, v in parts if not (k == "symmetric" and v == "false")]
-    if len(parts) == 1:  # one value says what it is: sliding_window(64)
-        return f"{family}({'sym' if parts[0][0] == 'symmetric' else parts[0][1]})"
-    values = ["sym" if k == "symmetric" else f"{k}={v}" for k, v in parts]
+    pairs = [(k, v) for k, _, v in parts if not (k == "symmetric" and v == "false")]
+    if len(pairs) == 1:  # one value says what it is: sliding_window(64)
+        return f"{family}({'sym' if pairs[0][0] == 'symmetric' else pairs[0][1]})"
+    values = ["sym" if k == "symmetric" else f"{k}={v}" for k, v in pairs]
     return f"{family}({', '.join(values)})" if values else family
 
 

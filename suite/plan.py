@@ -13,7 +13,7 @@ import itertools
 import json
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, ClassVar, Iterable, Optional, Protocol
 
 import methods
 from methods.base import Case
@@ -159,7 +159,7 @@ class TrialSpec:
 
     def problem_key(self) -> tuple:
         """Trials with equal problem keys share global inputs and the float64 reference."""
-        key = (self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim, self.dtype, self.causal)
+        key: tuple = (self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim, self.dtype, self.causal)
         key += (self.workload,) if self.document_lengths() is not None else ()
         key += (("head_dim_v", self.head_dim_v),) if self.head_dim_v is not None else ()
         key += (("softcap", self.softcap),) if self.softcap else ()
@@ -199,7 +199,7 @@ class Place:
 class PlannedWorkload(Protocol):
     """What planning needs of a workload (suite/workloads)."""
 
-    kind: str
+    kind: ClassVar[str]
 
     def passes(self, cfg: SuiteConfig) -> list[str]: ...
 
@@ -245,7 +245,8 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
     specs = []
     passes = workload.passes(cfg)
     identities: dict[tuple, str] = {}  # a packed workload draws its documents once per (mix, batch, length)
-    axes = itertools.product(
+    # 15 axes: past typeshed's overloads of product, whose fallback would join the axes' types into one union
+    axes: Iterable[tuple[Any, ...]] = itertools.product(
         places,
         s.world_size,
         s.workload,

@@ -13,7 +13,7 @@ import json
 import math
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
 from suite import metrics as M
 from suite.check import tolerance
@@ -78,7 +78,7 @@ class Outcome:
     """What the executor saw of one trial: every rank's report, or why not."""
 
     kind: str  # "reported", "failed", "timeout"
-    reports: list[Optional[RankReport]]
+    reports: Sequence[Optional[RankReport]]  # one per rank (None: it did not report)
     message: str = ""  # why it failed or timed out (the executor's view)
     note: str = ""  # a caveat appended to the row's reason
 
@@ -175,8 +175,13 @@ def comm_columns(reports: list[RankReport]) -> dict[str, Any]:
     """Bytes one call (or step) moves, max over ranks, and its operations by kind."""
     first = reports[0]
     return {
-        M.BYTES_SENT: None if first.bytes_sent is None else max(r.bytes_sent for r in reports),
-        M.BYTES_RECV: None if first.bytes_recv is None else max(r.bytes_recv for r in reports),
+        # every rank counts its bytes or none does (the same comm): the max over those that do
+        M.BYTES_SENT: None
+        if first.bytes_sent is None
+        else max(r.bytes_sent for r in reports if r.bytes_sent is not None),
+        M.BYTES_RECV: None
+        if first.bytes_recv is None
+        else max(r.bytes_recv for r in reports if r.bytes_recv is not None),
         M.COMM_OPS: json.dumps(first.comm_ops, sort_keys=True),
     }
 
@@ -184,8 +189,8 @@ def comm_columns(reports: list[RankReport]) -> dict[str, Any]:
 def breakdown_columns(reports: list[RankReport], total_ms: float) -> dict[str, Any]:
     """Kernel, exposed-communication and bookkeeping split (mean over ranks), compute-only and
     comm-only times (per-iteration max over ranks, median), CCR and overlap efficiency."""
-    parts = [r.breakdown for r in reports]
-    if any(b is None for b in parts):
+    parts = [r.breakdown for r in reports if r.breakdown is not None]
+    if len(parts) < len(reports):
         return {}
     p = len(parts)
     kernel = sum(b.kernel_ms for b in parts) / p
@@ -228,8 +233,8 @@ def balance_columns(spec: TrialSpec, reports: list[RankReport], padded_len: int)
         M.DOC_LENGTHS: [list(ls) for ls in lengths] if lengths is not None else None,
         M.DOCS_PER_SEQ: (sum(map(len, lengths)) / len(lengths)) if lengths is not None else 1.0,
     }
-    pairs = [r.pairs for r in reports]
-    if pairs and None not in pairs:
+    pairs = [r.pairs for r in reports if r.pairs is not None]
+    if pairs and len(pairs) == len(reports):
         mean = sum(pairs) / len(pairs)
         cols.update(
             {
@@ -239,8 +244,8 @@ def balance_columns(spec: TrialSpec, reports: list[RankReport], padded_len: int)
                 M.AREA_GINI: M.gini(pairs),
             }
         )
-    redundant = [r.redundant_bytes for r in reports]
-    if redundant and None not in redundant:
+    redundant = [r.redundant_bytes for r in reports if r.redundant_bytes is not None]
+    if redundant and len(redundant) == len(reports):
         cols[M.REDUNDANT_BYTES] = max(redundant)
     kernel = [r.breakdown.kernel_ms for r in reports if r.breakdown is not None]
     if len(kernel) == len(reports) and kernel and sum(kernel) > 0:

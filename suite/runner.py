@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Optional, TextIO
+from typing import Any, Optional, TextIO
 
 import methods
 from suite import metrics as M
@@ -154,9 +154,10 @@ NOT_COMPARED = (
 
 
 def _setting(d: dict, key: str):
+    node: Any = d
     for part in key.split("."):
-        d = d.get(part) if isinstance(d, dict) else None
-    return d
+        node = node.get(part) if isinstance(node, dict) else None
+    return node
 
 
 def _has(d: dict, key: str) -> bool:

@@ -350,7 +350,8 @@ def broken_store(uri: str, exc: BaseException) -> Optional[str]:
     path = _sqlite_path(uri)
     if path is None or not path.is_file() or transient(exc):
         return None
-    messages, seen = [], exc
+    messages: list[str] = []
+    seen: Optional[BaseException] = exc
     while seen is not None and len(messages) < 5:
         messages.append(str(seen).splitlines()[0] if str(seen) else "")
         seen = seen.__cause__ or seen.__context__
@@ -476,11 +477,12 @@ RETRY_DELAYS_S = (0.5, 1.0, 2.0, 4.0)  # backoff between the attempts of one wri
 
 def transient(exc: BaseException) -> bool:
     """Whether `exc` (or what caused it) reads like a passing database or network failure."""
+    cause: Optional[BaseException] = exc
     seen = 0
-    while exc is not None and seen < 5:
-        if any(t in str(exc).lower() for t in _TRANSIENT):
+    while cause is not None and seen < 5:
+        if any(t in str(cause).lower() for t in _TRANSIENT):
             return True
-        exc, seen = exc.__cause__ or exc.__context__, seen + 1
+        cause, seen = cause.__cause__ or cause.__context__, seen + 1
     return False
 
 
@@ -524,7 +526,7 @@ class MlflowTracker:
         self._moved: Optional[str] = None  # "<db> was half-created (why); moved to <file>"
         self._others = ""  # the other run folders the moved store held, as `rebuilt` says them
         self.say: Optional[Callable[[str], None]] = None  # told each step (relog's progress), if set
-        self._client = None
+        self._client: Any = None  # an MlflowClient once `start` opened the store (mlflow is imported lazily)
         self._run_folder = ""  # RUN_FOLDER of this store, set on start
         self._children: dict[str, tuple[str, str]] = {}  # key -> (child run id, its status)
         self._queue: queue.Queue = queue.Queue()
@@ -821,9 +823,11 @@ class MlflowTracker:
             for name in (CONFIG, ENVIRONMENT, TRIALS, PARQUET):
                 path = store.run_dir / name
                 if path.exists():
-                    self._retrying(
-                        lambda p=path: self._client.log_artifact(self.parent_run_id, str(p), artifact_path="results")
-                    )
+
+                    def log(p: Path = path) -> None:
+                        self._client.log_artifact(self.parent_run_id, str(p), artifact_path="results")
+
+                    self._retrying(log)
             self._retrying(lambda: self._log_table(store))
             self._retrying(lambda: self._client.set_terminated(self.parent_run_id, status, end_time=end_ms))
         except Exception as exc:  # noqa: BLE001
@@ -885,6 +889,8 @@ def relog(
 
     store = ResultsStore.open(run_dir)
     cfg = OmegaConf.to_container(OmegaConf.load(store.run_dir / CONFIG), resolve=True)
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{store.run_dir / CONFIG} is not a mapping of a sweep's config")
     name = str(cfg.get("name"))
     root = (cfg.get("results") or {}).get("root", "results")
     tracking = cfg.get("tracking") or {}

@@ -194,8 +194,8 @@ class Found:
 
     @property
     def compute_only_ms(self) -> Optional[float]:
-        c = [r.get(M.COMPUTE_ONLY_MS) for r in self.records]
-        return None if None in c else sum(c) / len(c)
+        c = [x for r in self.records if (x := r.get(M.COMPUTE_ONLY_MS)) is not None]
+        return None if len(c) < len(self.records) else sum(c) / len(c)
 
 
 def find(records: list[dict[str, Any]], match: dict[str, Any]) -> tuple[Optional[Found], str]:
@@ -332,11 +332,16 @@ def summarize(results: list[RowResult]) -> tuple[Optional[Summary], dict[str, Su
     def by(key) -> dict[str, Summary]:
         groups: dict[str, list[float]] = {}
         for r in counted:
+            assert r.error is not None  # a counted row has its error
             groups.setdefault(key(r), []).append(r.error)
         return {k: Summary.of(v) for k, v in sorted(groups.items())}
 
     bounds = by(lambda r: r.bound)
-    return Summary.of([r.error for r in counted]), {b: bounds[b] for b in BOUNDS if b in bounds}, by(lambda r: r.family)
+    return (
+        Summary.of([r.error for r in counted if r.error is not None]),
+        {b: bounds[b] for b in BOUNDS if b in bounds},
+        by(lambda r: r.family),
+    )
 
 
 @functools.lru_cache(maxsize=None)
@@ -384,7 +389,7 @@ def check(results: list[RowResult], bands: Bands) -> list[str]:
             f"+ margin {bands.margin_pct:g}% = {bound:.1f}%"
         )
     for r in results:
-        if r.counted and abs(r.error) > bands.row_limit_pct:
+        if r.counted and r.error is not None and abs(r.error) > bands.row_limit_pct:
             problems.append(f"{r.table}: {r.row.label}: |error| {abs(r.error):.1f}% > {bands.row_limit_pct:g}%")
     return problems
 
@@ -445,7 +450,9 @@ def leave_one_source_out(tables: list[PublishedTable], results: list[RowResult])
     source_of = {t.name: t.source_id for t in tables}
     fitted = fitted_sources({x for r in results for x in r.topologies})
     check_fitting(tables, fitted)
-    errors, sources, left = [], set(), []
+    errors: list[float] = []
+    sources: set[str] = set()
+    left: list[tuple[RowResult, str]] = []
     for r in results:
         if not r.counted:
             continue
@@ -457,6 +464,7 @@ def leave_one_source_out(tables: list[PublishedTable], results: list[RowResult])
         if seen:
             left.append((r, f"its topology was fitted on its own source ({'; '.join(seen)})"))
             continue
+        assert r.error is not None  # a counted row has its error
         errors.append(r.error)
         sources.add(src)
     return LeaveOneOut(Summary.of(errors) if errors else None, len(sources), left)
@@ -594,12 +602,13 @@ def validate(
         cfg, _ = config_from_node(raw, source=str(path))
         yaml_text = OmegaConf.to_yaml(OmegaConf.structured(cfg), resolve=True)
         swept = run_sweep(cfg, yaml_text, out=io.StringIO(), progress=False)
+        assert swept is not None  # not a dry run, and the sim executor's one rank leads
         mine = evaluate(table, swept.records, kinds)
         tables.append(table)
         results += mine
         run_dirs[table.name] = swept.run_dir
         done = [r for r in mine if r.error is not None]
-        counted = [abs(r.error) for r in done if r.row.counted]
+        counted = [abs(r.error) for r in done if r.row.counted and r.error is not None]
         mean = f", mean |error| {sum(counted) / len(counted):.1f}%" if counted else ""
         print(
             f"[{i}/{len(paths)}] {table.name}: {len(swept.records)} trials simulated, {len(done)} of "
@@ -651,9 +660,10 @@ def run_command(args) -> int:
         report.write_text(render_report(v.tables, v.results, command, loso))
         print(f"report: {report}")
     if args.check:
+        assert recorded is not None  # --check without a record stopped above
         problems = check(v.results, recorded)
-        for p in problems:
-            print(f"CHECK FAILED: {p}")
+        for problem in problems:
+            print(f"CHECK FAILED: {problem}")
         print(f"check against {bands_path}: {'failed' if problems else 'passed'} ({time.perf_counter() - t0:.1f}s)")
         return 1 if problems else 0
     if args.configs:

@@ -324,5 +324,5 @@ def test_pre_commit_runs_what_make_lint_runs():
         h for repo in yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text())["repos"] for h in repo["hooks"]
     ]
     entries = " | ".join(h["entry"] for h in hooks)
-    for tool in ("ruff check", "ruff format --check", "mypy methods"):
+    for tool in ("ruff check", "ruff format --check", "mypy methods suite"):
         assert tool in lint and tool in entries, tool

@@ -421,3 +421,16 @@ def test_views_of_a_fused_projection_are_accepted():
             return m.attention(q, k, v, causal=True, comm=comm)
 
         run_threads(4, fn)
+
+
+def test_a_method_resolves_the_kernel_name_a_timed_kernel_wraps():
+    # the suite swaps a TimedKernel in while it measures; supports and kernel_used read its name
+    from methods.kernels import TimedKernel
+
+    method = methods.get_method("ring", kernel="math")
+    case = Case(batch=1, seq_len=16, heads=2, kv_heads=2, head_dim=8, dtype="float32", causal=True, world_size=2)
+    method.kernel = TimedKernel("math")
+    assert method.supports(case) == (True, "")
+    assert method.kernel_used(torch.device("cpu"), torch.float32, 8) == "math"
+    method.kernel = TimedKernel("cpu_flash")
+    assert method.kernel_used(torch.device("cpu"), torch.float32, 8) == "cpu_flash"

@@ -3,6 +3,7 @@ Its byte counts equal those of a real gloo run, and across ranks it computes eve
 (query, key) pair exactly once."""
 
 import itertools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,8 +13,8 @@ from methods.base import Case
 from methods.comm import CommLedger, CountingComm
 from methods.comm.counting import CommRecord
 from methods.kernels import visible_pairs
-from suite.sim.record import Compute, Wait
-from suite.sim.trace import trace
+from suite.sim.record import Compute, Trace, Wait
+from suite.sim.trace import extrapolate, trace
 from tests.helpers import own_methods, run_dist
 
 # every own method from the registry (its default options): a new method is traced and checked too
@@ -242,3 +243,28 @@ def test_allgather_kv_by_documents_puts_kv_in_order_in_one_pass():
             assert sum(e.ops for e in work) == 3, batch
             # + the int64 index: its transfer (read and written) and one read by each pass
             assert sum(e.bytes for e in work) == 2 * kv + 4 * case.seq_len * 8, batch
+
+
+def test_forward_part_of_a_backward_trace_without_its_forward_end_says_so():
+    case = Case(batch=1, seq_len=64, heads=2, kv_heads=2, head_dim=8, dtype="bfloat16", causal=True, world_size=4)
+    assert len(trace("ring", case, "fwd_bwd").forward_part().ranks) == 4  # a traced one knows where it ends
+    forward = Trace("ring", {}, case, "fwd", [[] for _ in range(4)])  # built without forward_end
+    assert forward.forward_part() is forward  # a forward trace is its own forward part
+    bare = Trace("ring", {}, case, "fwd_bwd", [[] for _ in range(4)])
+    with pytest.raises(ValueError, match="'fwd_bwd' trace does not record where its forward ends"):
+        bare.forward_part()
+
+
+def test_extrapolating_blocks_causal_at_one_length_and_full_at_another_says_they_differ():
+    # a schedule whose block is causal at one length and unmasked at the other is not one schedule
+    case = Case(batch=1, seq_len=64, heads=2, kv_heads=2, head_dim=8, dtype="bfloat16", causal=True, world_size=1)
+
+    def one_block(seq_len: int, offset) -> Trace:
+        block = Compute("fwd", 1, seq_len, seq_len, 2, 2, 8, offset, "bfloat16")
+        return Trace("x", {}, replace(case, seq_len=seq_len), "fwd", [[block]])
+
+    same = {(1, 64): one_block(64, 0), (1, 128): one_block(128, 0)}
+    assert extrapolate(same, 1, 256).ranks[0][0].sq == 256  # the consistent pair extrapolates
+    mixed = {(1, 64): one_block(64, 0), (1, 128): one_block(128, None)}
+    with pytest.raises(ValueError, match="differ in structure"):
+        extrapolate(mixed, 1, 256)

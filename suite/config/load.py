@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException, ValidationError
@@ -53,7 +53,7 @@ def config_from_node(node: DictConfig | dict, source: str = "") -> tuple[SuiteCo
     load_config validates a file: the same schema, the same errors naming the key."""
     raw = node if isinstance(node, DictConfig) else OmegaConf.create(node)
     if "hydra" in raw:
-        raw = OmegaConf.masked_copy(raw, [k for k in raw if k != "hydra"])
+        raw = OmegaConf.masked_copy(raw, _keys(raw, ("hydra",)))
     return _finish(_merge_schema(raw, source), source)
 
 
@@ -63,20 +63,27 @@ def config_from_node(node: DictConfig | dict, source: str = "") -> tuple[SuiteCo
 FOREIGN_SECTIONS = ("validation",)
 
 
+def _keys(node: DictConfig, drop: Iterable[str]) -> list[Any]:
+    """The keys of `node` but `drop`, as they are (omegaconf's keys need not be strings; masked_copy
+    compares them as they are, though its annotation says list[str])."""
+    drop = set(drop)
+    return [k for k in node if k not in drop]
+
+
 def _merge_schema(raw: DictConfig, source: str) -> DictConfig:
     if any(k in raw for k in FOREIGN_SECTIONS):
-        raw = OmegaConf.masked_copy(raw, [k for k in raw if k not in FOREIGN_SECTIONS])
+        raw = OmegaConf.masked_copy(raw, _keys(raw, FOREIGN_SECTIONS))
     schema = OmegaConf.structured(SuiteConfig)
     _lists_from_scalars(raw, SuiteConfig)
     try:
-        return OmegaConf.merge(schema, raw)
+        return cast(DictConfig, OmegaConf.merge(schema, raw))  # a mapping merged onto the schema's mapping
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc, source=source)) from None
 
 
 def _finish(cfg: DictConfig, source: str) -> tuple[SuiteConfig, str]:
     try:
-        obj: SuiteConfig = OmegaConf.to_object(cfg)
+        obj = cast(SuiteConfig, OmegaConf.to_object(cfg))  # a structured config's object is its dataclass
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc, source=source)) from None
     validate(obj)
@@ -191,7 +198,7 @@ def _compose(path: Path) -> DictConfig:
     except Exception as exc:  # YAML syntax errors and the like
         raise ConfigError(f"{path}: could not read the config: {exc}") from None
     if "hydra" in cfg:  # Hydra's own section is not part of our schema
-        cfg = OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
+        cfg = OmegaConf.masked_copy(cfg, _keys(cfg, ("hydra",)))
     return cfg
 
 

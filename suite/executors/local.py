@@ -24,7 +24,7 @@ from suite.env import hardware_label
 from suite.executors.base import Executor
 from suite.executors.worker import WorkerSettings, worker_main
 from suite.plan import Place, RunSettings, TrialSpec
-from suite.records import Outcome
+from suite.records import Outcome, RankReport
 
 
 def available_cores() -> int:
@@ -137,7 +137,7 @@ class LocalGroup:
         """
         for q in self._tasks:
             q.put(spec)
-        reports: list[Optional[dict]] = [None] * self.world_size
+        reports: list[Optional[RankReport]] = [None] * self.world_size
         prepared: set[int] = set()
         deadline = time.monotonic() + prepare_timeout_s  # the trial's own limit starts once all have prepared
         while any(r is None for r in reports):
@@ -178,7 +178,7 @@ class LocalGroup:
             reports[rank] = payload
             if not payload.ok:
                 deadline = min(deadline, time.monotonic() + grace_s)
-        ok = all(rep.ok for rep in reports)  # type: ignore[union-attr]
+        ok = all(rep is not None and rep.ok for rep in reports)  # every rank reported: the loop ended
         return Outcome("reported", reports), ok
 
     def close(self) -> None:

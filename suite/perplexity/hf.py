@@ -157,7 +157,9 @@ def _layout(model, input_ids: torch.Tensor, method: Method, world_size: int, doc
     case = model_case(model, b, s, world_size, dtype, input_ids.device.type)
     windowed = case.documents
     if windowed is not None and docs is not None:
-        windowed = _window_documents(docs, model_window(model), b, docs.padded_len)
+        window = model_window(model)
+        assert window is not None  # the case's documents are the window's mask
+        windowed = _window_documents(docs, window, b, docs.padded_len)
     layout = method.layout(Case(**{**case.__dict__, "documents": docs}))
     if windowed is not None:  # a layout that follows the mask cannot serve windowed and global layers
         other = method.layout(Case(**{**case.__dict__, "documents": windowed}))
@@ -260,7 +262,8 @@ def hf_perplexity(
     for name in method_names:
         method = methods.get_method(name)
         for p in world_sizes:
-            ok, why = method.supports(model_case(model, *batches[0].shape, p, dtype, batches[0].device.type))
+            b, s = batches[0].shape  # [batch, seq_len] tokens
+            ok, why = method.supports(model_case(model, b, s, p, dtype, batches[0].device.type))
             if not ok:
                 print(f"  skip {name} P={p}: {why}")
                 continue

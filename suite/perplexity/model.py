@@ -24,7 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# attend(q, k, v), or attend(q, k, v, sinks=...) in a model with attention sinks
+Attend = Callable[..., torch.Tensor]
 Attends = Union[Attend, Sequence[Attend]]
 """One attention for every layer, or one per layer (a per-layer mask pattern)."""
 

@@ -132,13 +132,13 @@ def train_and_evaluate(
         watch = Stopwatch(device)
         with watch.region():
             ledger = CommLedger() if step == 0 and comm is not None else None
-            attend = make_attend(CountingComm(comm, ledger) if ledger is not None else comm)
+            attend = make_attend(CountingComm(comm, ledger) if comm is not None and ledger is not None else comm)
             tokens, labels, positions = _shard(windows[step].to(device), layout, rank, tc.planted_bug, docs, loss_skip)
             logits = model(tokens, positions, attend)
             nll = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), ignore_index=-100, reduction="sum")
             (nll / n_tokens).backward()
             # One all-reduce for every gradient and the loss (it is logged as the global mean).
-            flat = torch.cat([p.grad.reshape(-1).float() for p in params] + [nll.detach().float().view(1)])
+            flat = torch.cat([_grad(p).reshape(-1).float() for p in params] + [nll.detach().float().view(1)])
             if comm is not None and comm.world_size > 1:
                 if tc.planted_bug == "no_grad_sync":
                     loss_only = flat[-1:].clone()
@@ -215,11 +215,16 @@ def _shard(
     return tokens, labels, positions
 
 
-def _unflatten_grads(flat: torch.Tensor, params: list[torch.Tensor]) -> None:
+def _grad(p: torch.Tensor) -> torch.Tensor:
+    assert p.grad is not None  # every parameter takes part in the loss: backward gave it a gradient
+    return p.grad
+
+
+def _unflatten_grads(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
     offset = 0
     for p in params:
         n = p.numel()
-        p.grad.copy_(flat[offset : offset + n].view_as(p.grad))
+        _grad(p).copy_(flat[offset : offset + n].view_as(_grad(p)))
         offset += n
 
 

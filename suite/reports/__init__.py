@@ -14,7 +14,7 @@ import time
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from suite.reports.load import ResultSet, combine, load_mlflow, load_runs, resolve_runs
 
@@ -166,7 +166,7 @@ def _baseline(df, baseline: Optional[str]) -> Optional[str]:
     return baseline
 
 
-def _log_html(html: Path, sources, pngs: list[Path] = ()) -> list[str]:
+def _log_html(html: Path, sources, pngs: Sequence[Path] = ()) -> list[str]:
     """Attach the page and its figures (PNG) to the MLflow parent run of every source run that was
     logged to MLflow. The figures are drawn in worker processes, so the files are logged, not
     figure objects."""

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pandas as pd
 
@@ -54,7 +54,9 @@ def is_advisor_run(run_dir: Path) -> bool:
         return False
     if not isinstance(cfg, dict):
         return False
-    run = cfg.get("run") if isinstance(cfg.get("run"), dict) else {}
+    run = cfg.get("run")
+    if not isinstance(run, dict):
+        run = {}
     return str(cfg.get("description") or "").startswith(ADVISOR_DESCRIPTION) and run.get("executor") == "sim"
 
 
@@ -184,7 +186,7 @@ def load_mlflow(experiment: str, uri: Optional[str] = None) -> ResultSet:
         tags = run.data.tags
         if "mlflow.parentRunId" not in tags:  # the sweep's own run
             continue
-        row = dict(run.data.params)
+        row: dict[str, Any] = dict(run.data.params)
         row.update(run.data.metrics)
         row.update({k: v for k, v in tags.items() if not k.startswith("mlflow.") and k not in DISPLAY_ONLY})
         rows.append(row)

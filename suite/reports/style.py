@@ -19,8 +19,12 @@ import colorsys
 import hashlib
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, AbstractSet, Any
 
 import pandas as pd
+
+if TYPE_CHECKING:  # matplotlib is imported where figures are drawn, not here
+    from matplotlib.typing import LineStyleType, RcKeyType
 
 # Colour sequence (Okabe-Ito first, then further hues), ordered so that any prefix stays distinct.
 COLOURS = (
@@ -44,11 +48,11 @@ COLOURS = (
 GREYS = ("#000000", "#6E6E6E", "#A0A0A0")
 # Filled markers only: an open marker and a filled one in the same legend read as two styles of one series.
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*", "h", "<", ">", "p", "d", "H", "8")
-LINESTYLES = {"dist": "-", "local": "-", "threads": ":", "sim": "--"}
+LINESTYLES: dict[str, LineStyleType] = {"dist": "-", "local": "-", "threads": ":", "sim": "--"}
 
 # matplotlib settings of every figure. Type 42 (TrueType) fonts in PDF and PS: camera-ready checks
 # (IEEE PDF eXpress, ACM) reject the Type 3 bitmap-like fonts matplotlib embeds by default.
-RC = {
+RC: dict[RcKeyType, Any] = {
     "pdf.fonttype": 42,
     "ps.fonttype": 42,
     "svg.fonttype": "none",
@@ -88,7 +92,7 @@ class Style:
 
     colour: str
     marker: str
-    linestyle: str
+    linestyle: LineStyleType
 
 
 @dataclass
@@ -129,12 +133,12 @@ def palette_for(df: pd.DataFrame) -> Palette:
     for m in methods:
         variants = sorted(first.loc[first["method"] == m, "series"])
         for s, shade in zip(variants, shades(colours[m], len(variants))):
-            styles[s] = Style(shade, markers[m], LINESTYLES.get(executor.get(s), "-"))
+            styles[s] = Style(shade, markers[m], LINESTYLES.get(executor.get(s) or "", "-"))
             order.append(s)
     return Palette(methods, order, styles, colours)
 
 
-def method_colour(name: str, taken: set[str] = frozenset()) -> str:
+def method_colour(name: str, taken: AbstractSet[str] = frozenset()) -> str:
     """The colour of method `name`: the first of COLOURS, in an order seeded by the name, that is not
     in `taken` (the colours of the report's methods before it in the alphabet). A stable hash
     (blake2b, not Python's per-process `hash`), so the colour is the same in every run and report."""
@@ -178,7 +182,8 @@ def delta_e(a: str, b: str) -> float:
 
 
 def _rgb(h: str) -> tuple[float, float, float]:
-    return tuple(int(h[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    r, g, b = (int(h[i : i + 2], 16) / 255 for i in (1, 3, 5))
+    return r, g, b
 
 
 def _hex(rgb) -> str:

@@ -1040,6 +1040,7 @@ def format_column(values: pd.Series, col: Col, digits: int | None = None) -> lis
         elif col.kind == "ratio":
             out.append(f"{v:.2f}")
         elif col.kind == "precise":
+            assert digits is not None  # set above for a precise column
             out.append(_sig(float(v), digits))
         else:
             out.append(_sig(float(v)))

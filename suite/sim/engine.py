@@ -39,6 +39,7 @@ library's own per-operation latency; the launch of the communication kernels is 
 
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from collections import defaultdict, deque
@@ -232,12 +233,12 @@ class _Sim:
                 if secs > 0:
                     self.blocked[r] = "compute"
                     res, cap = self.topo.compute_resource(r)
-                    done = self.kernel_done(r, self.t) if isinstance(e, Compute) else (lambda r=r: self.unblock(r))
+                    done = self.kernel_done(r, self.t) if isinstance(e, Compute) else functools.partial(self.unblock, r)
                     self.start_flow(res, cap, secs, done, computing=r)
             elif isinstance(e, HostSync):
                 if self.with_compute and self.host_sync_s > 0:  # the device idles while the host turns round
                     self.block(r, "host")
-                    self.at(self.t + self.host_sync_s, lambda r=r: self.unblock(r))
+                    self.at(self.t + self.host_sync_s, functools.partial(self.unblock, r))
             elif isinstance(e, Wait):
                 h = self.handles[(r, e.handle)]
                 if h.pending:
@@ -246,7 +247,7 @@ class _Sim:
                 elif h.synced and self.sync_s > 0:
                     # the exchange is done; the compute stream still waits on its event
                     self.block(r, "wait")
-                    self.at(self.t + self.sync_s, lambda r=r: self.unblock(r))
+                    self.at(self.t + self.sync_s, functools.partial(self.unblock, r))
             elif e.kind == "p2p":
                 self.post_exchange(r, i, e)
             elif e.kind in COLLECTIVES:

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from methods.comm.base import P2P, Comm
-from methods.comm.counting import CommRecord
+from methods.comm.counting import CommRecord, CountingComm
 from methods.comm.threads import ThreadWorld
 from suite.sim.record import Wait
 
@@ -99,7 +99,7 @@ class FakeWorld:
 
 
 class _VirtualRank:
-    def __init__(self, world: FakeWorld, comm: Comm):
+    def __init__(self, world: FakeWorld, comm: CountingComm):
         if comm.world_size != world.world_size:
             raise ValueError(f"a comm of {comm.world_size} ranks in a fake world of {world.world_size}")
         self.world, self.comm = world, comm
@@ -114,7 +114,7 @@ class _VirtualRank:
             return FakeGroup(members, None)
         # the rank's recording comm over the group (a counting comm's type keeps itself, as `split`)
         inner = shared.comm(members.index(me))
-        return FakeGroup(members, type(self.comm)(inner, self.comm.ledger, members))  # type: ignore[call-arg]
+        return FakeGroup(members, type(self.comm)(inner, self.comm.ledger, members))
 
     def comm_of(self, group) -> Comm:
         if group is None:
@@ -134,7 +134,7 @@ def _current() -> Optional[_VirtualRank]:
 
 
 @contextlib.contextmanager
-def virtual_rank(world: FakeWorld, comm: Comm):
+def virtual_rank(world: FakeWorld, comm: CountingComm):
     """Make this thread virtual rank `comm.rank` of `world` while the block runs: its
     torch.distributed calls go to `comm` (and the groups it creates). If the block raises, the
     world's groups are aborted so that no other rank hangs in one of them."""

@@ -207,6 +207,6 @@ def modules() -> dict[str, types.ModuleType]:
         setattr(interface, fn.__name__, fn)
     package = types.ModuleType("flash_attn")
     package.__path__ = []  # a package, so that the submodule import resolves
-    package.__version__ = VERSION
+    setattr(package, "__version__", VERSION)  # a ModuleType declares no __version__
     package.flash_attn_interface = interface  # type: ignore[attr-defined]
     return {"flash_attn": package, "flash_attn.flash_attn_interface": interface}

@@ -405,6 +405,8 @@ class Trace:
         """The forward pass alone of a fwd_bwd trace: the same code runs first in both passes."""
         if self.pass_ == "fwd":
             return self
+        if self.forward_end is None:
+            raise ValueError(f"forward_part: this {self.pass_!r} trace does not record where its forward ends")
         return Trace(
             self.method,
             self.options,

@@ -194,9 +194,15 @@ class Topology:
     def node(self, rank: int) -> int:
         return rank // self.gpus_per_node
 
+    @property
+    def _inter(self) -> dict:
+        """The inter section, which ranks on several nodes need (`validate` requires it for max_nodes > 1)."""
+        assert self.inter is not None, "ranks on several nodes need the topology's inter section"
+        return self.inter
+
     def nic(self, rank: int) -> int:
         """The NIC a rank's inter-node traffic leaves by (`inter.gpus_per_nic` GPUs share one)."""
-        return rank // int(self.inter.get("gpus_per_nic", 1))
+        return rank // int(self._inter.get("gpus_per_nic", 1))
 
     # -- resources ----------------------------------------------------------------------------------
     def capacities(self, world_size: int) -> dict[tuple, float]:
@@ -217,7 +223,7 @@ class Topology:
             else:
                 caps[("up", g)] = caps[("down", g)] = i["gpu_GBps"] * GB
             if nodes > 1:
-                caps[("nic_out", self.nic(g))] = caps[("nic_in", self.nic(g))] = self.inter["nic_GBps"] * GB
+                caps[("nic_out", self.nic(g))] = caps[("nic_in", self.nic(g))] = self._inter["nic_GBps"] * GB
         for n in range(nodes):
             if i.get("fabric_GBps"):
                 caps[("fabric", n)] = i["fabric_GBps"] * GB
@@ -261,13 +267,13 @@ class Topology:
 
     def _nic_switch(self, nic: int) -> int:
         """The switch a NIC hangs off: that of the first GPU it serves."""
-        return self._switch(nic * int(self.inter.get("gpus_per_nic", 1)))
+        return self._switch(nic * int(self._inter.get("gpus_per_nic", 1)))
 
     def path(self, src: int, dst: int) -> tuple[tuple, float, float]:
         """(resources a flow src -> dst crosses, its own rate cap in bytes/s, latency in s)."""
         i, kind = self.intra, self.intra["kind"]
         if self.node(src) != self.node(dst):
-            cap = self.inter.get("flow_GBps", self.inter["nic_GBps"]) * GB
+            cap = self._inter.get("flow_GBps", self._inter["nic_GBps"]) * GB
             res: tuple = (("nic_out", self.nic(src)), ("nic_in", self.nic(dst)))
             if kind == "pcie":  # GPU -> (its switch ->) NIC, over the network, NIC (-> switch) -> GPU
                 n_s, n_d = self.node(src), self.node(dst)
@@ -278,7 +284,7 @@ class Topology:
                     + self._between_switches(n_d, self._nic_switch(self.nic(dst)), self._switch(dst))
                     + (("down", dst),)
                 )
-            return res, cap, self.inter["latency_us"] * 1e-6
+            return res, cap, self._inter["latency_us"] * 1e-6
         n = self.node(src)
         lat = i["latency_us"] * 1e-6
         extra = (("fabric", n),) if i.get("fabric_GBps") else ()

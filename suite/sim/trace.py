@@ -69,7 +69,7 @@ def trace(
         raise ValueError(why)
     layout = probe.layout(case)
     dtype = case.torch_dtype
-    meta = dict(device="meta", dtype=dtype)
+    meta: dict[str, Any] = dict(device="meta", dtype=dtype)
     q = torch.empty(case.batch, case.seq_len, case.heads, case.head_dim, **meta)
     kv = torch.empty(case.batch, case.seq_len, case.kv_heads, case.head_dim, **meta)
     # the values, and the output's gradient, have the values' head dim (MLA: narrower than q/k's)
@@ -88,10 +88,10 @@ def trace(
         c = TracingComm(comm, ledger)
         ql, kl, vl, dl = (layout.shard(x, comm.rank) for x in (q, kv, v, dout))
         scale = kernels.with_softcap(kernels.default_scale(case.head_dim), case.softcap)
-        extra = {"docs": case.documents} if case.documents is not None else {}
+        extra: dict[str, Any] = {"docs": case.documents} if case.documents is not None else {}
         # with sinks, what `attention` runs: the fold, and the LSE it asks for (the sinks' gradient
         # reads it; Ulysses then brings it back); dsink itself is a small [B, H, S] reduction
-        sinks = {"sinks": torch.zeros(case.heads, device="meta")} if case.sinks else {}
+        sinks: dict[str, Any] = {"sinks": torch.zeros(case.heads, device="meta")} if case.sinks else {}
         # what `attention` + autograd run (no LSE asked for without sinks: it can cost messages)
         with torch.no_grad(), _Bookkeeping(ledger):
             _, _, residuals = method.forward(
@@ -166,16 +166,22 @@ def extrapolate(traces: dict[tuple[int, int], Trace], batch: int, seq_len: int) 
     def one(e: Event, f: Event, g: Event, h: Event) -> Event:
         if not type(e) is type(f) is type(g) is type(h):
             raise ValueError(f"traces of {name} at different sizes differ in structure")
+        # f, g, h are of e's type (checked above)
         if isinstance(e, Compute):
-            off = None if e.causal_offset is None else lin(e.causal_offset, f.causal_offset)
+            assert isinstance(f, Compute)
+            if (e.causal_offset is None) != (f.causal_offset is None):
+                raise ValueError(f"traces of {name} at different sizes differ in structure (a causal offset)")
+            off = None if e.causal_offset is None or f.causal_offset is None else lin(e.causal_offset, f.causal_offset)
             return replace(e, batch=batch, sq=lin(e.sq, f.sq), sk=lin(e.sk, f.sk), causal_offset=off)
         if isinstance(e, CommRecord):
+            assert isinstance(f, CommRecord) and isinstance(g, CommRecord) and isinstance(h, CommRecord)
             if any(x.kind != e.kind or x.peers != e.peers or x.per_peer.keys() != e.per_peer.keys() for x in (f, g, h)):
                 raise ValueError(f"traces of {name} at different sizes talk to different peers")
-            per_peer = {
-                p: tuple(bil(e.per_peer[p][i], f.per_peer[p][i], g.per_peer[p][i], h.per_peer[p][i]) for i in (0, 1))
-                for p in e.per_peer
-            }
+
+            def side(p: int, i: int) -> int:
+                return bil(e.per_peer[p][i], f.per_peer[p][i], g.per_peer[p][i], h.per_peer[p][i])
+
+            per_peer = {p: (side(p, 0), side(p, 1)) for p in e.per_peer}
             return CommRecord(
                 e.kind,
                 bil(e.bytes_sent, f.bytes_sent, g.bytes_sent, h.bytes_sent),
@@ -184,6 +190,7 @@ def extrapolate(traces: dict[tuple[int, int], Trace], batch: int, seq_len: int) 
                 per_peer,
             )
         if isinstance(e, Memory):
+            assert isinstance(f, Memory) and isinstance(g, Memory) and isinstance(h, Memory)
             if not e.ops == f.ops == g.ops == h.ops:
                 raise ValueError(f"traces of {name} at different sizes do different tensor work")
             return Memory(bil(e.bytes, f.bytes, g.bytes, h.bytes), e.ops)

@@ -66,7 +66,10 @@ class AttentionWorkload(Workload):
         rank = comm.rank
         positions = layout.positions(rank)  # padding (>= seq_len) comes as zeros
         q, k, v, dout = (prob.source.rows(name, positions) for name in INPUT_NAMES)
-        expected = prob.reference.shard(positions, grads=spec.pass_ == "fwd_bwd") if checked else None
+        expected = None
+        if checked:
+            assert prob.reference is not None  # built with_reference=checked
+            expected = prob.reference.shard(positions, grads=spec.pass_ == "fwd_bwd")
         ctx.prepared()
         real = positions < spec.seq_len  # this rank's rows that are not padding
         used = method.kernel_used(device, q.dtype, spec.head_dim, head_dim_v=spec.head_dim_v, softcap=spec.softcap)
@@ -97,6 +100,7 @@ class AttentionWorkload(Workload):
         step = _make_step(method, spec, q, k, v, dout, ctx.autograd, docs, sinks)
         ledger = CommLedger()
         kernel = method.kernel
+        assert isinstance(kernel, str)  # the configured name: nothing wraps it between trials
         method.kernel = pairs = kernels.PairCountingKernel(kernel)
         try:
             step(CountingComm(comm, ledger))
@@ -157,7 +161,7 @@ class AttentionWorkload(Workload):
                 M.KERNEL_USED: reports[0].kernel_used,
                 M.TFLOPS_PER_GPU: M.tflops_per_gpu(flops, med / 1e3, spec.world_size),
                 M.TOKENS_PER_S: M.tokens_per_s(spec.batch, spec.seq_len, med / 1e3),
-                M.PEAK_MEM: max(peaks) if None not in peaks else None,
+                M.PEAK_MEM: max(p for p in peaks if p is not None) if None not in peaks else None,
                 M.SIM_ERROR_PCT: reports[0].sim_error_pct,
                 M.STATUS: M.INCORRECT if bad else M.OK,
                 M.REASON: "; ".join(bad),
@@ -204,7 +208,7 @@ def _outputs(
         got = dict(zip(names, method.attention_fwd_bwd(q, k, v, dout, causal=spec.causal, comm=comm, **extra)))
     else:
         qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
-        leaves = (qg, kg, vg)
+        leaves: tuple[torch.Tensor, ...] = (qg, kg, vg)
         if sinks is not None:
             extra["sinks"] = sinks.detach().clone().requires_grad_()
             leaves += (extra["sinks"],)
@@ -259,19 +263,19 @@ def _make_step(method, spec: TrialSpec, q, k, v, dout, autograd: bool, docs, sin
     extra = _extra(spec, docs, sinks)
     if spec.pass_ == "fwd":
 
-        def step(c: Comm) -> None:
+        def forward_step(c: Comm) -> None:
             with torch.no_grad():
                 method.attention(q, k, v, causal=spec.causal, comm=c, **extra)
 
-        return step
+        return forward_step
     if not autograd:
 
-        def step(c: Comm) -> None:
+        def fused_step(c: Comm) -> None:
             method.attention_fwd_bwd(q, k, v, dout, causal=spec.causal, comm=c, **extra)
 
-        return step
+        return fused_step
     qg, kg, vg = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    leaves = (qg, kg, vg)
+    leaves: tuple[torch.Tensor, ...] = (qg, kg, vg)
     if sinks is not None:
         extra["sinks"] = sinks.detach().clone().requires_grad_()
         leaves += (extra["sinks"],)

@@ -32,7 +32,7 @@ from methods.masks import Mask
 from methods.masks import parse as parse_mask
 from suite import metrics as M
 from suite.perplexity.data import Corpus, load_corpus
-from suite.perplexity.model import ModelConfig, sdpa_attend
+from suite.perplexity.model import Attend, ModelConfig, sdpa_attend
 from suite.perplexity.train import TrainConfig, prefix_loss_skip, train_and_evaluate
 from suite.plan import TrialSpec
 from suite.records import Outcome, RankReport, RowContext, base_row, begin_row, complete, finish, timing_columns
@@ -61,7 +61,7 @@ def workload_json(cfg) -> str:
     }
     train["seed"] = cfg.run.seed
     data.update(name=corpus.name, sha256=corpus.sha256)
-    ident = {"model": model, "train": train, "data": data}
+    ident: dict[str, Any] = {"model": model, "train": train, "data": data}
     masks = [parse_mask(text, cfg.masks).name for text in p.layer_masks]
     if any(m != "causal" for m in masks):
         ident["layer_masks"] = masks
@@ -163,6 +163,7 @@ class PerplexityWorkload(Workload):
         self._baselines = Baselines(store, tracker, ctx, say)
 
     def before(self, spec: TrialSpec) -> None:
+        assert self._baselines is not None, "start() first"
         self._baselines.get(spec)  # trained once per workload, before the first trial that needs it
 
     def added_rows(self) -> list[dict[str, Any]]:
@@ -189,10 +190,11 @@ class PerplexityWorkload(Workload):
         per_layer = [layer_documents(told, m, case.batch, case.seq_len) for m in masks]
         check_one_layout(method, case, layout, [layer_documents(docs, m, case.batch, case.seq_len) for m in masks])
 
-        def attend(c: Comm):
-            out = []
+        def attend(c: Optional[Comm]) -> list[Attend]:
+            assert c is not None  # a trial runs on its ranks' comm
+            out: list[Attend] = []
             for m, d in zip(masks, per_layer):
-                extra = {"docs": d} if d is not None else {}
+                extra: dict[str, Any] = {"docs": d} if d is not None else {}
                 out.append(functools.partial(method.attention, causal=m.plain or m.causal, comm=c, **extra))
             if train_cfg.planted_bug == "sink_per_rank" and model_cfg.sinks:
                 out = [functools.partial(_sink_per_rank, a, c.world_size) for a in out]
@@ -223,12 +225,14 @@ class PerplexityWorkload(Workload):
 
     def row(self, spec: TrialSpec, outcome: Outcome, ctx: RowContext, started_at: str, wall_s: float) -> dict[str, Any]:
         """One result row: ok when every step's loss and the final perplexity match the baseline."""
+        assert self._baselines is not None and self.cfg is not None, "the parent's workload, started"
         baseline = self._baselines.get(spec)
         p = self.cfg.perplexity
         row, reports = begin_row(spec, outcome, ctx, started_at, wall_s)
         if reports is None:
             return row
         first = reports[0]
+        assert first.val_loss is not None  # every perplexity rank reports its validation loss
         row.update(
             _result_columns(spec, [r.samples_ms for r in reports], first.losses, first.val_loss, ctx.settings.warmup)
         )
@@ -236,8 +240,8 @@ class PerplexityWorkload(Workload):
             {
                 M.CHECKED: True,
                 M.KERNEL_USED: first.kernel_used,  # bytes of one training step's attention
-                M.BYTES_SENT: max(r.bytes_sent for r in reports),
-                M.BYTES_RECV: max(r.bytes_recv for r in reports),
+                M.BYTES_SENT: max((r.bytes_sent for r in reports if r.bytes_sent is not None), default=None),
+                M.BYTES_RECV: max((r.bytes_recv for r in reports if r.bytes_recv is not None), default=None),
             }
         )
         if baseline[M.STATUS] != M.OK:

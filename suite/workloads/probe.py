@@ -227,6 +227,7 @@ def assemble(reports: list[ProbeReport], seq_len: int) -> dict[str, torch.Tensor
             shape[dim] = seq_len
             full = torch.zeros(shape, dtype=pick(reports[0])[name].dtype)
             for r in reports:
+                assert r.positions is not None  # a probe rank that reports tensors reports their positions
                 full.index_copy_(dim, r.positions, pick(r)[name])
             out[prefix + name] = full
     return out

@@ -19,6 +19,7 @@ matplotlib.use("Agg")  # headless: no display on CI or worker nodes
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
+from matplotlib.artist import Artist  # noqa: E402
 from matplotlib.lines import Line2D  # noqa: E402
 from matplotlib.patches import Patch  # noqa: E402
 from matplotlib.ticker import FixedLocator, NullLocator  # noqa: E402
@@ -88,7 +89,7 @@ def _any_busy(data: pd.DataFrame) -> bool:
 
 
 def _legend(fig, palette: S.Palette, series: list[str], *, marker=True, title="method", top=None, busy=False):
-    handles = []
+    handles: list[Artist] = []
     for s in series:
         st = palette.style(s)
         if marker:
@@ -177,7 +178,7 @@ def _points(data, palette, *, rows, cols, xlabel, ylabel, title, auto_log=False,
     legend_w = _legend_width(series + ([BUSY_LABEL] if _any_busy(data) else []))
     fig, axes = _grid(rows, cols, legend_w, title)
     positive = data["y"][data["y"] > 0]
-    logy = auto_log and len(positive) and positive.max() / positive.min() > 30
+    logy = bool(auto_log and len(positive) and positive.max() / positive.min() > 30)
     for i, r in enumerate(rows):
         for j, c in enumerate(cols):
             ax = axes[i][j]

@@ -123,7 +123,7 @@ def _titled(title: str, part: pd.DataFrame) -> str:
     if not sim.all():
         return f"{title} (measured and predicted)"
     every = pd.to_numeric(part[M.SIM_ERROR_PCT], errors="coerce") if M.SIM_ERROR_PCT in part else None
-    bands = every.dropna() if every is not None else []
+    bands = every.dropna() if every is not None else pd.Series(dtype=float)
     band = ""
     if len(bands):
         lo, hi = bands.min(), bands.max()
