@@ -371,22 +371,18 @@ def _zigzag_chunks_swapped(p: Patches, spec: TrialSpec) -> None:
     then front chunk, as when the halves of q are unpacked swapped): under the causal mask the
     wrong half of each block is computed."""
     from methods import burst, usp, zigzag_ring
-    from methods.kv_ring import ALL, Block, full_plan
+    from methods.kv_ring import Block
+
+    real = zigzag_ring.zigzag_plan
 
     def zigzag_plan(causal, rank, local_len):
-        if not causal:
-            return full_plan
-        half = local_len // 2
-        back, front = slice(0, half), slice(half, local_len)  # the swap: [0, c) is the front chunk
+        plan, half = real(causal, rank, local_len), local_len // 2
+        halves = {(0, half): slice(half, local_len), (half, local_len): slice(0, half)}  # front <-> back
 
-        def plan(src):
-            if src == rank:
-                return [Block(ALL, ALL, 0)]
-            if src < rank:
-                return [Block(ALL, front, None)]
-            return [Block(back, ALL, None)]
+        def swap(rows: slice) -> slice:
+            return halves.get((rows.start, rows.stop), rows)
 
-        return plan
+        return lambda src: [Block(swap(b.q_rows), swap(b.k_rows), b.causal_offset) for b in plan(src)]
 
     for module in (zigzag_ring, burst, usp):
         p.set(module, "zigzag_plan", zigzag_plan)

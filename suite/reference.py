@@ -115,6 +115,13 @@ class ProblemReference:
     def _heads(self, g: int) -> slice:
         return slice(g * self.group, (g + 1) * self.group)
 
+    def _kv_heads(self, k: torch.Tensor, v: torch.Tensor):
+        """Per KV head g: its query heads, its keys and values, and those cast to float64 once
+        (every row tile of the head then uses them)."""
+        for g in range(self.Hkv):
+            kg, vg = k[:, :, g : g + 1], v[:, :, g : g + 1]
+            yield g, self._heads(g), kg, vg, kg.double(), vg.double()
+
     def _forward(self, q, k, v, vis, upcast: bool, hs: slice) -> tuple[torch.Tensor, torch.Tensor]:
         """out [1, n, group, Dv] and lse [1, group, n] of query rows `q` of one KV head against
         keys `k`, `v` (query heads `hs`), with the sinks folded in: float64 (`upcast`) or naive (the
@@ -171,10 +178,7 @@ class ProblemReference:
         tq = self._tile(S)
         for b in range(B):
             k, v = self.src.rows("k", keys, b), self.src.rows("v", keys, b)
-            for g in range(self.Hkv):  # one KV head's keys cast to float64 once, then its row tiles
-                hs = self._heads(g)
-                kg, vg = k[:, :, g : g + 1], v[:, :, g : g + 1]
-                kg64, vg64 = kg.double(), vg.double()
+            for _, hs, kg, vg, kg64, vg64 in self._kv_heads(k, v):
                 for r0 in range(0, S, tq):
                     rows = torch.arange(r0, min(S, r0 + tq))
                     q, do = self.src.rows("q", rows, b, keep=True), self.src.rows("dout", rows, b, keep=True)
@@ -247,10 +251,7 @@ class ProblemReference:
         for b in range(B):
             k, v = self.src.rows("k", keys, b), self.src.rows("v", keys, b)
             # this rank's rows against every key: out, and with grads dq (float64 and naive)
-            for g in range(self.Hkv):  # one KV head's keys cast to float64 once, then its row tiles
-                hs = self._heads(g)
-                kg, vg = k[:, :, g : g + 1], v[:, :, g : g + 1]
-                kg64, vg64 = kg.double(), vg.double()
+            for _, hs, kg, vg, kg64, vg64 in self._kv_heads(k, v):
                 for r0 in range(0, n, tq):
                     rows = sp[r0 : r0 + tq]
                     sl = slice(r0, r0 + len(rows))
@@ -272,10 +273,7 @@ class ProblemReference:
             # every query tile against this rank's keys: dk, dv (float64, and naive summed in acc)
             ko, vo = self.src.rows("k", sp, b), self.src.rows("v", sp, b)
             tk = self._tile(max(1, n))
-            for g in range(self.Hkv):
-                hs = self._heads(g)
-                kg, vg = ko[:, :, g : g + 1], vo[:, :, g : g + 1]
-                kg64, vg64 = kg.double(), vg.double()
+            for g, hs, kg, vg, kg64, vg64 in self._kv_heads(ko, vo):
                 for r0 in range(0, S, tk):
                     rows = torch.arange(r0, min(S, r0 + tk))
                     q, do = self.src.rows("q", rows, b, keep=True), self.src.rows("dout", rows, b, keep=True)

@@ -23,39 +23,12 @@ from suite import metrics as M
 from suite.metrics import method_label
 from suite.reports.style import flop_unit, is_cpu, rank_word
 
-# Columns that, with the series, identify a comparable point (everything but the method).
-POINT = [
-    "hardware",
-    "executor",
-    "world_size",
-    "batch",
-    "seq_len",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "head_dim_v",
-    "softcap",
-    "sinks",
-    "dtype",
-    "causal",
-    "pass",
-    "workload",
-]
-PROBLEM = [
-    "batch",
-    "seq_len",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "head_dim_v",
-    "softcap",
-    "sinks",
-    "dtype",
-    "causal",
-    "pass",
-    "workload",
-    "mask_name",
-]
+# The problem's columns, in one list: a comparable point is the problem (less its mask) on a
+# machine and world size (everything but the method); `PROBLEM` adds the mask.
+_SHAPE = ["batch", "seq_len", "heads", "kv_heads", "head_dim", "head_dim_v", "softcap", "sinks", "dtype", "causal"]
+_SHAPE += ["pass", "workload"]
+POINT = ["hardware", "executor", "world_size", *_SHAPE]
+PROBLEM = [*_SHAPE, "mask_name"]
 
 _OPTION_LABELS = {"ulysses_degree": "U", "ranks_per_node": "per-node"}
 
@@ -720,24 +693,7 @@ def perplexity(df: pd.DataFrame) -> Table:
     return Table("perplexity", title, data, cols, what=what, section="perplexity", source=_source(t))
 
 
-SIM_PAIR = [
-    "method",
-    "options",
-    "world_size",
-    "batch",
-    "seq_len",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "head_dim_v",
-    "softcap",
-    "sinks",
-    "dtype",
-    "causal",
-    "pass",
-    "workload",
-    "mask_name",
-]
+SIM_PAIR = ["method", "options", "world_size", *PROBLEM]  # one trial, measured and simulated
 
 
 def sim_pairs(df: pd.DataFrame) -> pd.DataFrame:
