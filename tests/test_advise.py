@@ -165,7 +165,7 @@ def test_memory_budget_prunes_by_the_layers_kept_for_backward():
 def test_advise_mask_answers_for_a_window_and_names_it(tmp_path, capsys):
     """`--mask sliding_window:...`: every simulated row is of that mask, the table and the header name
     it, and no configuration is above 100 % of the same mask's ideal."""
-    from suite.advise import _mask_label
+    from suite.advise.ranking import _mask_label
 
     # 4 GPUs: the property does not need a whole node, and each trial traces half the ranks
     q = make_question(model="8/8/64", topology="h100_sxm", seq_len=4096, pass_="fwd", mask="sliding_window:256", gpus=4)

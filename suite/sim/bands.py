@@ -36,7 +36,7 @@ KERNEL_BOUND, COMM_BOUND = "kernel-bound", "comm-bound"
 BOUNDS = (KERNEL_BOUND, COMM_BOUND)
 KINDS = ("switch", "mesh", "pcie", "multi-node", "host")
 # a row whose exposed communication is below this share of its time is kernel-bound (the advisor's
-# "main cost" threshold, suite/advise.py)
+# "main cost" threshold, suite/advise/ranking.py)
 EXPOSED_SHARE = 0.15
 
 
