@@ -204,7 +204,7 @@ def test_ties_are_times_within_each_others_band():
 
 def test_simulated_points_draw_their_band():
     from suite.reports.figures.plan import _with_band
-    from suite.reports.tables import sim_band_caption
+    from suite.reports.tables.captions import sim_band_caption
 
     d = pd.DataFrame({"y": [10.0, 10.0], "lo": [10.0, 9.0], "hi": [10.0, 11.0], M.SIM_ERROR_PCT: [20.0, None]})
     out = _with_band(d)
