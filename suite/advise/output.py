@@ -115,17 +115,20 @@ def counts_line(advice: Advice, top: Optional[int]) -> str:
 
 
 def render(advice: Advice, top: Optional[int] = None, fmt: str = "simple") -> str:
-    """The ranked table; numeric columns right-aligned (in Markdown too: `fmt="pipe"` writes `---:`)."""
+    """The ranked table; numeric columns right-aligned (in Markdown too: `fmt="pipe"` writes `---:`).
+    The band column stays numeric where a row has no band: its word (M.UNVALIDATED) stands in for
+    the number, right-aligned with the others."""
     from tabulate import tabulate
 
     rows = advice.table(top)
     if not rows:
         return ""
     headers = list(rows[0])
-    numeric = [
-        all(r[h] is None or (isinstance(r[h], (int, float)) and not isinstance(r[h], bool)) for r in rows)
-        for h in headers
-    ]
+
+    def number(v) -> bool:
+        return v is None or v == M.UNVALIDATED or (isinstance(v, (int, float)) and not isinstance(v, bool))
+
+    numeric = [all(number(r[h]) for r in rows) for h in headers]
     return tabulate(
         [list(r.values()) for r in rows],
         headers=headers,
