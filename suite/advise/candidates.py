@@ -10,9 +10,9 @@ from typing import Any, Callable, Optional
 
 import methods
 from methods.base import Case, Method, option_names
-from methods.common import check_ulysses_heads
 from methods.documents import Documents
 from methods.masks import Mask
+from methods.ulysses_a2a import check_ulysses_heads
 from suite import metrics as M
 from suite.advise.question import GB, Question
 from suite.sim.memory import MemoryEstimate, estimate

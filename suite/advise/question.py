@@ -12,10 +12,10 @@ from typing import Any, Optional
 import yaml
 
 from methods.base import Case
-from methods.common import check_ulysses_heads
 from methods.documents import Documents
 from methods.masks import Mask, plain
 from methods.masks import parse as parse_mask
+from methods.ulysses_a2a import check_ulysses_heads
 from suite import metrics as M
 from suite.bundled import DOCUMENTS, MODELS
 from suite.config import PASSES

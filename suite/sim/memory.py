@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from methods.base import Case, Method, element_bytes
-from methods.common import kv_replication, ulysses_bytes
+from methods.ulysses_a2a import kv_replication, ulysses_bytes
 
 
 @dataclass(frozen=True)
