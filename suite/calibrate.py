@@ -25,7 +25,7 @@ import torch
 import yaml
 
 from methods import kernels
-from methods.timing import Stopwatch
+from methods.stopwatch import Stopwatch
 from suite.sim.record import Compute
 
 KB, MB = 1 << 10, 1 << 20
