@@ -26,7 +26,7 @@ import yaml
 
 from methods import kernels
 from methods.stopwatch import Stopwatch
-from suite.sim.record import Compute
+from suite.sim.ledger import Compute
 
 KB, MB = 1 << 10, 1 << 20
 

@@ -17,7 +17,7 @@ from methods.comm.counting import CommRecord
 from methods.documents import Documents
 from methods.kernels import visible_pairs
 from suite.sim import fake_dist
-from suite.sim.record import Compute, HostSync, Memory, Wait
+from suite.sim.ledger import Compute, HostSync, Memory, Wait
 from suite.sim.trace import TraceCache, trace
 from tests.helpers import run_dist
 

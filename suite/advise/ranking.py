@@ -20,7 +20,7 @@ from suite.advise.candidates import Candidate, _run_case, enumerate_candidates, 
 from suite.advise.question import GB, AdviceError, Question, _mask_causal
 from suite.config import DocumentsConfig, SuiteConfig
 from suite.sim.compute import ComputeModel
-from suite.sim.record import Compute, masked_compute
+from suite.sim.ledger import Compute, masked_compute
 
 # a cost is "the main cost" once it takes this share of the predicted time; below it for every
 # cost, the configuration is compute-bound

@@ -23,7 +23,7 @@ from methods.base import dtype_name
 from methods.kernels import visible_pairs
 from methods.peers import flash_attn_stand_in as stand_in
 from methods.peers.flash_attn_stand_in import causal_offset
-from suite.sim.record import Compute, TracingKernel
+from suite.sim.ledger import Compute, TracingKernel
 
 VERSION = "2.7.4+suite-trace-stand-in"  # the interface it stands for: flash-attn 2.7's private one
 _local = threading.local()  # .kernel: the TracingKernel of a virtual-rank thread
