@@ -854,7 +854,7 @@ def _advise(args) -> int:
 
 
 def _validate(args) -> int:
-    from suite.validate import run_command
+    from suite.sim_validation import run_command
 
     return run_command(args)
 
