@@ -112,16 +112,20 @@ def run_once(tree: Path, out_root: Path, args) -> pd.DataFrame:
 
 
 # Run as `python -c` in a tree (its own code first on sys.path); prints one JSON line per trial.
-# Stopwatch reads methods.timing's `time`: a stand-in whose perf_counter is thread_time makes the
-# timed kernel and the timing comm count this thread's CPU time.
+# Stopwatch reads its module's `time` (methods/stopwatch.py; methods/timing.py in older trees): a
+# stand-in whose perf_counter is thread_time makes the timed kernel and the timing comm count this
+# thread's CPU time.
 CPU_TIME_PROBE = r"""
 import json, statistics, sys, threading, time, types, torch
-import methods.timing
+try:
+    import methods.stopwatch as stopwatch
+except ImportError:  # a tree from before its rename (methods/timing.py)
+    import methods.timing as stopwatch
 from methods import kernels
 from methods.comm.measure import TimingComm
 from methods.comm.threads import ThreadWorld
 from methods.registry import get_method
-methods.timing.time = types.SimpleNamespace(perf_counter=time.thread_time)
+stopwatch.time = types.SimpleNamespace(perf_counter=time.thread_time)
 torch.set_num_threads(1)
 cfg = json.loads(sys.argv[1])
 p, s = 4, cfg["seq_len"]

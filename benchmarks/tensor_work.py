@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import methods  # noqa: E402
 from methods.base import Case  # noqa: E402
 from suite.advise import candidate_methods  # noqa: E402
-from suite.sim.record import Memory
+from suite.sim.ledger import Memory
 from suite.sim.trace import trace  # noqa: E402
 
 

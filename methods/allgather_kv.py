@@ -165,16 +165,6 @@ class AllGatherKV(DocumentSharding, Method):
     gathers_whole_sequence = True
     test_variants = ({}, {"sharding": "documents"})
 
-    def __init__(self, kernel: str = "auto", sharding: str = "sequence", area_chunk: int = 0):
-        super().__init__(kernel)
-        self._init_sharding(sharding, area_chunk)
-
-    def options(self):
-        return {**super().options(), **self.sharding_options()}
-
-    def layout(self, case: Case) -> layouts.Layout:
-        return self.document_layout(case) if self.masks_every_block else super().layout(case)
-
     def _calls(self, causal: bool, comm: Comm, local_len: int, masks):
         """(local query rows, number of global keys, causal offset) per kernel call: the zigzag's
         two bottom-right-aligned calls, or by documents one call against every key (masked)."""

@@ -549,6 +549,18 @@ class DocumentSharding(_MethodMixin):
     sharding: str = "sequence"
     area_chunk: int = 0
 
+    # The set-up every zigzag method with this option shares: its options (the method's own and the
+    # sharding's), and its layout (the zigzag, or by documents or area).
+    def __init__(self, kernel: str = "auto", sharding: str = "sequence", area_chunk: int = 0):
+        super().__init__(kernel)
+        self._init_sharding(sharding, area_chunk)
+
+    def options(self) -> dict[str, Any]:
+        return {**super().options(), **self.sharding_options()}
+
+    def layout(self, case: Case) -> layouts.Layout:
+        return self.document_layout(case) if self.masks_every_block else super().layout(case)
+
     def _init_sharding(self, sharding: str, area_chunk: int = 0) -> None:
         if sharding not in SHARDINGS:
             raise ValueError(f"{self.name}: sharding must be one of {list(SHARDINGS)}, got {sharding!r}")

@@ -50,7 +50,7 @@ import torch
 
 from methods.documents import BAND, EMPTY, FULL, PARTIAL, BlockMask
 from methods.merge import acc_dtype, empty_accumulators, merge_
-from methods.timing import Stopwatch
+from methods.stopwatch import Stopwatch
 
 KERNELS = ("math", "cpu_flash", "flash_attn", "torch_flash")
 KERNEL_CHOICES = ("auto",) + KERNELS
@@ -67,7 +67,7 @@ class TimedKernel:
 
     Pass it wherever a kernel name goes (a method's `kernel`); it dispatches to `name` and adds up
     the time of every block_forward / block_backward call with the suite's one timer
-    (methods/timing.py: wall time on CPU, CUDA events on GPU; read `seconds` after the work is
+    (methods/stopwatch.py: wall time on CPU, CUDA events on GPU; read `seconds` after the work is
     done). Used for the time split of a trial.
     """
 

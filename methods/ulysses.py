@@ -8,7 +8,7 @@ to heads, the local kernel backward runs, dq, dk, dv go back to the sequence lay
 
 Head constraints: heads % P == 0. KV heads: kv_heads % P == 0, or, with GQA and fewer KV heads
 than ranks, P % kv_heads == 0: each KV head is then replicated P/kv_heads times before the
-all-to-all (one KV head per rank) and dK/dV are summed over the replicas (methods/common.py).
+all-to-all (one KV head per rank) and dK/dV are summed over the replicas (methods/ulysses_a2a.py).
 Let Hkv' = max(kv_heads, P) be the KV heads sent.
 
 Communication per rank (L = S/P, e = bytes per element; all-to-all keeps 1/P of each buffer
@@ -30,7 +30,8 @@ import torch
 
 from methods import kernels, merge
 from methods.base import Case, Method, unseen_kv_bytes
-from methods.common import (
+from methods.registry import register
+from methods.ulysses_a2a import (
     check_ulysses_heads,
     head_slice,
     heads_to_seq,
@@ -42,7 +43,6 @@ from methods.common import (
     ulysses_lse_bytes,
     ulysses_scatter_heads,
 )
-from methods.registry import register
 
 
 @register

@@ -36,7 +36,10 @@ import torch
 from methods import layouts, merge
 from methods.base import Case, Method, unseen_kv_bytes
 from methods.comm.base import Comm
-from methods.common import (
+from methods.documents import BlockMasks
+from methods.kv_ring import kv_ring_backward, kv_ring_bytes, kv_ring_forward, ring_src, useful_steps
+from methods.registry import register
+from methods.ulysses_a2a import (
     check_ulysses_heads,
     head_slice,
     heads_to_seq,
@@ -48,9 +51,6 @@ from methods.common import (
     ulysses_lse_bytes,
     ulysses_scatter_heads,
 )
-from methods.documents import BlockMasks
-from methods.kv_ring import kv_ring_backward, kv_ring_bytes, kv_ring_forward, ring_src, useful_steps
-from methods.registry import register
 from methods.zigzag_ring import zigzag_plan
 
 MAX_AUTO_ULYSSES = 8

@@ -17,8 +17,7 @@ Communication: exactly the ring's (methods/ring.py), with L = S/P = 2c.
 
 from __future__ import annotations
 
-from methods import layouts
-from methods.base import Case, DocumentSharding
+from methods.base import DocumentSharding
 from methods.kv_ring import ALL, Block, KVRingMethod, Plan, full_plan
 from methods.registry import register
 
@@ -46,16 +45,6 @@ class ZigzagRing(DocumentSharding, KVRingMethod):
     description = "ring attention over the zigzag layout (chunks r and 2P-1-r): balanced causal work"
     layout_kind = "zigzag"
     test_variants = ({}, {"sharding": "documents"})
-
-    def __init__(self, kernel: str = "auto", sharding: str = "sequence", area_chunk: int = 0):
-        super().__init__(kernel)
-        self._init_sharding(sharding, area_chunk)
-
-    def options(self):
-        return {**super().options(), **self.sharding_options()}
-
-    def layout(self, case: Case) -> layouts.Layout:
-        return self.document_layout(case) if self.masks_every_block else super().layout(case)
 
     def plan(self, causal: bool, rank: int, local_len: int) -> Plan:
         # by documents or area, every block runs with the documents' mask (which holds the causal part)

@@ -25,8 +25,8 @@ import torch
 import yaml
 
 from methods import kernels
-from methods.timing import Stopwatch
-from suite.sim.record import Compute
+from methods.stopwatch import Stopwatch
+from suite.sim.ledger import Compute
 
 KB, MB = 1 << 10, 1 << 20
 

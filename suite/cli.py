@@ -9,10 +9,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 from suite.bundled import MODELS
 from suite.metrics import suite_command
+
+# what `add_subparsers` returns: each command's function below adds its parser to it
+Subcommands = argparse._SubParsersAction
 
 EPILOG = """examples:
   python -m suite run configs/quickstart.yaml
@@ -30,15 +33,7 @@ EPILOG = """examples:
 """
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=suite_command(),
-        description="Sequence-parallel attention benchmark suite",
-        epilog=EPILOG.replace("python -m suite", suite_command()),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-
+def _add_run(sub: Subcommands) -> None:
     run = sub.add_parser(
         "run",
         help="run a sweep from a YAML config",
@@ -78,6 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("-v", "--verbose", action="store_true", help="with --dry-run: list every planned trial")
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
 
+
+def _add_advise(sub: Subcommands) -> None:
     adv = sub.add_parser(
         "advise",
         help="rank methods x degrees for a model, a cluster and a length mix (simulated)",
@@ -150,6 +147,8 @@ def _parser() -> argparse.ArgumentParser:
     adv.add_argument("--no-mlflow", action="store_true", help="do not log the simulated sweep to MLflow")
     adv.add_argument("--no-progress", action="store_true", help="no progress bar (on stderr)")
 
+
+def _add_validate(sub: Subcommands) -> None:
     val = sub.add_parser(
         "validate",
         help="the simulator against published tables: error per row and per family, and its record",
@@ -175,6 +174,8 @@ def _parser() -> argparse.ArgumentParser:
     val.add_argument("--results-root", default="results", help="where the simulated sweeps' rows go")
     val.add_argument("--mlflow", action="store_true", help="log the simulated sweeps to MLflow (off by default)")
 
+
+def _add_conformance(sub: Subcommands) -> None:
     conf = sub.add_parser(
         "conformance",
         help="mutation conformance: seeded bugs, each of which the float64 check must catch",
@@ -188,8 +189,12 @@ def _parser() -> argparse.ArgumentParser:
     conf.add_argument("--list", action="store_true", help="list the mutants and what each breaks, then exit")
     conf.add_argument("-v", "--verbose", action="store_true", help="print every trial's verdict as it runs")
 
+
+def _add_list(sub: Subcommands) -> None:
     sub.add_parser("list", help="list every method and kernel, whether it can run here, and why not")
 
+
+def _add_ui(sub: Subcommands) -> None:
     ui = sub.add_parser(
         "ui", help="start the MLflow UI (default http://127.0.0.1:5000) over the suite's tracking store"
     )
@@ -215,6 +220,8 @@ def _parser() -> argparse.ArgumentParser:
         "--uri", default=None, help="tracking URI (default: $MLFLOW_TRACKING_URI or sqlite:///<results-root>/mlflow.db)"
     )
 
+
+def _add_report(sub: Subcommands) -> None:
     rep = sub.add_parser(
         "report",
         help="tables, figures and an HTML page from stored results (nothing is rerun)",
@@ -239,6 +246,8 @@ def _parser() -> argparse.ArgumentParser:
     rep.add_argument("--mlflow-uri", default=None)
     rep.add_argument("--no-mlflow", action="store_true", help="do not attach the HTML to the sweeps' MLflow runs")
 
+
+def _add_calibrate(sub: Subcommands) -> None:
     cal = sub.add_parser(
         "calibrate",
         help="measure kernel times (and, on CPU, loopback links) for the simulator",
@@ -260,6 +269,8 @@ def _parser() -> argparse.ArgumentParser:
     cal.add_argument("--repeats", type=int, default=5)
     cal.add_argument("--base", default="h100_sxm", help="GPU only: topology whose links and placement to keep")
 
+
+def _add_hf_perplexity(sub: Subcommands) -> None:
     hf = sub.add_parser(
         "hf-perplexity",
         help="perplexity of a Hugging Face causal LM with its attention replaced "
@@ -276,6 +287,8 @@ def _parser() -> argparse.ArgumentParser:
     hf.add_argument("--dtype", default="float32")
     hf.add_argument("--device", default="cpu")
 
+
+def _add_flips(sub: Subcommands) -> None:
     flips = sub.add_parser(
         "flips",
         help="flip every option the suite passes (causal, mask parameters, sinks, soft cap, value head dim, "
@@ -300,6 +313,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     _probe_arguments(flips)
 
+
+def _add_repeats(sub: Subcommands) -> None:
     repeats = sub.add_parser(
         "repeats",
         help="flake mode: one trial N times on the same inputs (bitwise identical? spread? a repeat failing "
@@ -331,10 +346,41 @@ def _parser() -> argparse.ArgumentParser:
         "--pass", dest="pass_", default=None, choices=["fwd", "fwd_bwd"], help="default: fwd_bwd where it can"
     )
 
+
+def _add_relog(sub: Subcommands) -> None:
     relog = sub.add_parser("relog", help="log a stored sweep (results folder) to MLflow again")
     relog.add_argument("run_dir")
     relog.add_argument("--uri", default=None)
     relog.add_argument("--experiment", default=None)
+
+
+# Every subcommand's parser, in the order `--help` lists them.
+SUBCOMMANDS: tuple[Callable[[Subcommands], None], ...] = (
+    _add_run,
+    _add_advise,
+    _add_validate,
+    _add_conformance,
+    _add_list,
+    _add_ui,
+    _add_report,
+    _add_calibrate,
+    _add_hf_perplexity,
+    _add_flips,
+    _add_repeats,
+    _add_relog,
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=suite_command(),
+        description="Sequence-parallel attention benchmark suite",
+        epilog=EPILOG.replace("python -m suite", suite_command()),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for add in SUBCOMMANDS:
+        add(sub)
     return p
 
 
@@ -381,71 +427,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command not in ("run", "calibrate") or any(word.startswith("-") or "=" not in word for word in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")
         args.overrides = list(args.overrides) + extra
-    if args.command == "run":
-        # `--resume run.repeats=3`: argparse takes the override for --resume's optional folder
-        if args.resume and "=" in args.resume and not Path(args.resume).exists():
-            args.overrides, args.resume = list(args.overrides) + [args.resume], "latest"
-        return _run(args)
-    if args.command == "list":
-        return _list()
-    if args.command == "advise":
-        from suite.advise import run_command
-
-        return run_command(args)
-    if args.command == "validate":
-        from suite.validate import run_command as validate_command
-
-        return validate_command(args)
-    if args.command == "conformance":
-        from suite.conformance import run_command as conformance_command
-
-        return conformance_command(args)
-    if args.command == "ui":
-        return _ui(args)
-    if args.command == "report":
-        return _report(args)
-    if args.command == "hf-perplexity":
-        return _hf_perplexity(args)
-    if args.command == "calibrate":
-        return _calibrate(args)
-    if args.command == "flips":
-        from suite.flips import run_command as flips_command
-
-        return flips_command(args)
-    if args.command == "repeats":
-        from suite.repeats import run_command as repeats_command
-
-        return repeats_command(args)
-    if args.command == "relog":
-        from suite.env import redact_uri
-        from suite.tracking import relog, run_link
-
-        def progress(line: str) -> None:  # on stderr, so that stdout stays the summary below
-            print(f"relog: {line}", file=sys.stderr, flush=True)
-
-        from suite.results import StoreError
-
-        try:  # the folder is checked before any progress line: a bad one is one error line
-            tracker = relog(args.run_dir, args.uri, args.experiment, progress=progress)
-        except (FileNotFoundError, StoreError, ValueError) as exc:  # not a results folder; a stored URI it cannot use
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        if tracker.rebuilt:
-            print(tracker.rebuilt, file=sys.stderr if not tracker.enabled else sys.stdout)
-        if not tracker.enabled:
-            print(f"relog failed: {tracker.disabled_reason}", file=sys.stderr)
-            return 1
-        c = tracker.counts
-        print(
-            f"logged {args.run_dir} to {redact_uri(tracker.uri)} (parent run {tracker.parent_run_id}): "
-            f"{c['logged']} child runs added, {c['completed']} completed, {c['deleted']} duplicates deleted, "
-            f"{c['killed']} stale runs ended KILLED, {c['retagged']} given their display tags"
-        )
-        print(f"runs: {tracker.link} (serve it with `{suite_command()} ui`)")
-        assert tracker.experiment_id is not None and tracker.parent_run_id is not None  # relog opened them
-        print(f"the sweep's run: {run_link(tracker.uri, tracker.experiment_id, tracker.parent_run_id)}")
-        return 0
-    return 2
+    # `run --resume run.repeats=3`: argparse takes the override for --resume's optional folder
+    if args.command == "run" and args.resume and "=" in args.resume and not Path(args.resume).exists():
+        args.overrides, args.resume = list(args.overrides) + [args.resume], "latest"
+    return HANDLERS[args.command](args)
 
 
 def _load_config(args):
@@ -860,3 +845,82 @@ def _experiment_links(uri: str, base: str) -> list[str]:
         ]
     except Exception:  # noqa: BLE001
         return []
+
+
+def _advise(args) -> int:
+    from suite.advise import run_command
+
+    return run_command(args)
+
+
+def _validate(args) -> int:
+    from suite.sim_validation import run_command
+
+    return run_command(args)
+
+
+def _conformance(args) -> int:
+    from suite.conformance import run_command
+
+    return run_command(args)
+
+
+def _flips(args) -> int:
+    from suite.flips import run_command
+
+    return run_command(args)
+
+
+def _repeats(args) -> int:
+    from suite.repeats import run_command
+
+    return run_command(args)
+
+
+def _relog(args) -> int:
+    from suite.env import redact_uri
+    from suite.tracking import relog, run_link
+
+    def progress(line: str) -> None:  # on stderr, so that stdout stays the summary below
+        print(f"relog: {line}", file=sys.stderr, flush=True)
+
+    from suite.results import StoreError
+
+    try:  # the folder is checked before any progress line: a bad one is one error line
+        tracker = relog(args.run_dir, args.uri, args.experiment, progress=progress)
+    except (FileNotFoundError, StoreError, ValueError) as exc:  # not a results folder; a stored URI it cannot use
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if tracker.rebuilt:
+        print(tracker.rebuilt, file=sys.stderr if not tracker.enabled else sys.stdout)
+    if not tracker.enabled:
+        print(f"relog failed: {tracker.disabled_reason}", file=sys.stderr)
+        return 1
+    c = tracker.counts
+    print(
+        f"logged {args.run_dir} to {redact_uri(tracker.uri)} (parent run {tracker.parent_run_id}): "
+        f"{c['logged']} child runs added, {c['completed']} completed, {c['deleted']} duplicates deleted, "
+        f"{c['killed']} stale runs ended KILLED, {c['retagged']} given their display tags"
+    )
+    print(f"runs: {tracker.link} (serve it with `{suite_command()} ui`)")
+    assert tracker.experiment_id is not None and tracker.parent_run_id is not None  # relog opened them
+    print(f"the sweep's run: {run_link(tracker.uri, tracker.experiment_id, tracker.parent_run_id)}")
+    return 0
+
+
+# What runs each subcommand (its parser comes from SUBCOMMANDS above): the commands of other modules
+# are imported when they run, so that `--help` and `list` load none of them.
+HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "run": _run,
+    "advise": _advise,
+    "validate": _validate,
+    "conformance": _conformance,
+    "list": lambda args: _list(),
+    "ui": _ui,
+    "report": _report,
+    "calibrate": _calibrate,
+    "hf-perplexity": _hf_perplexity,
+    "flips": _flips,
+    "repeats": _repeats,
+    "relog": _relog,
+}

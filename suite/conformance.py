@@ -313,16 +313,16 @@ def _gqa_heads_interleaved(p: Patches, spec: TrialSpec) -> None:
 @mutant(
     "ulysses_kv_replicas_misplaced",
     "GQA grouping",
-    "common.seq_to_heads",
+    "ulysses_a2a.seq_to_heads",
     (Point("ulysses", 4, heads=4, kv_heads=2), Point("usp", 4, heads=4, kv_heads=2, options=(("ulysses_degree", 4),))),
 )
 def _ulysses_kv_replicas_misplaced(p: Patches, spec: TrialSpec) -> None:
     """Ulysses with fewer KV heads than ranks: each KV head is replicated before the all-to-all,
     but the replicas are laid out tiled (rank g gets KV head g mod Hkv) instead of grouped (g //
     rep), so query heads meet another group's keys."""
-    from methods import common
+    from methods import ulysses_a2a
 
-    real = common.seq_to_heads
+    real = ulysses_a2a.seq_to_heads
 
     def seq_to_heads(comm, x, rep=1, contiguous=True):
         if rep == 1:
@@ -330,7 +330,7 @@ def _ulysses_kv_replicas_misplaced(p: Patches, spec: TrialSpec) -> None:
         tiled = x.repeat(1, 1, rep, 1)  # [B, L, Hkv*rep, D], head g = KV head g mod Hkv
         return real(comm, tiled, 1, contiguous)
 
-    p.set(common, "seq_to_heads", seq_to_heads)
+    p.set(ulysses_a2a, "seq_to_heads", seq_to_heads)
 
 
 @mutant(

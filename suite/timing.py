@@ -2,7 +2,7 @@
 
 Each timed iteration starts after a barrier, so ranks start together and the per-iteration time
 of the group is the maximum over ranks (taken by the parent from every rank's samples). The clock
-is the suite's one timer (methods/timing.py): CUDA events around the iteration on GPU, wall time
+is the suite's one timer (methods/stopwatch.py): CUDA events around the iteration on GPU, wall time
 on CPU (gloo collectives are synchronous, so the iteration is complete when the call returns).
 """
 
@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 import torch
 
 from methods.comm.base import Comm
-from methods.timing import Stopwatch
+from methods.stopwatch import Stopwatch
 
 
 def time_iterations(step: Callable[[], None], *, comm: Comm, repeats: int, device: torch.device) -> list[float]:

@@ -165,7 +165,7 @@ def test_memory_budget_prunes_by_the_layers_kept_for_backward():
 def test_advise_mask_answers_for_a_window_and_names_it(tmp_path, capsys):
     """`--mask sliding_window:...`: every simulated row is of that mask, the table and the header name
     it, and no configuration is above 100 % of the same mask's ideal."""
-    from suite.advise import _mask_label
+    from suite.advise.ranking import _mask_label
 
     # 4 GPUs: the property does not need a whole node, and each trial traces half the ranks
     q = make_question(model="8/8/64", topology="h100_sxm", seq_len=4096, pass_="fwd", mask="sliding_window:256", gpus=4)
@@ -341,6 +341,12 @@ def test_advice_tables_right_align_numbers_and_count_what_they_hide():
         assert cells[numeric].endswith(":") and not cells[numeric].startswith(":"), (numeric, cells[numeric])
     assert cells["method"].startswith(":") and not cells["method"].endswith(":")
     assert "a = a2" in render(adv, 2, "pipe")
+    # a row without a validated band says so in words; the band column stays right-aligned
+    mixed = _advice([_fake("a", 100.0, 5.0), _fake("b", 150.0, None)])
+    header, rule = render(mixed, None, "pipe").splitlines()[:2]
+    cells = dict(zip([h.strip() for h in header.strip("|").split("|")], rule.strip("|").split("|")))
+    assert cells["± %"].endswith(":") and not cells["± %"].startswith(":"), cells["± %"]
+    assert M.UNVALIDATED in render(mixed)
     line = counts_line(adv, 2)
     assert line.startswith("2 of 3 ranked configuration(s) shown (--top 3 shows all)")
     assert "1 more are the same schedule" in line and "1 pruned before tracing" in line

@@ -29,6 +29,16 @@ def test_help_for_every_command(cmd):
     assert out.returncode == 0 and "usage: python -m suite" in out.stdout
 
 
+def test_every_subcommand_has_a_parser_and_a_handler():
+    """The parser is built from a table of subcommands (suite/cli.py SUBCOMMANDS) and main runs each
+    through another (HANDLERS): a command added to one must be in the other, or it parses and then
+    fails with a KeyError."""
+    from suite.cli import HANDLERS, _parser
+
+    sub = next(a for a in _parser()._actions if a.dest == "command")
+    assert list(sub.choices) == list(HANDLERS)
+
+
 def test_config_error_starts_nothing(write_config, tmp_path, capsys):
     path = write_config("name: bad\nsweep:\n  methods: [ring, nosuchmethod]\n")
     assert main(["run", str(path)]) == 2

@@ -202,7 +202,7 @@ def test_two_block_starts_equal_the_definition(dtype, direct):
 def test_fused_merge_is_traced_as_one_op_with_its_bytes():
     """On meta tensors (the simulator's tracer) the merge is one operator that reads the accumulator
     and the block and writes the accumulator: what one fused kernel moves."""
-    from suite.sim.record import Memory, TraceLedger, _Bookkeeping
+    from suite.sim.ledger import Memory, TraceLedger, _Bookkeeping
 
     ledger = TraceLedger()
     meta = dict(device="meta")

@@ -40,7 +40,7 @@ LAYERS = [
         "suite.runner",
         "suite.calibrate",
         "suite.advise",
-        "suite.validate",
+        "suite.sim_validation",
         "suite.conformance",
         "suite.flips",
         "suite.repeats",

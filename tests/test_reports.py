@@ -12,7 +12,8 @@ from suite import metrics as M
 from suite.reports import ReportError, build_report
 from suite.reports.load import load_runs
 from suite.reports.render import frame
-from suite.reports.tables import build_tables, with_series
+from suite.reports.tables import build_tables
+from suite.reports.tables.rows import with_series
 from suite.results import ResultsStore
 
 
@@ -465,7 +466,7 @@ def test_unchanged_figures_are_not_redrawn_and_stale_files_go(tmp_path, sweep_ro
 
 def test_wrong_answers_have_no_speedup_and_method_variants_get_their_own_shade(tmp_path):
     from suite.reports.style import palette_for
-    from suite.reports.tables import speedup
+    from suite.reports.tables.speed import speedup
 
     rows = [
         row("ring", 2, 1024),
@@ -656,7 +657,7 @@ def _only(root: Path, sweep: str, tmp_path: Path) -> Path:
 def test_speedup_interval_is_the_middle_half_of_the_per_sample_ratios(tmp_path):
     import numpy as np
 
-    from suite.reports.tables import SPEEDUP_INTERVAL, speedup_rows
+    from suite.reports.tables.rows import SPEEDUP_INTERVAL, speedup_rows
 
     ring = [10.0, 10.5, 11.0, 30.0]  # one slow outlier repeat
     uly = [2.0, 5.0, 5.2, 5.4]  # one fast outlier repeat
@@ -671,7 +672,7 @@ def test_speedup_interval_is_the_middle_half_of_the_per_sample_ratios(tmp_path):
 
 def test_busy_trials_are_flagged_and_overlap_out_of_range_is_explained(tmp_path):
     from suite.reports.render import markdown
-    from suite.reports.tables import BUSY_SPREAD
+    from suite.reports.tables.rows import BUSY_SPREAD
 
     rows = [row(m, 2, S) for m in ("ring", "ulysses") for S in (256, 512)]
     rows.append(row("reference", 1, 512))

@@ -14,7 +14,7 @@ from methods.comm.counting import CommRecord
 from methods.documents import Documents
 from suite.sim.compute import ComputeModel
 from suite.sim.engine import Flow, SimError, max_min_rates, replay
-from suite.sim.record import Compute, HostSync, Memory, Trace, Wait
+from suite.sim.ledger import Compute, HostSync, Memory, Trace, Wait
 from suite.sim.topology import Topology, TopologyError, available_topologies, load_topology
 from suite.sim.trace import TraceCache, trace
 from tests.helpers import own_methods

@@ -13,7 +13,7 @@ from methods.documents import Documents
 from methods.kernels import visible_pairs
 from suite.sim.compute import ComputeModel, _bench_measured, _bench_time, dispatch_in_order, makespan, unit_tiles
 from suite.sim.engine import replay
-from suite.sim.record import Compute
+from suite.sim.ledger import Compute
 from suite.sim.topology import available_topologies, load_topology
 from suite.sim.trace import TraceCache, trace
 

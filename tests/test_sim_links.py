@@ -11,7 +11,7 @@ import yaml
 
 from methods.comm.counting import CommRecord
 from suite.sim.engine import replay
-from suite.sim.record import Compute, Wait
+from suite.sim.ledger import Compute, Wait
 from suite.sim.topology import Topology, TopologyError, load_topology
 from tests.test_sim import no_compute, p2p, synthetic
 

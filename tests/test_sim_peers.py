@@ -17,7 +17,7 @@ from methods.comm.counting import CommRecord
 from methods.documents import Documents
 from methods.kernels import visible_pairs
 from suite.sim import fake_dist
-from suite.sim.record import Compute, HostSync, Memory, Wait
+from suite.sim.ledger import Compute, HostSync, Memory, Wait
 from suite.sim.trace import TraceCache, trace
 from tests.helpers import run_dist
 
@@ -161,7 +161,7 @@ def _real_runs(comm, cases):
     """On gloo: each (method, options, case) forward + backward through the library's own code,
     with the CPU test double of flash-attn (ring-flash-attn, and yunchang's flash-attn path);
     per case this rank's (messages, kernel blocks, messages of the forward)."""
-    import tests.plugins.rfa_cpu_shim as shim  # installs the test double and registers rfa_* (shim mode)
+    import tests.plugins.rfa_cpu_shim  # noqa: F401  (installs the test double and registers rfa_*, shim mode)
 
     calls, blocks = [], []
     _count_real_calls(calls, blocks)
@@ -170,7 +170,11 @@ def _real_runs(comm, cases):
 
     wrappers.HAS_FLASH_ATTN, wrappers.flash_attn = True, sys.modules["flash_attn"]
     sys.modules["flash_attn"].__version__ = "2.7.4"
-    wrappers._flash_attn_forward, wrappers._flash_attn_backward = shim._flash_attn_forward, shim._flash_attn_backward
+    interface = sys.modules["flash_attn.flash_attn_interface"]  # the test double's (shim.install)
+    wrappers._flash_attn_forward, wrappers._flash_attn_backward = (
+        interface._flash_attn_forward,
+        interface._flash_attn_backward,
+    )
     out = []
     for name, options, case in cases:
         method = methods.get_method(name, **options)

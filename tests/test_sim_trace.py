@@ -13,7 +13,7 @@ from methods.base import Case
 from methods.comm import CommLedger, CountingComm
 from methods.comm.counting import CommRecord
 from methods.kernels import visible_pairs
-from suite.sim.record import Compute, Trace, Wait
+from suite.sim.ledger import Compute, Trace, Wait
 from suite.sim.trace import extrapolate, trace
 from tests.helpers import own_methods, run_dist
 
@@ -131,7 +131,7 @@ def test_unmasked_ring_forward_does_one_tensor_op_per_step(name, world_size):
     blocks start the accumulators in one pass (P - 1 ops in all; at P = 2 the second block is the
     last, which starts from the first's cast); the last merge writes the output in the input dtype. TASP's units are
     views of its K/V and a step's keys a view of its units, with any batch."""
-    from suite.sim.record import Memory
+    from suite.sim.ledger import Memory
 
     want = world_size if world_size == 2 else world_size - 1
     for batch in (1, 2):
@@ -153,7 +153,7 @@ def test_unmasked_ring_forward_does_one_tensor_op_per_step(name, world_size):
 def test_allocations_are_not_tensor_work():
     """Allocating a buffer (empty, empty_like, new_empty, ...) moves no bytes; a copy into it does,
     and is charged its read and its write."""
-    from suite.sim.record import TraceLedger, _Bookkeeping
+    from suite.sim.ledger import TraceLedger, _Bookkeeping
 
     x = torch.empty(4, 8, device="meta", dtype=torch.float32)
     ledger = TraceLedger()
@@ -191,7 +191,7 @@ def test_ulysses_copies_each_tensor_once_per_direction():
     copy), the received heads used as views, and one copy of the output back into place, for any
     batch; the backward the same for dout, dq, dk, dv (the replicas' sum fused into the last).
     (USP shares these reshuffles; its inner ring adds its own accumulator work.)"""
-    from suite.sim.record import Memory
+    from suite.sim.ledger import Memory
 
     for batch in (1, 2):
         for kv_heads in (4, 2):  # 2 KV heads on 4 ranks: each replicated twice
@@ -216,7 +216,7 @@ def test_ulysses_copies_each_tensor_once_per_direction():
 def test_index_put_is_charged_what_it_moves():
     """A scatter (x[idx] = values) reads its indices and values and writes as many bytes: the rest
     of the destination is neither read nor written."""
-    from suite.sim.record import TraceLedger, _Bookkeeping
+    from suite.sim.ledger import TraceLedger, _Bookkeeping
 
     dest = torch.empty(10, 8, device="meta", dtype=torch.float32)
     values = torch.empty(4, 8, device="meta", dtype=torch.float32)
@@ -231,7 +231,7 @@ def test_index_put_is_charged_what_it_moves():
 def test_allgather_kv_by_documents_puts_kv_in_order_in_one_pass():
     """Sharded by documents, the gathered K and V go into global order in one indexed pass each
     (the index's transfer to the device the third op), for any batch."""
-    from suite.sim.record import Memory
+    from suite.sim.ledger import Memory
 
     for batch in (1, 2):
         case = Case(

@@ -5,7 +5,7 @@ import pytest
 
 from methods.base import Case
 from methods.tasp import num_cycles, piece_calls
-from suite.sim.record import Memory
+from suite.sim.ledger import Memory
 from suite.sim.trace import trace
 
 

@@ -14,7 +14,7 @@ from methods.comm import run_threads
 from methods.comm.base import WrappedComm
 from methods.comm.counting import CommRecord
 from methods.token_ring import result_peers
-from suite.sim.record import Compute, Wait
+from suite.sim.ledger import Compute, Wait
 from suite.sim.trace import trace
 from tests.helpers import counted, problem_for
 from tests.test_varlen import check_documents, random_documents

@@ -20,7 +20,7 @@ from suite.sim.bands import (
     load_bands,
     topology_kind,
 )
-from suite.validate import (
+from suite.sim_validation import (
     PublishedRow,
     RowResult,
     ValidationError,
@@ -204,7 +204,7 @@ def test_ties_are_times_within_each_others_band():
 
 def test_simulated_points_draw_their_band():
     from suite.reports.figures.plan import _with_band
-    from suite.reports.tables import sim_band_caption
+    from suite.reports.tables.captions import sim_band_caption
 
     d = pd.DataFrame({"y": [10.0, 10.0], "lo": [10.0, 9.0], "hi": [10.0, 11.0], M.SIM_ERROR_PCT: [20.0, None]})
     out = _with_band(d)
@@ -253,7 +253,7 @@ def test_validation_does_not_regress_past_the_record(tmp_path):
 def test_leave_one_source_out_predicts_no_row_with_a_model_fitted_on_its_source():
     from pathlib import Path
 
-    from suite.validate import PublishedTable, leave_one_source_out
+    from suite.sim_validation import PublishedTable, leave_one_source_out
 
     def table(name, source_id, rows):
         return PublishedTable(name, Path(f"{name}.yaml"), name, {}, "", rows, source_id)

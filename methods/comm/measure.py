@@ -16,7 +16,7 @@ from typing import Sequence
 import torch
 
 from methods.comm.base import P2P, Comm, DoneWork, Work, WrappedComm, validate_partition
-from methods.timing import Stopwatch
+from methods.stopwatch import Stopwatch
 
 
 class NullComm:
@@ -72,7 +72,7 @@ class _TimedWork:
 
 class TimingComm(WrappedComm):
     """Forwards to `inner`; `seconds` is the time spent inside its calls and waits (see above),
-    measured with the suite's one timer (methods/timing.py); sub-comms share it."""
+    measured with the suite's one timer (methods/stopwatch.py); sub-comms share it."""
 
     def __init__(self, inner: Comm, device: torch.device | None = None, _watch: Stopwatch | None = None):
         super().__init__(inner)

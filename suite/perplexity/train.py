@@ -33,7 +33,7 @@ from methods.comm import CommLedger, CountingComm
 from methods.comm.base import Comm
 from methods.documents import Documents
 from methods.masks import Mask
-from methods.timing import Stopwatch
+from methods.stopwatch import Stopwatch
 from suite.perplexity.data import Corpus, train_windows, val_windows
 from suite.perplexity.model import Attends, ModelConfig, TinyLlama
 

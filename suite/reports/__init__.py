@@ -61,7 +61,8 @@ def build_report(
     from suite.reports.html import write_html
     from suite.reports.render import write_tables
     from suite.reports.style import palette_for
-    from suite.reports.tables import build_tables, with_series
+    from suite.reports.tables import build_tables
+    from suite.reports.tables.rows import with_series
 
     say = progress or (lambda _line: None)
     t0 = time.perf_counter()

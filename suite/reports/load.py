@@ -38,7 +38,7 @@ class ResultSet:
     notes: list[str] = field(default_factory=list)  # what was read differently from what is stored
 
 
-# How `suite advise` describes the simulated sweep it runs for itself (suite/advise.py,
+# How `suite advise` describes the simulated sweep it runs for itself (suite/advise/ranking.py,
 # build_config; tests/test_reports.py checks the two agree). Its results are the advisor's
 # working, not a sweep the user ran: a report of "everything" leaves them out.
 ADVISOR_DESCRIPTION = "suite advise:"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from suite.reports.tables import Col, Table, formatted
+from suite.reports.tables.cells import Col, Table, formatted
 
 NUMERIC = ("int", "num", "sci", "pct", "ratio", "precise")
 _NUMBER = re.compile(r"^(-?)(\d+)(?:\.(\d+))?(?:e(-?)(\d+))?$")

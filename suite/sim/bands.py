@@ -1,6 +1,6 @@
 """The simulator's validated error: how far its predictions fell from published measurements.
 
-`python -m suite validate` (suite/validate.py) simulates every published table of configs/validate/
+`python -m suite validate` (suite/sim_validation.py) simulates every published table of configs/validate/
 and records, per family of rows, the mean, median and largest |error| in configs/validate/bands.yaml.
 A family is what decides which part of the model a prediction leans on:
 
@@ -36,7 +36,7 @@ KERNEL_BOUND, COMM_BOUND = "kernel-bound", "comm-bound"
 BOUNDS = (KERNEL_BOUND, COMM_BOUND)
 KINDS = ("switch", "mesh", "pcie", "multi-node", "host")
 # a row whose exposed communication is below this share of its time is kernel-bound (the advisor's
-# "main cost" threshold, suite/advise.py)
+# "main cost" threshold, suite/advise/ranking.py)
 EXPOSED_SHARE = 0.15
 
 

@@ -56,7 +56,7 @@ import numpy as np
 import yaml
 
 from suite.metrics import suite_command
-from suite.sim.record import Compute, Memory
+from suite.sim.ledger import Compute, Memory
 from suite.sim.topology import Topology, TopologyError
 
 GENERATIONS = ("fa2", "fa3", "cudnn", "torch_flash")  # torch_flash: PyTorch's own CUDA flash attention

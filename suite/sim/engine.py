@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from methods.comm.counting import CommRecord
-from suite.sim.record import Compute, HostSync, Memory, Trace, Wait
+from suite.sim.ledger import Compute, HostSync, Memory, Trace, Wait
 
 COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter", "all_reduce")
 

@@ -40,7 +40,7 @@ import torch.distributed as dist
 from methods.comm.base import P2P, Comm
 from methods.comm.counting import CommRecord, CountingComm
 from methods.comm.threads import ThreadWorld
-from suite.sim.record import Wait
+from suite.sim.ledger import Wait
 
 _local = threading.local()  # .rank: the _VirtualRank of a virtual-rank thread
 _INSTALL = threading.Lock()  # one trace at a time patches torch.distributed

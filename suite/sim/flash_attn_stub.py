@@ -5,12 +5,9 @@ rank and return placeholders on the inputs' (meta) device. Nothing is computed.
 
 The simulator gives it to ring-flash-attn in place of flash-attn (suite/sim/peers.py loads the
 library's own code against it) and to yunchang's flash-attn path, so `run.executor=sim` predicts
-those libraries as they are written, with or without flash-attn installed. The numerical CPU test
-double of the same interface is tests/plugins/rfa_cpu_shim.py.
-
-flash-attn's conventions: q, k, v [B, S, H, D] (varlen: [total, H, D] with cu_seqlens), a causal
-mask aligned bottom-right (query i sees key j <= i + Sk - Sq), LSE [B, H, Sq] fp32 (varlen
-[H, total_q]); backward writes dq, dk, dv into the buffers it is given.
+those libraries as they are written, with or without flash-attn installed. The interface itself
+(flash-attn's names, keywords and conventions) is methods/peers/flash_attn_stand_in.py, which the
+numerical CPU test double of it (tests/plugins/rfa_cpu_shim.py) shares.
 """
 
 from __future__ import annotations
@@ -24,7 +21,9 @@ import torch
 
 from methods.base import dtype_name
 from methods.kernels import visible_pairs
-from suite.sim.record import Compute, TracingKernel
+from methods.peers import flash_attn_stand_in as stand_in
+from methods.peers.flash_attn_stand_in import causal_offset
+from suite.sim.ledger import Compute, TracingKernel
 
 VERSION = "2.7.4+suite-trace-stand-in"  # the interface it stands for: flash-attn 2.7's private one
 _local = threading.local()  # .kernel: the TracingKernel of a virtual-rank thread
@@ -47,13 +46,9 @@ def _record(e: Compute):
     return kernel.block(e)
 
 
-def _offset(sq: int, sk: int, causal: bool) -> Optional[int]:
-    return (sk - sq) if causal else None
-
-
 def _dense(op: str, q: torch.Tensor, k: torch.Tensor, causal: bool) -> Compute:
     b, sq, h, d = q.shape
-    return Compute(op, b, sq, k.shape[1], h, k.shape[2], d, _offset(sq, k.shape[1], causal), dtype_name(q.dtype))
+    return Compute(op, b, sq, k.shape[1], h, k.shape[2], d, causal_offset(sq, k.shape[1], causal), dtype_name(q.dtype))
 
 
 def _varlen(op: str, q, k, cu_seqlens_q, cu_seqlens_k, causal: bool) -> Compute:
@@ -67,11 +62,11 @@ def _varlen(op: str, q, k, cu_seqlens_q, cu_seqlens_k, causal: bool) -> Compute:
     total_k, kv_heads = k.shape[0], k.shape[1]
     if len(segments) == 1:
         sq, sk = segments[0]
-        return Compute(op, 1, sq, sk, h, kv_heads, dim, _offset(sq, sk, causal), dtype_name(q.dtype))
-    pairs = sum(visible_pairs(sq, sk, _offset(sq, sk, causal)) for sq, sk in segments)
+        return Compute(op, 1, sq, sk, h, kv_heads, dim, causal_offset(sq, sk, causal), dtype_name(q.dtype))
+    pairs = sum(visible_pairs(sq, sk, causal_offset(sq, sk, causal)) for sq, sk in segments)
     pieces: list[tuple[tuple[int, int, Optional[int], None], int]] = []
     for sq, sk in segments:  # in document order, runs of equal documents merged
-        piece = (sq, sk, _offset(sq, sk, causal), None)
+        piece = (sq, sk, causal_offset(sq, sk, causal), None)
         if pieces and pieces[-1][0] == piece:
             pieces[-1] = (piece, pieces[-1][1] + 1)
         else:
@@ -92,121 +87,31 @@ def _varlen(op: str, q, k, cu_seqlens_q, cu_seqlens_k, causal: bool) -> Compute:
     )
 
 
-def _flash_attn_forward(
-    q,
-    k,
-    v,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size_left=-1,
-    window_size_right=-1,
-    softcap=0.0,
-    alibi_slopes=None,
-    return_softmax=False,
-):
-    _plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+def _forward(q, k, v, scale, causal):
     with _record(_dense("fwd", q, k, causal)):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[0], q.shape[2], q.shape[1], dtype=torch.float32, device=q.device)
-    return out, lse, None, None
+    return out, lse
 
 
-def _flash_attn_backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    softmax_lse,
-    dq,
-    dk,
-    dv,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size_left=-1,
-    window_size_right=-1,
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    rng_state=None,
-):
-    _plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+def _backward(dout, q, k, v, out, lse, dq, dk, dv, scale, causal) -> None:
     with _record(_dense("bwd", q, k, causal)):
         pass  # dq, dk, dv are written in place: placeholders already
-    return None
 
 
-def _flash_attn_varlen_forward(
-    q,
-    k,
-    v,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size_left=-1,
-    window_size_right=-1,
-    softcap=0.0,
-    alibi_slopes=None,
-    return_softmax=False,
-    block_table=None,
-):
-    _plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+def _varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, scale, causal):
     with _record(_varlen("fwd", q, k, cu_seqlens_q, cu_seqlens_k, causal)):
         out = torch.empty_like(q)
         lse = torch.empty(q.shape[1], q.shape[0], dtype=torch.float32, device=q.device)
-    return out, lse, None, None
+    return out, lse
 
 
-def _flash_attn_varlen_backward(
-    dout,
-    q,
-    k,
-    v,
-    out,
-    softmax_lse,
-    dq,
-    dk,
-    dv,
-    cu_seqlens_q,
-    cu_seqlens_k,
-    max_seqlen_q,
-    max_seqlen_k,
-    dropout_p,
-    softmax_scale,
-    causal,
-    window_size_left=-1,
-    window_size_right=-1,
-    softcap=0.0,
-    alibi_slopes=None,
-    deterministic=False,
-    rng_state=None,
-):
-    _plain(dropout_p, window_size_left, window_size_right, softcap, alibi_slopes)
+def _varlen_backward(dout, q, k, v, out, lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k, scale, causal) -> None:
     with _record(_varlen("bwd", q, k, cu_seqlens_q, cu_seqlens_k, causal)):
         pass
-    return None
-
-
-def _plain(dropout_p, left, right, softcap, alibi_slopes) -> None:
-    """The stand-in records plain softmax attention blocks; anything else would be mispredicted."""
-    if dropout_p or (left, right) != (-1, -1) or softcap or alibi_slopes is not None:
-        raise NotImplementedError("the flash-attn trace stand-in models no dropout, window, softcap or ALiBi")
 
 
 def modules() -> dict[str, types.ModuleType]:
     """`flash_attn` and `flash_attn.flash_attn_interface` as modules holding the stand-in, for a
     library that imports them by name."""
-    interface = types.ModuleType("flash_attn.flash_attn_interface")
-    for fn in (_flash_attn_forward, _flash_attn_backward, _flash_attn_varlen_forward, _flash_attn_varlen_backward):
-        setattr(interface, fn.__name__, fn)
-    package = types.ModuleType("flash_attn")
-    package.__path__ = []  # a package, so that the submodule import resolves
-    setattr(package, "__version__", VERSION)  # a ModuleType declares no __version__
-    package.flash_attn_interface = interface  # type: ignore[attr-defined]
-    return {"flash_attn": package, "flash_attn.flash_attn_interface": interface}
+    return stand_in.modules(stand_in.BlockKernels(_forward, _backward, _varlen_forward, _varlen_backward), VERSION)

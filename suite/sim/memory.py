@@ -1,6 +1,6 @@
 """Memory per GPU of one sequence-parallel attention call, estimated from what a method declares.
 
-The advisor (suite/advise.py) prunes configurations that cannot fit a memory budget before it
+The advisor (suite/advise/candidates.py) prunes configurations that cannot fit a memory budget before it
 traces anything, so this estimate uses only the method's declarations (docs/DESIGN.md section 4):
 its Ulysses x ring degrees, its KV replication and whether it gathers the whole sequence. It
 counts whole tensors, per rank, in bytes (L = local tokens, e = bytes per input element, a = per
@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from methods.base import Case, Method, element_bytes
-from methods.common import kv_replication, ulysses_bytes
+from methods.ulysses_a2a import kv_replication, ulysses_bytes
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from methods.base import Case
 from methods.comm import run_threads
 from methods.peers.base import PeerMethod
 from suite.sim import fake_dist, flash_attn_stub
-from suite.sim.record import Event, TraceLedger, TracingComm, TracingKernel, _Bookkeeping
+from suite.sim.ledger import Event, TraceLedger, TracingComm, TracingKernel, _Bookkeeping
 
 _RFA_COPY = "suite_sim_ring_flash_attn"  # the module name of the simulator's copy of ring-flash-attn
 

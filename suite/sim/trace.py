@@ -4,7 +4,7 @@ Nothing is computed: tensors have shapes and dtypes but no storage, the block ke
 one that records each call (`Compute`: which block, its mask, its FLOPs) and returns placeholders,
 and the comm is a counting comm (`methods/comm/counting.py`, so bytes follow the suite's one
 convention) that also records when each exchange is waited for. The result is, per rank, the
-ordered events the simulator replays (suite/sim/record.py: `Compute`, `CommRecord` with a handle
+ordered events the simulator replays (suite/sim/ledger.py: `Compute`, `CommRecord` with a handle
 id for exchanges, `Wait`, and `Memory`, the method's own tensor work between them). Since it is the
 method's own code that runs, a trace cannot drift from the method. A peer library's code runs the
 same way behind a fake torch.distributed (suite/sim/peers.py).
@@ -23,7 +23,7 @@ from methods import kernels
 from methods.base import Case
 from methods.comm import run_threads
 from methods.comm.counting import CommRecord
-from suite.sim.record import Compute, Event, Memory, Trace, TraceLedger, TracingComm, TracingKernel, _Bookkeeping
+from suite.sim.ledger import Compute, Event, Memory, Trace, TraceLedger, TracingComm, TracingKernel, _Bookkeeping
 
 
 @contextlib.contextmanager

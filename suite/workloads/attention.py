@@ -15,7 +15,7 @@ import torch
 from methods import kernels, merge
 from methods.comm import CommLedger, CountingComm, NullComm, TimingComm
 from methods.comm.base import Comm
-from methods.timing import Stopwatch
+from methods.stopwatch import Stopwatch
 from suite import metrics as M
 from suite.check import INPUT_NAMES, max_abs_err, pass_floor
 from suite.memtrack import TensorMemoryTracker

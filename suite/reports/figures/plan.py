@@ -25,7 +25,8 @@ import pandas as pd
 from suite import metrics as M
 from suite.metrics import method_label
 from suite.reports import style as S
-from suite.reports.tables import (
+from suite.reports.tables.captions import sim_band_caption
+from suite.reports.tables.rows import (
     BUSY_SPREAD,
     SPEEDUP_INTERVAL,
     _options,
@@ -35,7 +36,6 @@ from suite.reports.tables import (
     percentiles,
     perplexity_rows,
     samples,
-    sim_band_caption,
     sim_pairs,
     speedup_rows,
     throughput_pct,

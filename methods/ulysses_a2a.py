@@ -1,4 +1,5 @@
-"""Pieces shared by several methods: the Ulysses all-to-all reshuffles.
+"""The Ulysses all-to-all reshuffles (sequence-sharded <-> head-sharded) that ulysses and usp share,
+with their byte formulas and the KV-head replication they need.
 
 (The online-softmax merge lives in methods/merge.py, the accumulators built on it in
 methods/accumulators.py; the K/V ring loop in methods/kv_ring.py.)
