@@ -140,6 +140,11 @@ def variant_value(row: dict, axis: Axis) -> Any:
     return axis.default if v is None or v != v else v  # None or NaN (pandas' missing value)
 
 
+def variant_sort_key(row: dict) -> tuple:
+    """A row's variants, comparable across rows (a null value, head_dim_v's plain one, first)."""
+    return tuple((0, "") if v is None else (1, v) for v in (variant_value(row, a) for a in VARIANTS))
+
+
 def variant_labels(row: dict) -> str:
     """The set variants of a row or identity as a label reads them: " cap=5 qk_norm" ("" for none)."""
     out = ""
