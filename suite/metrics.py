@@ -48,7 +48,7 @@ class Axis:
     hardware from the executor, the degrees from the method)."""
     values: tuple = ()
     """That list's default, for an axis `suite/config/schema.py` does not spell out (it adds the
-    field from here)."""
+    field from here); (): the plain value alone."""
     rule: bool = True
     """An exclude rule (`sweep.exclude`) may name it."""
     nullable: bool = False
@@ -69,6 +69,11 @@ class Axis:
     def default(self) -> Any:
         """A trial's value when nothing sets it (the plain one)."""
         return self.plain[0] if self.plain else None
+
+    @property
+    def planned(self) -> tuple:
+        """The values a sweep plans when its config does not name the axis."""
+        return self.values or self.plain[:1]
 
 
 PLAIN_MASKS = ("", "causal", "full")  # a trial whose mask is one of these keeps the key it had before masks

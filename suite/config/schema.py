@@ -51,7 +51,7 @@ def _table_axes(cls):
         if a.sweep and a.sweep not in cls.__annotations__:
             kind: Any = Optional[a.type] if a.nullable else a.type
             cls.__annotations__[a.sweep] = list[kind]
-            setattr(cls, a.sweep, field(default_factory=functools.partial(list, a.values)))
+            setattr(cls, a.sweep, field(default_factory=functools.partial(list, a.planned)))
     return cls
 
 
