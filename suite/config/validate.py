@@ -185,16 +185,15 @@ def validate(cfg: SuiteConfig) -> None:
 
 
 def _validate_axes(s: SweepConfig) -> None:
-    """Every sweep list of suite.metrics.TRIAL_AXES: at least one value (but for a list whose
-    default is empty: `mask`), no value twice, bools true or false, numbers finite and at least the
-    axis's minimum (or null where null is a value)."""
-    defaults = SweepConfig()
+    """Every sweep list of suite.metrics.TRIAL_AXES: at least one value, no value twice, bools true
+    or false, numbers finite and at least the axis's minimum (or null where null is a value). The
+    mask list (empty: the `causal` axis) is `_validate_masks`'s: each name is parsed there."""
     for a in M.TRIAL_AXES:
-        if not a.sweep:
+        if not a.sweep or a.sweep == "mask":
             continue
         key, values = f"sweep.{a.sweep}", getattr(s, a.sweep)
         means = f" ({a.means})" if a.means else ""
-        _require(len(values) > 0 or not getattr(defaults, a.sweep), key, f"needs at least one value{means}")
+        _require(len(values) > 0, key, f"needs at least one value{means}")
         seen = [v if v is None or a.type is str else a.type(v) for v in values]
         _require(len(set(map(str, seen))) == len(values), key, f"has duplicates: {values}")
         for v in values:
