@@ -40,8 +40,8 @@ class Axis:
     """Values at which a trial's key leaves the axis out: the value every trial had before the axis
     existed, so those trials keep their keys. (): always in the key."""
     always: bool = True
-    """Every row has the column. False (every axis added since rows were first stored): only the
-    rows of trials whose value is not plain have it, so older rows keep exactly their columns;
+    """Every row has the column. False (head_dim_v, softcap, and every axis added from now on): only
+    the rows of trials whose value is not plain have it, so older rows keep exactly their columns;
     readers take a missing value as `plain[0]`."""
     sweep: str = ""
     """The config list under `sweep:` that plans the axis ("": the plan sets it, e.g. the
