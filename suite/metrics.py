@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from typing import Any, Optional
 
 
@@ -21,36 +22,147 @@ def suite_command() -> str:
     return "sp-suite" if os.path.splitext(name)[0] == "sp-suite" else "python -m suite"
 
 
-# The identity of a trial: what was run, where and how. Everything else in a row is a measurement.
-IDENTITY = (
-    "method",
-    "impl",
-    "executor",
-    "hardware",
-    "topology",
-    "world_size",
-    "nodes",
-    "ulysses_degree",
-    "ring_degree",
-    "batch",
-    "seq_len",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "dtype",
-    "causal",
-    "pass",
-    "kernel",
-    "options",
-    "workload",
-    "mask",
-    "sinks",  # attention sinks on (absent from the keys of trials without them)
-)
+# The identity of a trial, one table: every column that says what was run, where and how (everything
+# else in a row is a measurement). The plan (suite/plan.py), the config's axes and their checks
+# (suite/config/), the rows (suite/records.py), MLflow (suite/tracking.py), the console summary
+# (suite/summary.py) and the reports (suite/reports/) derive what they list from it, so that a new
+# axis of the problem is one entry here (docs/extending.md, "An axis of the problem").
+@dataclass(frozen=True)
+class Axis:
+    """One identity column of a trial: how it is keyed, stored, configured, checked and shown."""
+
+    name: str
+    """The column, the `TrialSpec` attribute, and the `methods.base.Case` field of the same name
+    when methods see it (a trial's case is built by matching names)."""
+    type: type = int
+    """int, float, bool or str: how a value is read (config values, MLflow's text params)."""
+    plain: tuple = ()
+    """Values at which a trial's key leaves the axis out: the value every trial had before the axis
+    existed, so those trials keep their keys. (): always in the key."""
+    always: bool = True
+    """Every row has the column. False (head_dim_v, softcap, and every axis added from now on): only
+    the rows of trials whose value is not plain have it, so older rows keep exactly their columns;
+    readers take a missing value as `plain[0]`."""
+    sweep: str = ""
+    """The config list under `sweep:` that plans the axis ("": the plan sets it, e.g. the
+    hardware from the executor, the degrees from the method)."""
+    values: tuple = ()
+    """That list's default, for an axis `suite/config/schema.py` does not spell out (it adds the
+    field from here); (): the plain value alone."""
+    rule: bool = True
+    """An exclude rule (`sweep.exclude`) may name it."""
+    nullable: bool = False
+    """null is a value of its list (head_dim_v: equal to head_dim)."""
+    minimum: Optional[float] = None
+    """Values must be finite and at least this."""
+    means: str = ""
+    """What the plain value means, for messages and docs ("0: no capping")."""
+    example: str = ""
+    """The fix a message suggests for a bad value."""
+    doc: str = ""
+    """What the axis is, for an axis schema.py does not spell out (its documentation)."""
+    label: Optional[str] = ""
+    """How a set value reads in a trial's label and the tables: a format ("cap={:g}"); "": the name
+    (a bool) or name=value; None: shown by code of its own (head_dim_v in D=192/128)."""
+
+    @property
+    def default(self) -> Any:
+        """A trial's value when nothing sets it (the plain one)."""
+        return self.plain[0] if self.plain else None
+
+    @property
+    def planned(self) -> tuple:
+        """The values a sweep plans when its config does not name the axis."""
+        return self.values or self.plain[:1]
+
+
 PLAIN_MASKS = ("", "causal", "full")  # a trial whose mask is one of these keeps the key it had before masks
-# Identity a trial carries only when set: a value head dim other than head_dim (MLA) and a logit soft
-# cap. A trial with neither keeps the key and the columns it had before these existed (rows from
-# then and rows from now compare); readers take a missing head_dim_v as head_dim, softcap as 0.
-VARIANT_IDENTITY = ("head_dim_v", "softcap")
+TRIAL_AXES = (
+    Axis("method", str, sweep="methods"),
+    Axis("impl", str, rule=False),
+    Axis("executor", str, rule=False),
+    Axis("hardware", str, rule=False),
+    Axis("topology", str),
+    Axis("world_size", sweep="world_size", minimum=1),
+    Axis("nodes", rule=False),
+    Axis("ulysses_degree"),
+    Axis("ring_degree"),
+    Axis("batch", sweep="batch", minimum=1),
+    Axis("seq_len", sweep="seq_len", minimum=1),
+    Axis("heads", sweep="heads", minimum=1),
+    Axis("kv_heads", sweep="kv_heads", minimum=1),
+    Axis("head_dim", sweep="head_dim", minimum=1),
+    Axis("dtype", str, sweep="dtype"),
+    Axis("causal", bool, sweep="causal"),
+    Axis("pass", str, sweep="passes"),
+    Axis("kernel", str, rule=False),
+    Axis("options", str, rule=False),
+    # attention trials keep the keys they had before workloads existed, plain masks those they had
+    # before masks, trials without sinks those they had before sinks
+    Axis("workload", str, plain=("",), sweep="workload"),
+    Axis("mask", str, plain=PLAIN_MASKS, sweep="mask"),
+    Axis("sinks", bool, plain=(False,), sweep="sinks"),
+    # a value head dim other than head_dim (MLA) and a logit soft cap: in rows and keys only when set
+    Axis(
+        "head_dim_v",
+        plain=(None,),
+        always=False,
+        sweep="head_dim_v",
+        nullable=True,
+        minimum=1,
+        means="null: equal to head_dim",
+        example="use the values' head dim, e.g. 128",
+        label=None,
+    ),
+    Axis(
+        "softcap",
+        float,
+        plain=(0.0,),
+        always=False,
+        sweep="softcap",
+        minimum=0,
+        means="0: no capping",
+        example="Gemma 2 caps attention logits at 50",
+        label="cap={:g}",
+    ),
+)
+AXIS = {a.name: a for a in TRIAL_AXES}
+IDENTITY = tuple(a.name for a in TRIAL_AXES if a.always)  # the identity columns of every row
+# Identity a trial carries only when set (a row then has the column, its key the value); a trial
+# without any keeps the key and the columns it had before these existed.
+VARIANT_IDENTITY = tuple(a.name for a in TRIAL_AXES if not a.always)
+VARIANTS = tuple(AXIS[name] for name in VARIANT_IDENTITY)
+
+
+def keyed_identity(identity: dict[str, Any]) -> dict[str, Any]:
+    """A trial's identity as its key hashes it: the axes at a plain value left out (TRIAL_AXES)."""
+    return {k: v for k, v in identity.items() if not (k in AXIS and AXIS[k].plain and v in AXIS[k].plain)}
+
+
+def variant_value(row: dict, axis: Axis) -> Any:
+    """A row's value of a variant axis: the plain one where the row has none (rows from before)."""
+    v = row.get(axis.name)
+    return axis.default if v is None or v != v else v  # None or NaN (pandas' missing value)
+
+
+def variant_sort_key(row: dict) -> tuple:
+    """A row's variants, comparable across rows (a null value, head_dim_v's plain one, first)."""
+    return tuple((0, "") if v is None else (1, v) for v in (variant_value(row, a) for a in VARIANTS))
+
+
+def variant_labels(row: dict) -> str:
+    """The set variants of a row or identity as a label reads them: " cap=5 qk_norm" ("" for none)."""
+    out = ""
+    for a in VARIANTS:
+        v = variant_value(row, a)
+        if a.label is None or v in a.plain:
+            continue
+        if a.label:
+            out += " " + a.label.format(v)
+        else:
+            out += " " + (a.name if v is True else f"{a.name}={v}")
+    return out
+
 
 # -- statuses ------------------------------------------------------------------------------------
 OK, INCORRECT, SKIPPED, FAILED, TIMEOUT = "ok", "incorrect", "skipped", "failed", "timeout"

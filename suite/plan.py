@@ -20,6 +20,7 @@ from methods.base import Case
 from methods.documents import Documents
 from methods.masks import Mask
 from methods.masks import parse as parse_mask
+from suite import metrics as M
 from suite.config import SuiteConfig, mask_points, option_points
 from suite.lengths import lengths_of
 from suite.metrics import IDENTITY, PLAIN_MASKS, method_label
@@ -79,28 +80,35 @@ class TrialSpec:
     softcap: float = 0.0  # logit soft cap; 0: none
     device: str = field(default="cpu", compare=False)
     kind: str = field(default="attention", compare=False)  # the workload that runs it (config `kind`)
+    variants: tuple[tuple[str, Any], ...] = ()
+    """The set values of the variant axes of suite.metrics.TRIAL_AXES that have no field above
+    (name, value), sorted: an axis added to that table travels here from the plan to the case and
+    the row without a field of its own (`value` reads any axis)."""
+
+    def value(self, axis: str) -> Any:
+        """This trial's value of an identity axis (suite.metrics.TRIAL_AXES): its field, else its
+        entry in `variants`, else the axis's plain value."""
+        if axis in _FIELDS:
+            return getattr(self, "pass_" if axis == "pass" else axis)
+        return dict(self.variants).get(axis, M.AXIS[axis].default)
 
     def identity(self) -> dict[str, Any]:
+        """The row's identity columns: every axis of IDENTITY, and the variants that are set."""
         # plain attribute reads: `dataclasses.asdict` deep-copies every field, which cost more than the
         # hash itself at the main sweep's 6,608 trials
         out = {k: getattr(self, "pass_" if k == "pass" else k) for k in IDENTITY}
-        if self.head_dim_v is not None:  # only when set: other trials keep their keys and columns
-            out["head_dim_v"] = self.head_dim_v
-        if self.softcap:
-            out["softcap"] = self.softcap
+        for a in M.VARIANTS:  # only when set: other trials keep their keys and columns
+            v = self.value(a.name)
+            if v not in a.plain:
+                out[a.name] = v
         return out
 
     @functools.cached_property
     def key(self) -> str:
-        """Hashed once per spec (the plan, the resume filter and the post-sweep bookkeeping all ask)."""
-        identity = self.identity()
-        if not identity["workload"]:  # attention trials keep the keys they had before workloads existed
-            del identity["workload"]
-        if identity["mask"] in PLAIN_MASKS:  # and those of the plain masks, the ones they had before masks
-            del identity["mask"]
-        if not identity["sinks"]:  # and those without sinks, the ones they had before sinks
-            del identity["sinks"]
-        blob = json.dumps(identity, sort_keys=True, separators=(",", ":"))
+        """Hashed once per spec (the plan, the resume filter and the post-sweep bookkeeping all ask).
+        Axes at their plain values are left out (metrics.keyed_identity), so trials planned before
+        an axis existed keep their keys."""
+        blob = json.dumps(M.keyed_identity(self.identity()), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
     @property
@@ -108,20 +116,8 @@ class TrialSpec:
         return json.loads(self.options)
 
     def case(self) -> Case:
-        return Case(
-            batch=self.batch,
-            seq_len=self.seq_len,
-            heads=self.heads,
-            kv_heads=self.kv_heads,
-            head_dim=self.head_dim,
-            dtype=self.dtype,
-            causal=self.causal,
-            world_size=self.world_size,
-            device=self.device,
-            sinks=self.sinks,
-            head_dim_v=self.head_dim_v,
-            softcap=self.softcap,
-        )
+        """The problem as methods see it: every `Case` field this spec has an axis (or field) of."""
+        return Case(**{name: self.value(name) for name in _CASE_FIELDS if name in _FIELDS or name in M.AXIS})
 
     def build_method(self) -> methods.Method:
         return methods.get_method(self.method, kernel=self.kernel, **self.method_options)
@@ -170,11 +166,15 @@ class TrialSpec:
         mask = self.mask_spec.short if self.mask_spec is not None else ("causal" if self.causal else "full")
         name = method_label(self.method, self.method_options)
         d = f"{self.head_dim}/{self.head_dim_v}" if self.head_dim_v is not None else f"{self.head_dim}"
-        cap = f" cap={self.softcap:g}" if self.softcap else ""
+        variants = M.variant_labels(self.identity())  # " cap=5"
         return (
             f"{name} P={self.world_size} B={self.batch} S={self.seq_len} H={self.heads}/"
-            f"{self.kv_heads} D={d}{cap} {self.dtype} {mask}{' sinks' if self.sinks else ''} {self.pass_}"
+            f"{self.kv_heads} D={d}{variants} {self.dtype} {mask}{' sinks' if self.sinks else ''} {self.pass_}"
         )
+
+
+_FIELDS = {f.name for f in dataclasses.fields(TrialSpec)} | {"pass"}
+_CASE_FIELDS = tuple(f.name for f in dataclasses.fields(Case) if f.init)
 
 
 def _matches(rule: dict[str, Any], point: dict[str, Any]) -> bool:
@@ -221,8 +221,7 @@ def plan_size(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place]) 
         len(s.heads),
         len(s.kv_heads),
         len(s.head_dim),
-        len(s.head_dim_v),
-        len(s.softcap),
+        *(len(getattr(s, a.sweep)) for a in M.VARIANTS),
         len(s.dtype),
         len(s.mask) if s.mask else len(s.causal),
         len(s.sinks),
@@ -245,7 +244,9 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
     specs = []
     passes = workload.passes(cfg)
     identities: dict[tuple, str] = {}  # a packed workload draws its documents once per (mix, batch, length)
-    # 15 axes: past typeshed's overloads of product, whose fallback would join the axes' types into one union
+    # the variant axes (metrics.VARIANTS: head_dim_v, softcap, ...) as one axis of their combinations
+    variant_points = list(itertools.product(*(getattr(s, a.sweep) for a in M.VARIANTS)))
+    # 14 axes: past typeshed's overloads of product, whose fallback would join the axes' types into one union
     axes: Iterable[tuple[Any, ...]] = itertools.product(
         places,
         s.world_size,
@@ -255,19 +256,19 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
         s.heads,
         s.kv_heads,
         s.head_dim,
-        s.head_dim_v,
-        s.softcap,
+        variant_points,
         s.dtype,
         mask_points(s, cfg.masks),
         s.sinks,
         s.methods,
         passes,
     )
-    for place, ws, mix, b, sl, h, kvh, hd, hdv, cap, dt, (causal, mask), sinks, m, ps in axes:
-        if hdv == hd and None in s.head_dim_v:
+    for place, ws, mix, b, sl, h, kvh, hd, point_variants, dt, (causal, mask), sinks, m, ps in axes:
+        variants: dict[str, Any] = {a.name: v if v is None else a.type(v) for a, v in zip(M.VARIANTS, point_variants)}
+        if variants["head_dim_v"] == hd and None in s.head_dim_v:
             continue  # equal to head_dim is the null point, planned once
-        hdv = None if hdv in (None, hd) else int(hdv)  # equal to head_dim: the plain point, its key unchanged
-        cap = float(cap)
+        if variants["head_dim_v"] == hd:  # equal to head_dim: the plain point, its key unchanged
+            variants["head_dim_v"] = None
         if (mix, b, sl) not in identities:
             identities[mix, b, sl] = workload.identity(cfg, workload=mix, batch=b, seq_len=sl)
         identity = identities[mix, b, sl]
@@ -282,9 +283,11 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
             world_size=ws,
             device=device,
             sinks=bool(sinks),
-            head_dim_v=hdv,
-            softcap=cap,
+            **{k: v for k, v in variants.items() if k in _CASE_FIELDS},
         )
+        # a variant with a field of TrialSpec's is given as that field, any other in `variants`
+        fielded = {k: v for k, v in variants.items() if k in _FIELDS}
+        carried = tuple(sorted((k, v) for k, v in variants.items() if k not in _FIELDS and v not in M.AXIS[k].plain))
         for options in option_points(dict(s.method_options.get(m, {}))):
             ud, rd, impl = _method_facts(m, options, cfg.run.kernel, case)
             point = dict(
@@ -297,8 +300,6 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
                 heads=h,
                 kv_heads=kvh,
                 head_dim=hd,
-                head_dim_v=hdv,
-                softcap=cap,
                 dtype=dt,
                 causal=causal,
                 ulysses_degree=ud,
@@ -306,6 +307,7 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
                 workload=mix,
                 mask=mask,
                 sinks=bool(sinks),
+                **variants,
                 **{"pass": ps},
             )
             if any(_matches(rule, point) for rule in s.exclude):
@@ -334,10 +336,10 @@ def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], dev
                     workload=identity,
                     mask=mask,
                     sinks=bool(sinks),
-                    head_dim_v=hdv,
-                    softcap=cap,
                     device=device,
                     kind=workload.kind,
+                    variants=carried,
+                    **fielded,
                 )
             )
     return specs

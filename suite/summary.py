@@ -109,9 +109,8 @@ def _dims(r: dict) -> str:
 
 
 def _mask(r: dict) -> str:
-    """The mask column, with the logit soft cap where there is one."""
-    cap = r.get("softcap")
-    return M.mask_label(r.get("mask"), r["causal"]) + (f" cap {cap:g}" if cap else "")
+    """The mask column, with the variants the row sets (a logit soft cap: "causal cap=5")."""
+    return M.mask_label(r.get("mask"), r["causal"]) + M.variant_labels(r)
 
 
 def _attention_table(records: list[dict]) -> str:
@@ -128,8 +127,7 @@ def _attention_table(records: list[dict]) -> str:
             r["heads"],
             r["kv_heads"],
             r["head_dim"],
-            r.get("head_dim_v") or 0,
-            r.get("softcap") or 0.0,
+            M.variant_sort_key(r),
             r["dtype"],
             not r["causal"],
             str(r.get("mask") or ""),

@@ -852,7 +852,10 @@ class MlflowTracker:
                 M.REASON,
             )
         )
-        rows = [{c: r.get(c) for c in cols} for r in store.latest_rows()[0]]  # a key written twice: once
+        latest = store.latest_rows()[0]  # a key written twice: once
+        # the variants some row sets (a soft cap, ...): rows of other values are other trials
+        cols += tuple(c for c in M.VARIANT_IDENTITY if any(r.get(c) is not None for r in latest))
+        rows = [{c: r.get(c) for c in cols} for r in latest]
         if not rows:
             return
         # written here and logged as a file, in log_table's format and with its tag: log_table

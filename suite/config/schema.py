@@ -3,12 +3,14 @@ defaults are the documentation's values). Loading is in load.py, value rules in 
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from omegaconf import MISSING, OmegaConf
 
+from suite import metrics as M
 from suite.perplexity.config import PerplexityConfig
 
 PASSES = ("fwd", "fwd_bwd")
@@ -16,27 +18,8 @@ KINDS = ("attention", "perplexity")
 EXECUTORS = ("dist", "threads", "sim")
 DEVICES = ("auto", "cpu", "cuda")
 BACKENDS = ("auto", "gloo", "nccl")
-# Sweep axes as they appear in trial identities (and in exclude rules).
-AXES = (
-    "method",
-    "topology",
-    "world_size",
-    "batch",
-    "seq_len",
-    "heads",
-    "kv_heads",
-    "head_dim",
-    "dtype",
-    "causal",
-    "pass",
-    "ulysses_degree",
-    "ring_degree",
-    "workload",
-    "mask",
-    "sinks",
-    "head_dim_v",
-    "softcap",
-)
+# Sweep axes as they appear in trial identities (and in exclude rules): suite.metrics.TRIAL_AXES.
+AXES = tuple(a.name for a in M.TRIAL_AXES if a.rule)
 
 
 class ConfigError(ValueError):
@@ -60,7 +43,20 @@ MAX_SEED = 2**63 - 1
 MAX_THREAD_RANKS = 64
 
 
+def _table_axes(cls):
+    """Add to the sweep a list for every axis of suite.metrics.TRIAL_AXES the class does not spell
+    out (its default and documentation are the table's), before `dataclass` makes the fields: a
+    new axis of the problem is one entry in that table."""
+    for a in M.TRIAL_AXES:
+        if a.sweep and a.sweep not in cls.__annotations__:
+            kind: Any = Optional[a.type] if a.nullable else a.type
+            cls.__annotations__[a.sweep] = list[kind]
+            setattr(cls, a.sweep, field(default_factory=functools.partial(list, a.planned)))
+    return cls
+
+
 @dataclass
+@_table_axes
 class SweepConfig:
     """The sweep axes: every list is one axis; trials are their cartesian product minus excludes."""
 

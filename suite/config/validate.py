@@ -9,6 +9,7 @@ import os
 import re
 from typing import Any
 
+from suite import metrics as M
 from suite.config.schema import (
     AXES,
     BACKENDS,
@@ -24,6 +25,7 @@ from suite.config.schema import (
     PASSES,
     ConfigError,
     SuiteConfig,
+    SweepConfig,
     option_points,
 )
 
@@ -58,48 +60,13 @@ def validate(cfg: SuiteConfig) -> None:
     expand_method_groups(cfg)  # imports run.plugins first
     s, r = cfg.sweep, cfg.run
     known = set(methods.available()) | set(methods.unavailable())
-    for axis in (
-        "methods",
-        "world_size",
-        "batch",
-        "seq_len",
-        "heads",
-        "kv_heads",
-        "head_dim",
-        "dtype",
-        "causal",
-        "passes",
-        "workload",
-        "sinks",
-    ):
-        values = getattr(s, axis)
-        _require(len(values) > 0, f"sweep.{axis}", "needs at least one value")
-        _require(len(set(map(str, values))) == len(values), f"sweep.{axis}", f"has duplicates: {values}")
+    _validate_axes(s)
     for m in s.methods:
         _require(
             m in known,
             "sweep.methods",
             f"unknown method {m!r}; registered methods: {', '.join(sorted(known))}; groups: "
             f"{', '.join(methods.GROUPS)}",
-        )
-    for axis in ("world_size", "batch", "seq_len", "heads", "kv_heads", "head_dim"):
-        for v in getattr(s, axis):
-            _require(v >= 1, f"sweep.{axis}", f"values must be >= 1, got {v}")
-    _require(len(s.head_dim_v) > 0, "sweep.head_dim_v", "needs at least one value (null: equal to head_dim)")
-    _require(len(set(map(str, s.head_dim_v))) == len(s.head_dim_v), "sweep.head_dim_v", "has duplicates")
-    for v in s.head_dim_v:
-        _require(
-            v is None or v >= 1,
-            "sweep.head_dim_v",
-            f"values must be >= 1 (or null: equal to head_dim), got {v}; use the values' head dim, e.g. 128",
-        )
-    _require(len(s.softcap) > 0, "sweep.softcap", "needs at least one value (0: no capping)")
-    _require(len(set(map(float, s.softcap))) == len(s.softcap), "sweep.softcap", f"has duplicates: {s.softcap}")
-    for v in s.softcap:
-        _require(
-            math.isfinite(v) and v >= 0,
-            "sweep.softcap",
-            f"values must be finite and >= 0 (0: no capping), got {v}; Gemma 2 caps attention logits at 50",
         )
     for v in s.seq_len:
         _require(
@@ -108,8 +75,6 @@ def validate(cfg: SuiteConfig) -> None:
             f"{v} tokens is more than {MAX_SEQ_LEN} (2**31 - 1: flash-attn indexes a sequence with int32 "
             f"offsets, and the check and simulator grow with the length); use a shorter sequence",
         )
-    for v in s.sinks:
-        _require(isinstance(v, bool), "sweep.sinks", f"values must be true or false, got {v!r}")
     for d in s.dtype:
         _choice(d, "sweep.dtype", tuple(DTYPES))
     for p in s.passes:
@@ -217,6 +182,32 @@ def validate(cfg: SuiteConfig) -> None:
         _require(not any(s.softcap), "sweep.softcap", "a perplexity check trains a model without a logit cap; use [0]")
     if r.executor == "sim":
         _validate_sim(cfg)
+
+
+def _validate_axes(s: SweepConfig) -> None:
+    """Every sweep list of suite.metrics.TRIAL_AXES: at least one value, no value twice, bools true
+    or false, numbers finite and at least the axis's minimum (or null where null is a value). The
+    mask list (empty: the `causal` axis) is `_validate_masks`'s: each name is parsed there."""
+    for a in M.TRIAL_AXES:
+        if not a.sweep or a.sweep == "mask":
+            continue
+        key, values = f"sweep.{a.sweep}", getattr(s, a.sweep)
+        means = f" ({a.means})" if a.means else ""
+        _require(len(values) > 0, key, f"needs at least one value{means}")
+        seen = [v if v is None or a.type is str else a.type(v) for v in values]
+        _require(len(set(map(str, seen))) == len(values), key, f"has duplicates: {values}")
+        for v in values:
+            if v is None:
+                _require(a.nullable, key, f"null is not a value here; got {values}")
+            elif a.type is bool:
+                _require(isinstance(v, bool), key, f"values must be true or false, got {v!r}")
+            elif a.minimum is not None:
+                _require(
+                    math.isfinite(v) and v >= a.minimum,
+                    key,
+                    f"values must be {'finite and ' if a.type is float else ''}>= {a.minimum:g}"
+                    f"{means}, got {v}" + (f"; {a.example}" if a.example else ""),
+                )
 
 
 def _validate_masks(cfg: SuiteConfig) -> None:

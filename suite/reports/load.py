@@ -193,22 +193,10 @@ def load_mlflow(experiment: str, uri: Optional[str] = None) -> ResultSet:
     out = pd.DataFrame(rows)
     if out.empty:
         return ResultSet(normalise(out), [Source(experiment, f"mlflow:{experiment}")])
-    for col in (
-        "world_size",
-        "nodes",
-        "ulysses_degree",
-        "ring_degree",
-        "batch",
-        "seq_len",
-        "heads",
-        "kv_heads",
-        "head_dim",
-        "head_dim_v",
-        "softcap",
-    ):
+    for col in (a.name for a in M.TRIAL_AXES if a.type in (int, float)):  # params are text
         if col in out:
             out[col] = pd.to_numeric(out[col], errors="coerce")
-    for col in ("causal", "sinks", M.CHECKED):  # params are text: "False" must not read as true
+    for col in (*(a.name for a in M.TRIAL_AXES if a.type is bool), M.CHECKED):  # "False" must not read as true
         if col in out:
             out[col] = out[col].map(lambda v: str(v).lower() == "true")
     out["sweep"], out["run_dir"] = experiment, f"mlflow:{experiment}"
@@ -226,6 +214,16 @@ def _dims(r) -> str:
     return f"{r['head_dim']}" if r["head_dim_v"] == r["head_dim"] else f"{r['head_dim']}/{r['head_dim_v']}"
 
 
+def _read(axis: M.Axis, v):
+    """A stored value of a variant axis as its type; the plain value where a row has none (rows of
+    trials that did not set it, and rows from before the axis)."""
+    if v is None or (not isinstance(v, str) and pd.isna(v)):
+        return axis.default
+    if axis.type is bool:
+        return v is True or str(v).lower() == "true"
+    return axis.type(v)
+
+
 def normalise(df: pd.DataFrame) -> pd.DataFrame:
     """Every documented column present (missing ones as empty), derived labels added."""
     df = df.copy()
@@ -239,10 +237,12 @@ def normalise(df: pd.DataFrame) -> pd.DataFrame:
     df["workload"] = df["workload"].fillna("")  # rows from before the column existed: one document each
     # a variant's identity, on rows that set it only (metrics.VARIANT_IDENTITY): the plain value
     # elsewhere, so that grouping by it never drops a row (a NaN key) nor splits plain rows
-    hdv = df["head_dim_v"] if "head_dim_v" in df else pd.Series(None, index=df.index, dtype=object)
-    df["head_dim_v"] = [int(v) if pd.notna(v) and v else int(h) for h, v in zip(df["head_dim"], hdv)]
-    cap = df["softcap"] if "softcap" in df else pd.Series(None, index=df.index, dtype=object)
-    df["softcap"] = [float(c) if pd.notna(c) else 0.0 for c in cap]
+    for a in M.VARIANTS:
+        col = df[a.name] if a.name in df else pd.Series(None, index=df.index, dtype=object)
+        values = [_read(a, v) for v in col]
+        if a.name == "head_dim_v":  # a missing value head dim is head_dim's (grouped and labelled as D=192/128)
+            values = [int(h) if not v else v for h, v in zip(df["head_dim"], values)]
+        df[a.name] = values
     sinks = df["sinks"] if "sinks" in df else pd.Series(None, index=df.index, dtype=object)
     df["sinks"] = [on is True or str(on).lower() == "true" for on in sinks]  # rows from before sinks: none
     df["mix"] = df["workload"].map(M.workload_label)
@@ -252,9 +252,10 @@ def normalise(df: pd.DataFrame) -> pd.DataFrame:
     if "mask_name" not in df or df["mask_name"].isna().any():
         df["mask_name"] = [m if isinstance(m, str) and m not in M.PLAIN_MASKS else "" for m in df["mask"]]
     df["family"] = [M.mask_label(m, c) for m, c in zip(df["mask_name"], df["causal"])]
+    variants = df[list(M.VARIANT_IDENTITY)].to_dict("records")
     df["mask"] = [
-        fam + (f" cap {c:g}" if c else "") + ("" if mix == "uniform" else f", {mix}")
-        for fam, c, mix in zip(df["family"], df["softcap"], df["mix"])
+        fam + M.variant_labels(v) + ("" if mix == "uniform" else f", {mix}")
+        for fam, v, mix in zip(df["family"], variants, df["mix"])
     ]
     # shape: everything of the problem but its length, mask and pass (figures draw one shape at a
     # time: rows of different shapes are never averaged into one point)

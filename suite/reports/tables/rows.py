@@ -22,7 +22,7 @@ from suite.reports.style import is_cpu
 # The problem's columns, in one list: a comparable point is the problem (less its mask) on a
 # machine and world size (everything but the method); `PROBLEM` adds the mask.
 _SHAPE = ["batch", "seq_len", "heads", "kv_heads", "head_dim", "head_dim_v", "softcap", "sinks", "dtype", "causal"]
-_SHAPE += ["pass", "workload"]
+_SHAPE += ["pass", "workload"] + [c for c in M.VARIANT_IDENTITY if c not in _SHAPE]  # axes added since
 
 
 POINT = ["hardware", "executor", "world_size", *_SHAPE]
