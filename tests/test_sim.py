@@ -232,7 +232,7 @@ def test_extrapolated_traces_equal_direct_traces(name):
 # -- topologies and compute ----------------------------------------------------------------------------
 def test_shipped_topologies_load_and_name_their_sources():
     names = available_topologies()
-    assert {"h100_sxm", "h800_sxm", "a100_sxm", "mi300x", "a100_pcie"} <= set(names)
+    assert {"h100_sxm", "h800_sxm", "a100_sxm", "a800_sxm", "mi300x", "a100_pcie"} <= set(names)
     for n in names:
         t = load_topology(n)
         ComputeModel(t)
