@@ -21,8 +21,9 @@ MiB, GiB = 1 << 20, 1 << 30
 
 def comm_time(topo: Topology, ranks) -> float:
     """Seconds for the messages alone, without the topology's fixed per-exchange costs (a benchmark's
-    bandwidth figure is bytes over the transfer's time)."""
-    topo.overlap = {}
+    bandwidth figure is bytes over the transfer's time) nor PyTorch's host path (nccl-tests and
+    TransferBench call the library directly)."""
+    topo.overlap, topo.host = {}, {}
     return replay(synthetic(ranks), topo, no_compute).time_s
 
 

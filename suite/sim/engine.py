@@ -35,6 +35,17 @@ of `sync_us`: its flows start that long after the exchange is posted and its lat
 returns that long after the last flow ends, or after the wait is reached if they already ended (the
 compute stream waits for the communication stream). The per-message `latency_us` stays the
 library's own per-operation latency; the launch of the communication kernels is part of it.
+
+The host issues (the topology's `host` section; none: free, as on a host topology). Each rank's host
+(the Python process driving its GPU) issues the rank's events in order, each costing it a host time:
+`kernel_us` per block-kernel call (the attention library's Python wrapper, the dispatcher and the
+launch), `op_us` per aten op of the method's own tensor work, `comm_us` per send or receive of an
+exchange and per collective call, `wait_us` per `Wait` (the host-side call that makes the stream wait).
+An event cannot start on the device before its host has issued it: the host runs ahead of the
+device as far as its issuing allows, so its cost shows only where the device's ops are shorter than
+the host's work for them (small blocks, many small ops). Waits and collectives do not block the
+host (NCCL's stream semantics); a `HostSync` does: the host resumes when the device has drained to
+it and turned round (`host_sync_us`).
 """
 
 from __future__ import annotations
@@ -169,6 +180,11 @@ class _Sim:
         self.slowdown = float(overlap.get("compute_slowdown", 0.0))
         self.sync_s = float(overlap.get("sync_us", 0.0)) * 1e-6
         self.host_sync_s = float((getattr(topology, "compute", None) or {}).get("host_sync_us", 0.0)) * 1e-6
+        host = (getattr(topology, "host", None) or {}) if compute else {}
+        self.host_cost = {k: float(host.get(f"{k}_us", 0.0)) * 1e-6 for k in ("kernel", "op", "comm", "wait")}
+        self.hosted = any(self.host_cost.values())
+        self.host_t = [0.0] * p  # when each rank's host has issued its events so far
+        self.issued = [-1] * p  # the last event each rank's host has issued
 
     # -- scheduling primitives ------------------------------------------------------------------
     def at(self, when: float, fn: Callable[[], None]) -> None:
@@ -227,6 +243,13 @@ class _Sim:
         while self.blocked[r] is None and self.pc[r] < len(events):
             i = self.pc[r]
             e = events[i]
+            if self.hosted and self.issued[r] < i:
+                self.issued[r] = i
+                self.host_t[r] += self.issue_cost(e)
+                if self.host_t[r] > self.t:  # the device waits for its host to issue the event
+                    self.block(r, "host")
+                    self.at(self.host_t[r], functools.partial(self.unblock, r))
+                    break
             self.pc[r] += 1
             if isinstance(e, (Compute, Memory)):
                 secs = self.compute_time(e) if self.with_compute else 0.0
@@ -236,7 +259,9 @@ class _Sim:
                     done = self.kernel_done(r, self.t) if isinstance(e, Compute) else functools.partial(self.unblock, r)
                     self.start_flow(res, cap, secs, done, computing=r)
             elif isinstance(e, HostSync):
-                if self.with_compute and self.host_sync_s > 0:  # the device idles while the host turns round
+                # the host waits for the device to drain, then turns round while the device idles
+                self.host_t[r] = max(self.host_t[r], self.t + self.host_sync_s)
+                if self.with_compute and self.host_sync_s > 0:
                     self.block(r, "host")
                     self.at(self.t + self.host_sync_s, functools.partial(self.unblock, r))
             elif isinstance(e, Wait):
@@ -256,6 +281,24 @@ class _Sim:
                 raise SimError(f"unknown communication kind {e.kind!r}")
         if self.pc[r] == len(events) and self.blocked[r] is None:
             self.end[r] = self.t
+
+    def issue_cost(self, e) -> float:
+        """What issuing event `e` costs its rank's host (the topology's `host` section)."""
+        c = self.host_cost
+        if isinstance(e, Compute):
+            if e.pairs == 0:
+                return 0.0
+            calls = sum(n for _, n in e.pieces) if e.pieces is not None and not e.varlen else 1
+            return calls * c["kernel"]
+        if isinstance(e, Memory):
+            return e.ops * c["op"]
+        if isinstance(e, Wait):
+            return c["wait"]
+        if isinstance(e, HostSync):
+            return 0.0
+        if e.kind == "p2p":  # one send or receive op per peer and direction of the exchange
+            return c["comm"] * sum(bool(sent) + bool(recv) for sent, recv in e.per_peer.values())
+        return c["comm"]
 
     def kernel_done(self, r: int, started: float) -> Callable[[], None]:
         """A block kernel's completion: its time in `kernel_s` is what it took, slowed or not."""
