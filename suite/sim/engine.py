@@ -43,7 +43,8 @@ launch), `op_us` per aten op of the method's own tensor work, `comm_us` per send
 exchange and per collective call, `wait_us` per `Wait` (the host-side call that makes the stream wait).
 An event cannot start on the device before its host has issued it: the host runs ahead of the
 device as far as its issuing allows, so its cost shows only where the device's ops are shorter than
-the host's work for them (small blocks, many small ops). Waits and collectives do not block the
+the host's work for them (small blocks, many small ops). An iteration is one of a loop (`replay`):
+each host starts it as far ahead as it finished issuing the previous one. Waits and collectives do not block the
 host (NCCL's stream semantics); a `HostSync` does: the host resumes when the device has drained to
 it and turned round (`host_sync_us`).
 """
@@ -141,13 +142,34 @@ class _Handle:
 def replay(
     trace: Trace, topology, compute_time: Callable[[Compute], float], *, comm: bool = True, compute: bool = True
 ) -> Replay:
-    """Simulate one iteration of `trace` on `topology`. `comm=False` makes every message free
-    (the compute-only time), `compute=False` every block (the comm-only time)."""
-    return _Sim(trace, topology, compute_time, comm, compute).run()
+    """Simulate one iteration of `trace` on `topology`, in a loop of them (as benchmarks and training
+    run it: no synchronisation between iterations). `comm=False` makes every message free (the
+    compute-only time), `compute=False` every block (the comm-only time).
+
+    With a host section the device is replayed alone first, its hosts clocked beside it: how long
+    before the device finished each host had issued its last op. A host that did so without ever
+    waiting for the device costs nothing in the loop; otherwise the iteration is replayed again with
+    each host starting that far ahead of the device (the next iteration's ops issued while the device
+    still runs this one's) and holding the device up where it falls behind."""
+    device = _Sim(trace, topology, compute_time, comm, compute, host_start=None)
+    alone = device.run()
+    if not device.host_priced:
+        return alone
+    # the device alone also clocked its hosts (issuing as they go, never holding the device up): a host
+    # that never waits for the device and issues its whole iteration within the device's time gets
+    # further ahead every iteration, so in the loop it never holds the device up
+    if not device.host_waited and max(device.host_t) <= alone.time_s:
+        return alone
+    lead = [min(0.0, h - alone.time_s) for h in device.host_t]
+    return _Sim(trace, topology, compute_time, comm, compute, host_start=lead).run()
 
 
 class _Sim:
-    def __init__(self, trace: Trace, topology, compute_time, comm: bool, compute: bool):
+    def __init__(
+        self, trace: Trace, topology, compute_time, comm: bool, compute: bool, host_start: Optional[list] = ()
+    ):
+        """`host_start`: each rank's host clock when the iteration starts on the device (negative: that
+        far ahead; empty: all 0, a synchronised start); None replays the device alone, without the host."""
         self.tr, self.topo, self.compute_time = trace, topology, compute_time
         self.with_comm, self.with_compute = comm, compute
         p = len(trace.ranks)
@@ -182,8 +204,11 @@ class _Sim:
         self.host_sync_s = float((getattr(topology, "compute", None) or {}).get("host_sync_us", 0.0)) * 1e-6
         host = (getattr(topology, "host", None) or {}) if compute else {}
         self.host_cost = {k: float(host.get(f"{k}_us", 0.0)) * 1e-6 for k in ("kernel", "op", "comm", "wait")}
-        self.hosted = any(self.host_cost.values())
-        self.host_t = [0.0] * p  # when each rank's host has issued its events so far
+        self.host_priced = any(self.host_cost.values())
+        self.hosted = self.host_priced and host_start is not None
+        self.host_waited = False  # a HostSync made a host wait for the device
+        # when each rank's host has issued its events so far
+        self.host_t = list(host_start) if host_start else [0.0] * p
         self.issued = [-1] * p  # the last event each rank's host has issued
 
     # -- scheduling primitives ------------------------------------------------------------------
@@ -243,10 +268,10 @@ class _Sim:
         while self.blocked[r] is None and self.pc[r] < len(events):
             i = self.pc[r]
             e = events[i]
-            if self.hosted and self.issued[r] < i:
+            if self.host_priced and self.issued[r] < i:
                 self.issued[r] = i
                 self.host_t[r] += self.issue_cost(e)
-                if self.host_t[r] > self.t:  # the device waits for its host to issue the event
+                if self.hosted and self.host_t[r] > self.t:  # the device waits for its host to issue the event
                     self.block(r, "host")
                     self.at(self.host_t[r], functools.partial(self.unblock, r))
                     break
@@ -261,6 +286,7 @@ class _Sim:
             elif isinstance(e, HostSync):
                 # the host waits for the device to drain, then turns round while the device idles
                 self.host_t[r] = max(self.host_t[r], self.t + self.host_sync_s)
+                self.host_waited = True
                 if self.with_compute and self.host_sync_s > 0:
                     self.block(r, "host")
                     self.at(self.t + self.host_sync_s, functools.partial(self.unblock, r))
