@@ -56,7 +56,7 @@ import heapq
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from methods.comm.counting import CommRecord
 from suite.sim.record import Compute, HostSync, Memory, Trace, Wait
@@ -166,7 +166,13 @@ def replay(
 
 class _Sim:
     def __init__(
-        self, trace: Trace, topology, compute_time, comm: bool, compute: bool, host_start: Optional[list] = ()
+        self,
+        trace: Trace,
+        topology,
+        compute_time,
+        comm: bool,
+        compute: bool,
+        host_start: Optional[Sequence[float]] = (),
     ):
         """`host_start`: each rank's host clock when the iteration starts on the device (negative: that
         far ahead; empty: all 0, a synchronised start); None replays the device alone, without the host."""
