@@ -44,9 +44,9 @@ exchange and per collective call, `wait_us` per `Wait` (the host-side call that 
 An event cannot start on the device before its host has issued it: the host runs ahead of the
 device as far as its issuing allows, so its cost shows only where the device's ops are shorter than
 the host's work for them (small blocks, many small ops). An iteration is one of a loop (`replay`):
-each host starts it as far ahead as it finished issuing the previous one. Waits and collectives do not block the
-host (NCCL's stream semantics); a `HostSync` does: the host resumes when the device has drained to
-it and turned round (`host_sync_us`).
+each host starts it as far ahead as it finished issuing the previous one. Waits and collectives do
+not block the host (NCCL's stream semantics); a `HostSync` does: the host resumes when the device
+has drained to it and turned round (`host_sync_us`).
 """
 
 from __future__ import annotations
