@@ -180,6 +180,71 @@ def test_a_host_synchronization_idles_the_device_and_is_not_communication():
     assert replay(synthetic(ranks), topo(), lambda e: 1e-3).time_s == pytest.approx(2e-3)  # default: free
 
 
+def ring_steps(p: int, steps: int, n: int, ops: int) -> list:
+    """A ring's per-rank program: each step posts its exchange with both neighbours, runs its block,
+    `ops` aten ops of merging, and waits for the exchange."""
+    blk = Compute("fwd", 1, 8, 8, 1, 1, 8, None, "float32")
+    ranks = []
+    for r in range(p):
+        ev: list = []
+        for _ in range(steps):
+            ev += [p2p({(r + 1) % p: (n, 0), (r - 1) % p: (0, n)}), blk, Memory(0, ops), Wait(len(ev))]
+        ranks.append(ev)
+    return ranks
+
+
+HOST = {"kernel_us": 40, "op_us": 10, "comm_us": 20, "wait_us": 5}  # 40 + 10 ops + 2 x 20 + 5 = 185 us a step
+
+
+def test_a_host_slower_than_its_device_sets_the_pace():
+    """Each step's host work (one kernel call, ten ops, a send and a receive, a wait: 185 us) is longer
+    than the device's (a 50 us block, the ops free on the device): the device waits for its host, and
+    the iteration takes the host's time: its last event, the last wait, is issued when all the
+    device's work is long done."""
+    p, steps = 4, 5
+    t = replace(topo(), host=HOST)
+    ranks = ring_steps(p, steps, 1 << 10, 10)
+    r = replay(synthetic(ranks), t, lambda e: 50e-6 if isinstance(e, Compute) else 0.0)
+    step = 40e-6 + 10 * 10e-6 + 2 * 20e-6 + 5e-6
+    assert r.time_s == pytest.approx(steps * step, rel=1e-9)
+    assert r.blocked_s == [pytest.approx(0.0, abs=ALPHA + 1e-6)] * p  # waiting for the host is not communication
+    free = replay(synthetic(ranks), topo(), lambda e: 50e-6 if isinstance(e, Compute) else 0.0)
+    assert free.time_s < steps * (50e-6 + ALPHA + 2e-6)  # without a host section the device's time alone
+    # the comm-only replay leaves the host out (it is the communication's time alone)
+    comm = replay(synthetic(ranks), t, lambda e: 50e-6, compute=False).time_s
+    assert comm == pytest.approx(replay(synthetic(ranks), topo(), lambda e: 50e-6, compute=False).time_s)
+
+
+def test_a_host_faster_than_its_device_costs_nothing_in_a_loop():
+    """With 2 ms blocks the host runs ahead and every step's host work hides behind the device's; in a
+    loop of iterations (no synchronisation between them) even the first block's issue is hidden, since
+    the host issued it while the device ran the previous iteration. So the time is the device's."""
+    p, steps, secs = 4, 5, 2e-3
+    t = replace(topo(), host=HOST)
+    ranks = ring_steps(p, steps, 1 << 10, 10)
+    hosted = replay(synthetic(ranks), t, lambda e: secs if isinstance(e, Compute) else 0.0).time_s
+    free = replay(synthetic(ranks), topo(), lambda e: secs if isinstance(e, Compute) else 0.0).time_s
+    assert hosted == pytest.approx(free, rel=1e-9)
+
+
+def test_a_host_synchronization_holds_the_host_until_the_device_drains():
+    """After a HostSync the host has to issue the next kernel anew: its call cost is paid on the
+    device's critical path (the host cannot have run ahead past the sync). Without the sync the
+    second call is issued while the first block runs, and the first while the previous iteration ran."""
+    blk = Compute("fwd", 1, 8, 8, 1, 1, 8, None, "float32")
+    t = replace(topo(), host=HOST)
+    assert replay(synthetic([[blk, HostSync(), blk]]), t, lambda e: 1e-3).time_s == pytest.approx(2e-3 + 40e-6)
+    assert replay(synthetic([[blk, blk]]), t, lambda e: 1e-3).time_s == pytest.approx(2e-3)
+
+
+def test_host_costs_are_checked_by_name():
+    d = yaml.safe_load(load_topology("h100_sxm").source.read_text())
+    with pytest.raises(TopologyError, match="host.launch_us is not a host cost; the keys are kernel_us"):
+        Topology.from_dict({**d, "host": {"launch_us": 3}})
+    with pytest.raises(TopologyError, match="host.op_us must be a number of microseconds >= 0"):
+        Topology.from_dict({**d, "host": {"op_us": -1}})
+
+
 def test_own_methods_never_make_the_host_wait_for_the_device():
     """No own method indexes device data with a host tensor or reads a device value back (a HostSync
     in its trace), with plain or packed documents, causal or full: their index tensors are built on
@@ -232,7 +297,7 @@ def test_extrapolated_traces_equal_direct_traces(name):
 # -- topologies and compute ----------------------------------------------------------------------------
 def test_shipped_topologies_load_and_name_their_sources():
     names = available_topologies()
-    assert {"h100_sxm", "h800_sxm", "a100_sxm", "mi300x", "a100_pcie"} <= set(names)
+    assert {"h100_sxm", "h800_sxm", "a100_sxm", "a800_sxm", "mi300x", "a100_pcie"} <= set(names)
     for n in names:
         t = load_topology(n)
         ComputeModel(t)

@@ -35,6 +35,18 @@ of `sync_us`: its flows start that long after the exchange is posted and its lat
 returns that long after the last flow ends, or after the wait is reached if they already ended (the
 compute stream waits for the communication stream). The per-message `latency_us` stays the
 library's own per-operation latency; the launch of the communication kernels is part of it.
+
+The host issues (the topology's `host` section; none: free, as on a host topology). Each rank's host
+(the Python process driving its GPU) issues the rank's events in order, each costing it a host time:
+`kernel_us` per block-kernel call (the attention library's Python wrapper, the dispatcher and the
+launch), `op_us` per aten op of the method's own tensor work, `comm_us` per send or receive of an
+exchange and per collective call, `wait_us` per `Wait` (the host-side call that makes the stream wait).
+An event cannot start on the device before its host has issued it: the host runs ahead of the
+device as far as its issuing allows, so its cost shows only where the device's ops are shorter than
+the host's work for them (small blocks, many small ops). An iteration is one of a loop (`replay`):
+each host starts it as far ahead as it finished issuing the previous one. Waits and collectives do
+not block the host (NCCL's stream semantics); a `HostSync` does: the host resumes when the device
+has drained to it and turned round (`host_sync_us`).
 """
 
 from __future__ import annotations
@@ -44,7 +56,7 @@ import heapq
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 from methods.comm.counting import CommRecord
 from suite.sim.ledger import Compute, HostSync, Memory, Trace, Wait
@@ -130,13 +142,40 @@ class _Handle:
 def replay(
     trace: Trace, topology, compute_time: Callable[[Compute], float], *, comm: bool = True, compute: bool = True
 ) -> Replay:
-    """Simulate one iteration of `trace` on `topology`. `comm=False` makes every message free
-    (the compute-only time), `compute=False` every block (the comm-only time)."""
-    return _Sim(trace, topology, compute_time, comm, compute).run()
+    """Simulate one iteration of `trace` on `topology`, in a loop of them (as benchmarks and training
+    run it: no synchronisation between iterations). `comm=False` makes every message free (the
+    compute-only time), `compute=False` every block (the comm-only time).
+
+    With a host section the device is replayed alone first, its hosts clocked beside it: how long
+    before the device finished each host had issued its last op. A host that did so without ever
+    waiting for the device costs nothing in the loop; otherwise the iteration is replayed again with
+    each host starting that far ahead of the device (the next iteration's ops issued while the device
+    still runs this one's) and holding the device up where it falls behind."""
+    device = _Sim(trace, topology, compute_time, comm, compute, host_start=None)
+    alone = device.run()
+    if not device.host_priced:
+        return alone
+    # the device alone also clocked its hosts (issuing as they go, never holding the device up): a host
+    # that never waits for the device and issues its whole iteration within the device's time gets
+    # further ahead every iteration, so in the loop it never holds the device up
+    if not device.host_waited and max(device.host_t) <= alone.time_s:
+        return alone
+    lead = [min(0.0, h - alone.time_s) for h in device.host_t]
+    return _Sim(trace, topology, compute_time, comm, compute, host_start=lead).run()
 
 
 class _Sim:
-    def __init__(self, trace: Trace, topology, compute_time, comm: bool, compute: bool):
+    def __init__(
+        self,
+        trace: Trace,
+        topology,
+        compute_time,
+        comm: bool,
+        compute: bool,
+        host_start: Optional[Sequence[float]] = (),
+    ):
+        """`host_start`: each rank's host clock when the iteration starts on the device (negative: that
+        far ahead; empty: all 0, a synchronised start); None replays the device alone, without the host."""
         self.tr, self.topo, self.compute_time = trace, topology, compute_time
         self.with_comm, self.with_compute = comm, compute
         p = len(trace.ranks)
@@ -169,6 +208,14 @@ class _Sim:
         self.slowdown = float(overlap.get("compute_slowdown", 0.0))
         self.sync_s = float(overlap.get("sync_us", 0.0)) * 1e-6
         self.host_sync_s = float((getattr(topology, "compute", None) or {}).get("host_sync_us", 0.0)) * 1e-6
+        host = (getattr(topology, "host", None) or {}) if compute else {}
+        self.host_cost = {k: float(host.get(f"{k}_us", 0.0)) * 1e-6 for k in ("kernel", "op", "comm", "wait")}
+        self.host_priced = any(self.host_cost.values())
+        self.hosted = self.host_priced and host_start is not None
+        self.host_waited = False  # a HostSync made a host wait for the device
+        # when each rank's host has issued its events so far
+        self.host_t = list(host_start) if host_start else [0.0] * p
+        self.issued = [-1] * p  # the last event each rank's host has issued
 
     # -- scheduling primitives ------------------------------------------------------------------
     def at(self, when: float, fn: Callable[[], None]) -> None:
@@ -227,6 +274,13 @@ class _Sim:
         while self.blocked[r] is None and self.pc[r] < len(events):
             i = self.pc[r]
             e = events[i]
+            if self.host_priced and self.issued[r] < i:
+                self.issued[r] = i
+                self.host_t[r] += self.issue_cost(e)
+                if self.hosted and self.host_t[r] > self.t:  # the device waits for its host to issue the event
+                    self.block(r, "host")
+                    self.at(self.host_t[r], functools.partial(self.unblock, r))
+                    break
             self.pc[r] += 1
             if isinstance(e, (Compute, Memory)):
                 secs = self.compute_time(e) if self.with_compute else 0.0
@@ -236,7 +290,10 @@ class _Sim:
                     done = self.kernel_done(r, self.t) if isinstance(e, Compute) else functools.partial(self.unblock, r)
                     self.start_flow(res, cap, secs, done, computing=r)
             elif isinstance(e, HostSync):
-                if self.with_compute and self.host_sync_s > 0:  # the device idles while the host turns round
+                # the host waits for the device to drain, then turns round while the device idles
+                self.host_t[r] = max(self.host_t[r], self.t + self.host_sync_s)
+                self.host_waited = True
+                if self.with_compute and self.host_sync_s > 0:
                     self.block(r, "host")
                     self.at(self.t + self.host_sync_s, functools.partial(self.unblock, r))
             elif isinstance(e, Wait):
@@ -256,6 +313,24 @@ class _Sim:
                 raise SimError(f"unknown communication kind {e.kind!r}")
         if self.pc[r] == len(events) and self.blocked[r] is None:
             self.end[r] = self.t
+
+    def issue_cost(self, e) -> float:
+        """What issuing event `e` costs its rank's host (the topology's `host` section)."""
+        c = self.host_cost
+        if isinstance(e, Compute):
+            if e.pairs == 0:
+                return 0.0
+            calls = sum(n for _, n in e.pieces) if e.pieces is not None and not e.varlen else 1
+            return calls * c["kernel"]
+        if isinstance(e, Memory):
+            return e.ops * c["op"]
+        if isinstance(e, Wait):
+            return c["wait"]
+        if isinstance(e, HostSync):
+            return 0.0
+        if e.kind == "p2p":  # one send or receive op per peer and direction of the exchange
+            return c["comm"] * sum(bool(sent) + bool(recv) for sent, recv in e.per_peer.values())
+        return c["comm"]
 
     def kernel_done(self, r: int, started: float) -> Callable[[], None]:
         """A block kernel's completion: its time in `kernel_s` is what it took, slowed or not."""

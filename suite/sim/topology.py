@@ -32,6 +32,11 @@ A topology is one node type repeated `nodes` times (as many as a world size need
   measured block times (`python -m suite calibrate`); `shared_cores` when the
   ranks share CPU cores instead of owning a GPU each; `host_sync_us`: what the device idles each
   time the code makes the host wait for it (suite/sim/engine.py `HostSync`; default 0).
+- `host` (optional): what issuing each traced op costs the host that drives the GPU, in µs:
+  `kernel_us` per block-kernel call, `op_us` per aten op of the method's own tensor work, `comm_us`
+  per send, receive or collective call, `wait_us` per wait; the device cannot start an op before
+  its host has issued it (suite/sim/engine.py). Default 0 (free: a host topology's ranks are the
+  host itself, timed as a whole by calibrate).
 
 - `fitted_from` (optional): the published validation sources (a validation file's `source.id`,
   configs/validate/) some figure of the file was derived from, each with what: `suite validate`
@@ -56,6 +61,7 @@ import yaml
 from suite.bundled import TOPOLOGIES
 
 FABRICS = ("switch", "mesh", "pcie")
+HOST_KEYS = ("kernel_us", "op_us", "comm_us", "wait_us")
 GB = 1e9
 
 
@@ -124,6 +130,7 @@ class Topology:
     source: Optional[Path] = None
     overlap: dict = field(default_factory=dict)
     fitted_from: dict = field(default_factory=dict)  # validation source id -> what was derived from it
+    host: dict = field(default_factory=dict)  # what issuing each op costs the host (suite/sim/engine.py)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any], source: Optional[Path] = None) -> "Topology":
@@ -144,6 +151,7 @@ class Topology:
             source=source,
             overlap=dict(d.get("overlap") or {}),
             fitted_from=dict(d.get("fitted_from") or {}),
+            host=dict(d.get("host") or {}),
         )
         t._validate(where)
         return t
@@ -170,6 +178,11 @@ class Topology:
             v = self.overlap.get(k, 0)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
                 raise TopologyError(f"{where}: overlap.{k} must be a number >= 0, got {v!r}")
+        for k, v in self.host.items():
+            if k not in HOST_KEYS:
+                raise TopologyError(f"{where}: host.{k} is not a host cost; the keys are {', '.join(HOST_KEYS)}")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+                raise TopologyError(f"{where}: host.{k} must be a number of microseconds >= 0, got {v!r}")
         if self.max_nodes > 1:
             if self.inter is None:
                 raise TopologyError(
