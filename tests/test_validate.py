@@ -19,6 +19,7 @@ from suite.sim.bands import (
     bound_of,
     load_bands,
     topology_kind,
+    write_bands,
 )
 from suite.sim_validation import (
     PublishedRow,
@@ -30,6 +31,7 @@ from suite.sim_validation import (
     expand_match,
     find,
     load_table,
+    make_bands,
     record_matches,
     summarize,
     validate,
@@ -134,6 +136,24 @@ def test_check_fails_on_a_regressed_mean_and_on_a_row_beyond_the_limit():
     assert len(problems) == 1 and "mean |error| 13.0%" in problems[0]
     problems = check([res(1.0), res(21.0)], bands)  # mean 11 passes, one row over 20
     assert len(problems) == 1 and "row 21.0" in problems[0]
+    # a row the record lists beyond the limit is a known miss: held to its recorded |error| + margin
+    bands.over_limit = {"t: row 21.0": 20.5, "t: row 23.0": 20.5}
+    assert check([res(1.0), res(21.0)], bands) == []
+    problems = check([res(-1.0), res(23.0)], bands)  # 23 > 20.5 + 2
+    assert len(problems) == 1 and "row 23.0" in problems[0] and "grew past its recorded 20.5%" in problems[0]
+
+
+def test_the_record_lists_the_rows_beyond_its_limit_and_reads_them_back(tmp_path):
+    def res(label, err):
+        return RowResult("t", PublishedRow(label, 1.0, "ms", {}), 1.0, err, bound=KERNEL_BOUND, kind="switch")
+
+    previous = Bands(Summary(1, 1.0, 1.0, 1.0), row_limit_pct=15.0)
+    bands = make_bands([res("near", 14.0), res("far", -31.234), res("farther", 40.0)], previous, ["t"])
+    assert bands.over_limit == {"t: far": 31.23, "t: farther": 40.0}
+    path = write_bands(bands, tmp_path / "bands.yaml", "# header\n")
+    again = load_bands(path)
+    assert again is not None and again.over_limit == bands.over_limit and again.row_limit_pct == 15.0
+    assert check([res("near", 14.0), res("far", -31.234), res("farther", 40.0)], again) == []
 
 
 def test_a_family_without_validated_rows_borrows_no_band():
