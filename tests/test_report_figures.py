@@ -208,6 +208,10 @@ def test_log_axes_carry_at_least_two_labels(tmp_path):
     fig.canvas.draw()
     logs = [ax for ax in fig.axes if ax.get_yscale() == "log"]
     assert logs
+    # a log axis says so in its label (the report sets it beside linear ones); a linear one does not
+    assert fig.axes[0].get_ylabel().endswith("(log scale)")
+    linear = _figures(frame_of(tmp_path / "linear", _sweep()))[0]["throughput_B-1-H-8-8-D-64-float32"]
+    assert linear.axes[0].get_yscale() == "linear" and "log scale" not in linear.axes[0].get_ylabel()
     for ax in logs:
         lo, hi = ax.get_ylim()
         shown = [t for t in ax.get_yticklabels() if t.get_text() and lo <= t.get_position()[1] <= hi]

@@ -214,8 +214,8 @@ def _points(data, palette, *, rows, cols, xlabel, ylabel, title, auto_log=False,
                 _mark_busy(ax, pts, x, pts["y"])
             _categorical_x(ax, xs, last_row=i == len(rows) - 1, xlabel=xlabel)
             ax.set_title(f"{r}, {c}" if r != c else r)
-            if j == 0:
-                ax.set_ylabel(ylabel)
+            if j == 0:  # a figure that chose a log axis says so: beside a linear one, it reads alike
+                ax.set_ylabel(f"{ylabel} (log scale)" if logy else ylabel)
         _row_y(axes[i], data[data["row"] == r], logy, ref)
     _room_for_slanted(fig, xs)
     _title(fig, title, fig.get_figheight())
