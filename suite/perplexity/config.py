@@ -85,7 +85,7 @@ def mask_problems(texts: Sequence[str], named: Optional[Mapping[str, Mapping[str
         except ValueError as exc:
             yield key, str(exc)
             continue
-        if m.family == "causal" or m.family == "prefix_lm" or (not m.plain and m.causal):
+        if m.causal or m.family == "prefix_lm":  # prefix_lm: its prefix labels leave the loss
             continue
         hint = (
             "a full (bidirectional) layer; a causal LM's global layer is `causal`"
