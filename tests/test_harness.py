@@ -46,6 +46,19 @@ def test_every_trial_key_is_hashed_once_per_sweep(write_config, tmp_path, monkey
     assert len(calls) == 4  # 4 trials, each hashed once
 
 
+def test_the_parent_builds_each_trials_method_once(write_config, tmp_path, monkeypatch):
+    """The parent builds a trial's method to ask `supports`; the row takes the padded length from
+    the ranks' reports (`RankReport.padded_len`) instead of building it again."""
+    from suite.plan import TrialSpec
+
+    built = []
+    build = TrialSpec.build_method
+    monkeypatch.setattr(TrialSpec, "build_method", lambda spec: built.append(spec.key) or build(spec))
+    rc, _, runs = _sweep(write_config, tmp_path)
+    assert rc == 0 and len(built) == 4 and len(set(built)) == 4  # 4 trials, one build each
+    assert [r[M.PADDED_TOKENS] for r in ResultsStore.open(runs[0]).records()] == [0] * 4
+
+
 def test_planning_checks_layout_sizes_without_building_positions(monkeypatch):
     """`supports` at a million tokens must not build position tensors (planning asks thousands of
     times); the positions are still built, and right, when asked for."""
@@ -510,7 +523,7 @@ def test_float64_tolerance_grows_with_the_reduction_length(seq_len):
     assert report.ok, report.error
     cols, bad = check_columns([report])
     assert len(report.errors) == 5 and not bad, cols
-    problem = build_problem(*spec.problem_key(), seed=0, device=torch.device("cpu"), with_reference=True)
+    problem = build_problem(*spec.problem_key().args, seed=0, device=torch.device("cpu"), with_reference=True)
     out = problem.ref["out"].clone()
     out[:, -1] += 1e-12  # an error far below any real bug, far above the float64 roundings
     assert float((out - problem.ref["out"]).abs().max()) > problem.tolerance("out", 1)

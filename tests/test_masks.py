@@ -483,6 +483,39 @@ def test_a_family_trial_carries_its_canonical_name(write_config):
     assert not trial.causal  # a symmetric window sees later keys: the full plan, refined by the blocks
 
 
+def test_a_trial_carries_its_mask_object_and_its_flag_is_the_masks(write_config):
+    """The spec parses its mask once and hands the object on; its `causal` column is the mask's own
+    flag (Mask.causal), and a spec that says otherwise is refused where it is made."""
+    extra = "  mask: ['prefix_lm:0.25', 'chunked:4', full]\n"
+    cfg, _ = load_config(write_config(MASK_BASE.replace("[ring]", "[ring, zigzag_ring]") + extra))
+    trials = plan_for(cfg, "cpu:test")
+    by_mask = {t.mask: t for t in trials}
+    assert by_mask["prefix_lm:prefix=0.25"].causal is False and by_mask["chunked:chunk=4"].causal is True
+    for t in trials:
+        assert t.mask_obj is t.mask_obj and t.mask_obj == parse(t.mask) and t.causal == t.mask_obj.causal
+        with pytest.raises(ValueError, match=f"causal={not t.causal} contradicts mask"):
+            dataclasses.replace(t, causal=not t.causal)
+    legacy = dataclasses.replace(by_mask["full"], mask="")  # planned before masks: the plain mask of its flag
+    assert legacy.mask_obj == parse("full") and legacy.mask_spec is None and legacy.key == by_mask["full"].key
+
+
+def test_problem_keys_are_named_and_seed_as_the_positional_tuple_did(write_config):
+    """Trials of one problem (other method, other pass) share a key; a named field tells problems
+    apart; `args` is the positional form the inputs' seed hashes, unchanged."""
+    base = MASK_BASE.replace("[ring]", "[ring, zigzag_ring]").replace("[fwd]", "[fwd, fwd_bwd]")
+    cfg, _ = load_config(write_config(base + "  mask: ['chunked:4', causal]\n"))
+    trials = plan_for(cfg, "cpu:test")
+    keys = {t.problem_key() for t in trials}
+    assert len(trials) == 8 and len(keys) == 2
+    chunked = next(k for k in keys if k.mask)
+    plain = next(k for k in keys if not k.mask)
+    assert chunked.mask == "chunked:chunk=4" and chunked.causal and chunked.sinks is False and chunked.heads == 2
+    assert chunked.args == (1, 16, 2, 8, 8, "float32", True, "chunked:chunk=4")
+    assert plain.args == (1, 16, 2, 8, 8, "float32", True) and dataclasses.replace(plain, mask="x") != plain
+    capped = dataclasses.replace(plain, softcap=2.0, sinks=True, head_dim_v=4)
+    assert capped.args == plain.args + (("head_dim_v", 4), ("softcap", 2.0), "sinks")
+
+
 def test_a_long_sequence_is_counted_in_closed_form():
     """Pairs of a window on a 1M-token sequence (far beyond what a dense mask could check)."""
     docs = Documents.single(1, 1 << 20, mask=parse("sliding_window:4096"))
