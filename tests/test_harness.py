@@ -32,30 +32,25 @@ def _sweep(write_config, tmp_path, name="small", *args):
 
 
 # -- linear cost ------------------------------------------------------------------------------------
-def test_every_trial_key_is_hashed_once_per_sweep(write_config, tmp_path, monkeypatch):
+def test_every_trial_key_is_hashed_and_its_method_built_once_per_sweep(write_config, tmp_path, monkeypatch):
     """The plan, the resume filter and the post-sweep bookkeeping all ask for keys: a key computed
-    on every ask made the post-sweep step quadratic in the sweep (an hour at 6,608 trials)."""
+    on every ask made the post-sweep step quadratic in the sweep (an hour at 6,608 trials). The
+    parent builds a trial's method once, to ask `supports`: the row takes the padded length from
+    the ranks' reports (`RankReport.padded_len`) instead of building it again."""
     import hashlib
     import types
 
-    calls = []
+    from suite.plan import TrialSpec
+
+    calls, built = [], []
     counting = types.SimpleNamespace(sha256=lambda data: calls.append(1) or hashlib.sha256(data))
     monkeypatch.setattr("suite.plan.hashlib", counting)
+    build = TrialSpec.build_method
+    monkeypatch.setattr(TrialSpec, "build_method", lambda spec: built.append(spec.label()) or build(spec))
     rc, _, runs = _sweep(write_config, tmp_path)
     assert rc == 0 and len(runs) == 1
     assert len(calls) == 4  # 4 trials, each hashed once
-
-
-def test_the_parent_builds_each_trials_method_once(write_config, tmp_path, monkeypatch):
-    """The parent builds a trial's method to ask `supports`; the row takes the padded length from
-    the ranks' reports (`RankReport.padded_len`) instead of building it again."""
-    from suite.plan import TrialSpec
-
-    built = []
-    build = TrialSpec.build_method
-    monkeypatch.setattr(TrialSpec, "build_method", lambda spec: built.append(spec.key) or build(spec))
-    rc, _, runs = _sweep(write_config, tmp_path)
-    assert rc == 0 and len(built) == 4 and len(set(built)) == 4  # 4 trials, one build each
+    assert len(built) == 4 and len(set(built)) == 4  # and each built once
     assert [r[M.PADDED_TOKENS] for r in ResultsStore.open(runs[0]).records()] == [0] * 4
 
 
