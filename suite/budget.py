@@ -445,7 +445,7 @@ class Budget:
         """Per world size: trials, predicted seconds (each problem's reference once, each group's start
         once), the largest per-rank peak and the trials over memory."""
         out = SweepBudget(device_bytes={})
-        references: set[tuple] = set()
+        references: set[tuple] = set()  # (world size, problem key)
         for t in trials:
             p = t.spec.world_size
             w = out.per_world.setdefault(p, WorldBudget(seconds=self.model.group_start_s))
@@ -459,7 +459,7 @@ class Budget:
             w.seconds += t.seconds
             if t.memory is not None:
                 w.largest = max(w.largest, t.memory.peak)
-            key = (p,) + tuple(t.spec.problem_key())
+            key = (p, t.spec.problem_key())
             if self.checked(t.spec) and key not in references:
                 references.add(key)
                 w.seconds += reference_s(t.spec, self.model)

@@ -74,7 +74,7 @@ class Point:
 
     method: str
     world_size: int
-    causal: bool = True
+    causal: bool = True  # the plain mask's flag; a `mask` family brings its own (Mask.causal)
     heads: int = 4
     kv_heads: int = 2
     pass_: str = "fwd_bwd"
@@ -90,14 +90,15 @@ class Point:
     def spec(self) -> TrialSpec:
         import methods
         from methods.base import Case
+        from methods.masks import parse, plain
 
         options = dict(self.options)
         m = methods.get_method(self.method, kernel=self.kernel, **options)
-        case = Case(self.batch, 0, self.heads, self.kv_heads, 8, "float32", self.causal, self.world_size)
+        mask = parse(self.mask) if self.mask else plain(self.causal)  # a family decides its own flag
+        case = Case(self.batch, 0, self.heads, self.kv_heads, 8, "float32", mask.causal, self.world_size)
         seq_len = self.seq_len or 3 * m.granule(case)
-        case = Case(self.batch, seq_len, self.heads, self.kv_heads, 8, "float32", self.causal, self.world_size)
+        case = Case(self.batch, seq_len, self.heads, self.kv_heads, 8, "float32", mask.causal, self.world_size)
         ulysses, ring = m.degrees(case)
-        mask = self.mask or ("causal" if self.causal else "full")
         return TrialSpec(
             method=self.method,
             impl=m.impl,
@@ -114,12 +115,12 @@ class Point:
             kv_heads=self.kv_heads,
             head_dim=8,
             dtype="float32",
-            causal=self.causal,
+            causal=mask.causal,
             pass_=self.pass_,
             kernel=self.kernel,
             options=json.dumps(options, sort_keys=True),
             workload=_documents_identity(self.documents, seq_len, self.batch),
-            mask=mask,
+            mask=mask.name,
             sinks=self.sinks,
             softcap=float(self.softcap),
         )

@@ -33,7 +33,7 @@ import torch
 
 import methods
 from methods.base import Case
-from methods.masks import Mask
+from methods.masks import COUNT, FAMILIES, FLAG, SIZE, Mask
 from suite.check import tolerance
 from suite.config.schema import RunConfig
 from suite.executors.base import Executor
@@ -106,30 +106,22 @@ def flips(shape: Shape) -> list[Flip]:
             "documents",
         ),
     ]
-    families: list[tuple[dict[str, Any], list[tuple[str, Any]]]] = [
-        ({"family": "sliding_window", "window": w}, [("window", 2 * w), ("symmetric", True)]),
-        ({"family": "chunked", "chunk": w}, [("chunk", 2 * w)]),
-        ({"family": "prefix_lm", "prefix": w}, [("prefix", 2 * w)]),
-        ({"family": "block_causal", "block": w}, [("block", 2 * w)]),
-        ({"family": "shared_question", "question": w, "answers": 2}, [("question", 2 * w), ("answers", 3)]),
-        ({"family": "global_window", "globals": max(1, w // 2), "window": w}, [("globals", w), ("window", 2 * w)]),
-    ]
-    for params, changes in families:
-        family = params.pop("family")
-        base = _mask_variant(family, params)
+    # every registered mask family (methods/masks.py) from its plain mask, then each parameter: a
+    # size of S/6 tokens doubled, a count of 2 made 3, a flag from its default (or false) to the other
+    for fam in FAMILIES.values():
+        if not fam.params:
+            continue  # full and causal: the causal flip above
+        params = {k: fam.defaults.get(k, {SIZE: w, COUNT: 2, FLAG: False}[kind]) for k, kind in fam.params}
+        base = _mask_variant(fam.name, params)
         plain = Variant(causal=base.causal)
-        out.append(
-            Flip(
-                family,
-                plain,
-                base,
-                f"{'causal' if base.causal else 'full'} -> {Mask(family, tuple(params.items())).short}",
-            )
-        )
-        for key, value in changes:
-            flipped = _mask_variant(family, {**params, key: value})
-            before = str(params.get(key, False)).lower()
-            out.append(Flip(f"{family}.{key}", base, flipped, f"{before} -> {str(value).lower()}", family))
+        label = Mask(fam.name, tuple(params.items())).short
+        out.append(Flip(fam.name, plain, base, f"{'causal' if base.causal else 'full'} -> {label}"))
+        for key, kind in fam.params:
+            value = params[key]
+            changed = not value if kind == FLAG else 2 * value if kind == SIZE else value + 1
+            flipped = _mask_variant(fam.name, {**params, key: changed})
+            change = f"{str(value).lower()} -> {str(changed).lower()}"
+            out.append(Flip(f"{fam.name}.{key}", base, flipped, change, fam.name))
     return out
 
 

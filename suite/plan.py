@@ -18,12 +18,12 @@ from typing import Any, Callable, ClassVar, Iterable, Optional, Protocol
 import methods
 from methods.base import Case
 from methods.documents import Documents
-from methods.masks import Mask
+from methods.masks import Mask, plain
 from methods.masks import parse as parse_mask
 from suite import metrics as M
 from suite.config import SuiteConfig, mask_points, option_points
 from suite.lengths import lengths_of
-from suite.metrics import IDENTITY, PLAIN_MASKS, method_label
+from suite.metrics import IDENTITY, method_label
 
 
 @dataclass(frozen=True)
@@ -48,6 +48,39 @@ class RunSettings:
             seed=r.seed,
             breakdown=r.breakdown,
         )
+
+
+@dataclass(frozen=True)
+class ProblemKey:
+    """What makes trials one problem: equal keys share the global inputs and the float64 reference
+    (hashable: the caches of problems are keyed by it). Each field at its default is the plain
+    problem's."""
+
+    batch: int
+    seq_len: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    dtype: str
+    causal: bool
+    workload: str = ""  # the packed documents' identity ("": one document per sequence)
+    head_dim_v: Optional[int] = None
+    softcap: float = 0.0
+    mask: str = ""  # a mask family's canonical name ("": the plain mask of `causal`)
+    sinks: bool = False
+
+    @property
+    def args(self) -> tuple:
+        """The positional arguments of `check.build_problem` (and `reference.build_sharded_problem`):
+        the first seven fields, then each set one as it was listed before the key had names. The
+        inputs' seed hashes their repr (`check.problem_seed`), so this form stays as it was: every
+        problem draws the numbers it drew, and recorded rows keep their errors."""
+        key: tuple = (self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim, self.dtype, self.causal)
+        key += (self.workload,) if self.workload else ()
+        key += (("head_dim_v", self.head_dim_v),) if self.head_dim_v is not None else ()
+        key += (("softcap", self.softcap),) if self.softcap else ()
+        key += (self.mask,) if self.mask else ()
+        return key + (("sinks",) if self.sinks else ())
 
 
 @dataclass(frozen=True)
@@ -126,12 +159,27 @@ class TrialSpec:
         """The packed documents' lengths per sequence (None: one document per sequence)."""
         return lengths_of(self.workload, self.seq_len, self.batch)
 
+    def __post_init__(self):
+        self.mask_obj  # parsed now: a mask that contradicts `causal` is refused where the trial is made
+
+    @functools.cached_property
+    def mask_obj(self) -> Mask:
+        """The trial's mask, parsed once: its `mask` name, or the plain mask of `causal` for a trial
+        planned before masks. Its causality (`Mask.causal`, the one rule) is the trial's flag: a
+        trial whose `causal` says otherwise is an error (a row column and the method's plan would
+        disagree)."""
+        mask = parse_mask(self.mask) if self.mask else plain(self.causal)
+        if mask.causal != self.causal:
+            raise ValueError(
+                f"trial {self.method}: causal={self.causal} contradicts mask {mask.name!r}, whose causal flag is "
+                f"{mask.causal} (methods/masks.py Mask.causal); build the flag from the mask"
+            )
+        return mask
+
     @property
     def mask_spec(self) -> Optional[Mask]:
         """The mask family when it is not a plain one (None: causal or full by `causal`)."""
-        if self.mask in PLAIN_MASKS:
-            return None
-        return parse_mask(self.mask)
+        return None if self.mask_obj.plain else self.mask_obj
 
     def documents(self, padded_len: Optional[int] = None) -> Optional[Documents]:
         """The true sequence's documents and mask (None: one document per sequence, a plain mask),
@@ -153,17 +201,25 @@ class TrialSpec:
             return case
         return dataclasses.replace(case, seq_len=padded, documents=self.documents(padded))
 
-    def problem_key(self) -> tuple:
+    def problem_key(self) -> "ProblemKey":
         """Trials with equal problem keys share global inputs and the float64 reference."""
-        key: tuple = (self.batch, self.seq_len, self.heads, self.kv_heads, self.head_dim, self.dtype, self.causal)
-        key += (self.workload,) if self.document_lengths() is not None else ()
-        key += (("head_dim_v", self.head_dim_v),) if self.head_dim_v is not None else ()
-        key += (("softcap", self.softcap),) if self.softcap else ()
-        key += (self.mask,) if self.mask_spec is not None else ()
-        return key + (("sinks",) if self.sinks else ())
+        return ProblemKey(
+            self.batch,
+            self.seq_len,
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+            self.dtype,
+            self.causal,
+            workload=self.workload if self.document_lengths() is not None else "",
+            head_dim_v=self.head_dim_v,
+            softcap=self.softcap,
+            mask=self.mask_obj.name if self.mask_spec is not None else "",
+            sinks=self.sinks,
+        )
 
     def label(self) -> str:
-        mask = self.mask_spec.short if self.mask_spec is not None else ("causal" if self.causal else "full")
+        mask = self.mask_obj.short
         name = method_label(self.method, self.method_options)
         d = f"{self.head_dim}/{self.head_dim_v}" if self.head_dim_v is not None else f"{self.head_dim}"
         variants = M.variant_labels(self.identity())  # " cap=5"

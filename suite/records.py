@@ -61,6 +61,7 @@ class RankReport:
     val_loss: Optional[float] = None
     sim_error_pct: Optional[float] = None  # executor sim: the validated error band of the row's family
     redundant_bytes: Optional[int] = None  # K/V bytes received that no local query sees (`redundant_bytes`)
+    padded_len: Optional[int] = None  # the sequence length the method ran (padded to its granule)
 
     @classmethod
     def failure(cls, rank: int, exc: BaseException, *, oom: bool = False) -> "RankReport":

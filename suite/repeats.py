@@ -126,10 +126,8 @@ def variant_of(args, shape: Shape) -> Variant:
     mask = ""
     if args.mask:
         m = parse(args.mask)
-        if m.plain:
-            causal = m.family == "causal"
-        else:
-            mask, causal = m.name, m.causal
+        causal = m.causal
+        mask = "" if m.plain else m.name
     lengths = None
     if args.documents:
         try:

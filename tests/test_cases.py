@@ -352,8 +352,8 @@ def test_odd_and_non_power_of_two_world_sizes(name, options, world_size):
 
 
 # -- 5. CP=1 vs CP=k over 50 training steps, every mask family ------------------------------------------
-# The mask families of a causal language model (tests/test_masks.py's METHOD_MASKS but "full": a plain
-# mask is the model's causal attention in the perplexity workload, so "full" trains the causal model).
+# The mask families of a causal language model (tests/test_masks.py's METHOD_MASKS but "full", whose
+# layers would see the token they predict: suite/perplexity/config.py refuses it).
 LM_MASKS = [m for m in METHOD_MASKS if m != "full"]
 PARITY_METHODS = [("ring", 2), ("zigzag_ring", 2), ("ulysses", 2)]  # one per family, in turn
 # Tolerance on the loss and the gradient norm of every step, relative: 32 float32 roundings. The

@@ -11,19 +11,9 @@ import methods
 from methods import Case
 from methods.dispatch import build_plan
 from methods.documents import Documents
-from methods.masks import parse
+from methods.masks import examples, parse
 
-FAMILIES = [
-    "full",
-    "causal",
-    "sliding_window:5",
-    "sliding_window:symmetric=true,window=3",
-    "chunked:6",
-    "prefix_lm:0.25",
-    "block_causal:4",
-    "shared_question:4,2",
-    "global_window:globals=2,window=3",
-]
+FAMILIES = examples()  # every mask family (methods/masks.py)
 
 
 def _case(mask_text: str, world_size: int, lengths=((48,),), batch_alike: bool = True) -> Case:

@@ -17,6 +17,7 @@ import pytest
 
 import methods
 import tests.plugins.probe_doubles as doubles
+from methods.masks import FAMILIES
 from suite.cli import main
 from suite.flips import FAIL, PASS, SKIP, ProbeRunner, Shape, Variant, flips, run_flips, warm
 from suite.repeats import run_repeats
@@ -34,13 +35,16 @@ def runner():
 
 
 def test_every_own_method_uses_every_option(runner):
-    """Each of the 24 flips (causal, scale, soft cap and its value, sinks and their values, value head
+    """Each flip (causal, scale, soft cap and its value, sinks and their values, value head
     dim, documents and their lengths, every mask family and each of its parameters) changes every
     own method's output beyond the check's bound, and the flipped run passes the float64 check."""
     names = own_methods()
     warm([(n, {}, TINY) for n in names], runner)
     expected = {f.option for f in flips(TINY)}
-    assert len(expected) == 24 and {"scale", "sink values", "softcap value", "sliding_window.window"} <= expected
+    # 9 of the problem, and each registered mask family with a parameter: the family, then each parameter
+    per_family = [1 + len(f.params) for f in FAMILIES.values() if f.params]
+    assert len(expected) == 9 + sum(per_family) and len(per_family) == len(FAMILIES) - 2
+    assert {"scale", "sink values", "softcap value", "sliding_window.window", "global_window.globals"} <= expected
     for name in names:
         rows = run_flips(name, {}, TINY, runner)
         assert {r.option for r in rows} == expected, name

@@ -32,18 +32,26 @@ def _sweep(write_config, tmp_path, name="small", *args):
 
 
 # -- linear cost ------------------------------------------------------------------------------------
-def test_every_trial_key_is_hashed_once_per_sweep(write_config, tmp_path, monkeypatch):
+def test_every_trial_key_is_hashed_and_its_method_built_once_per_sweep(write_config, tmp_path, monkeypatch):
     """The plan, the resume filter and the post-sweep bookkeeping all ask for keys: a key computed
-    on every ask made the post-sweep step quadratic in the sweep (an hour at 6,608 trials)."""
+    on every ask made the post-sweep step quadratic in the sweep (an hour at 6,608 trials). The
+    parent builds a trial's method once, to ask `supports`: the row takes the padded length from
+    the ranks' reports (`RankReport.padded_len`) instead of building it again."""
     import hashlib
     import types
 
-    calls = []
+    from suite.plan import TrialSpec
+
+    calls, built = [], []
     counting = types.SimpleNamespace(sha256=lambda data: calls.append(1) or hashlib.sha256(data))
     monkeypatch.setattr("suite.plan.hashlib", counting)
+    build = TrialSpec.build_method
+    monkeypatch.setattr(TrialSpec, "build_method", lambda spec: built.append(spec.label()) or build(spec))
     rc, _, runs = _sweep(write_config, tmp_path)
     assert rc == 0 and len(runs) == 1
     assert len(calls) == 4  # 4 trials, each hashed once
+    assert len(built) == 4 and len(set(built)) == 4  # and each built once
+    assert [r[M.PADDED_TOKENS] for r in ResultsStore.open(runs[0]).records()] == [0] * 4
 
 
 def test_planning_checks_layout_sizes_without_building_positions(monkeypatch):
@@ -510,7 +518,7 @@ def test_float64_tolerance_grows_with_the_reduction_length(seq_len):
     assert report.ok, report.error
     cols, bad = check_columns([report])
     assert len(report.errors) == 5 and not bad, cols
-    problem = build_problem(*spec.problem_key(), seed=0, device=torch.device("cpu"), with_reference=True)
+    problem = build_problem(*spec.problem_key().args, seed=0, device=torch.device("cpu"), with_reference=True)
     out = problem.ref["out"].clone()
     out[:, -1] += 1e-12  # an error far below any real bug, far above the float64 roundings
     assert float((out - problem.ref["out"]).abs().max()) > problem.tolerance("out", 1)

@@ -16,48 +16,23 @@ import torch
 import methods
 from methods import Case, kernels
 from methods import documents as documents_module
+from methods import masks as masks_module
 from methods.documents import BAND, EMPTY, FULL, OFFSET, PARTIAL, Documents
 from methods.masks import Mask, parse
+from methods.masks import examples as mask_examples
 from suite.check import build_problem
 from suite.config import ConfigError, load_config
 from tests.helpers import assert_block_matches, own_variants, plan_for, variant_id
 from tests.test_varlen import _rank_outputs, _threads
 
-# several parameter choices per family: token counts (odd ones), fractions, the shorthand and the
-# keyword forms
-MASKS = [
-    "full",
-    "causal",
-    "sliding_window:1",
-    "sliding_window:5",
-    "sliding_window:0.3",
-    "sliding_window:window=4,symmetric=true",
-    "sliding_window:window=0.2,symmetric=true",
-    "chunked:1",
-    "chunked:3",
-    "chunked:0.5",
-    "prefix_lm:3",
-    "prefix_lm:0.25",
-    "block_causal:1",
-    "block_causal:4",
-    "block_causal:0.3",
-    "shared_question:question=6,answers=3",
-    "shared_question:5,2",
-    "shared_question:question=0.3,answers=4",
-    "global_window:globals=2,window=3",
-    "global_window:globals=0.1,window=0.25",
-    "global_window:1,1",
-]
+# every family's parameter choices (methods/masks.py, each family's `examples` and `edge_examples`):
+# token counts (odd ones), fractions, the shorthand and the keyword forms
+MASKS = mask_examples(edge=True)
 
 
 def _fits(mask: Mask, n: int) -> bool:
     """Whether the mask fits a document of n tokens (only a fixed prefix longer than it does not)."""
     return not (mask.family == "prefix_lm" and mask.size("prefix", n) > n)
-
-
-def _causal_flag(mask: Mask) -> bool:
-    """The causal flag a trial of this mask runs with (suite.config.mask_points)."""
-    return mask.family == "causal" if mask.plain else mask.causal
 
 
 def brute_force(docs: Documents, mask: Mask) -> torch.Tensor:
@@ -92,6 +67,33 @@ def test_slices_never_overlap_and_add_up_to_the_definition(text):
         assert torch.equal(count == 1, mask.dense(n)), (text, n)
         if mask.causal:
             assert not (mask.dense(n) & (j > i)).any(), (text, n)  # inside the causal mask
+
+
+def test_every_registered_family_names_examples_of_itself():
+    """The registry (methods/masks.py) is what every "every family" test runs: each family gives at
+    least one example, of itself, in canonical form or not, and each parses to one distinct mask."""
+    every = mask_examples(edge=True)
+    assert set(mask_examples()) <= set(every) and len(set(every)) == len(every)
+    for name, fam in masks_module.FAMILIES.items():
+        assert fam.examples, name
+        for text in fam.examples + fam.edge_examples:
+            assert parse(text).family == name and parse(parse(text).name) == parse(text), text
+    assert {parse(t).family for t in mask_examples()} == set(masks_module.families())
+    # the causal flag is not merely safe (test_slices_...: a causal family sees no later key) but
+    # needed: some example of every other family (or parameter choice) lets a query see a later key
+    for name, fam in masks_module.FAMILIES.items():
+        full_plan = [parse(t) for t in fam.examples + fam.edge_examples if not parse(t).causal]
+        assert not full_plan or any(_sees_ahead(m) for m in full_plan), name
+    with pytest.raises(ValueError, match="registered twice"):
+        masks_module.family(type("Again", (masks_module.Family,), {"name": "causal"}))
+    with pytest.raises(ValueError, match="do not agree"):
+        masks_module.family(type("Odd", (masks_module.Family,), {"name": "odd", "params": (("w", "tokens"),)}))
+    assert "odd" not in masks_module.FAMILIES
+
+
+def _sees_ahead(mask: Mask) -> bool:
+    """Whether a query sees a later key in some document of 1 to 25 tokens."""
+    return any(bool(mask.dense(n).triu(1).any()) for n in range(1, 26) if _fits(mask, n))
 
 
 def test_dense_definitions_spot_checks():
@@ -198,7 +200,7 @@ def test_block_masks_count_classify_and_cut_into_pieces_exactly(text):
     kinds = set()
     for trial in range(40):
         docs = _random_documents(rng, mask)
-        causal = _causal_flag(mask)
+        causal = mask.causal
         brute_all = brute_force(docs, mask)
         shape = ("contiguous", "stride", "any", "short")[trial % 4]
         qp, kp = _positions(rng, docs.padded_len, shape), _positions(rng, docs.padded_len, shape)
@@ -275,7 +277,7 @@ def test_band_kernels_match_float64(kernel):
             qa, ka, stride = rng.randint(0, 20), rng.randint(0, 20), rng.choice([1, 1, 2])
             qp = torch.arange(qa, min(32, qa + rng.randint(1, 10) * stride), stride)
             kp = torch.arange(ka, min(32, ka + rng.randint(1, 10) * stride), stride)
-            m = docs.block(qp, kp, _causal_flag(docs.mask))
+            m = docs.block(qp, kp, docs.mask.causal)
             if m.kind != BAND:
                 continue
             bands += 1
@@ -298,19 +300,9 @@ def test_band_kernels_match_float64(kernel):
 
 
 # -- every own method ----------------------------------------------------------------------------
-# sizes that matter at S = 7P + 5 and in documents of a few tokens; fractions where a packed
-# document could be shorter than a fixed size would need
-METHOD_MASKS = [
-    "full",
-    "causal",
-    "sliding_window:5",
-    "sliding_window:window=4,symmetric=true",
-    "chunked:0.3",
-    "prefix_lm:0.25",
-    "block_causal:3",
-    "shared_question:question=5,answers=3",
-    "global_window:globals=2,window=3",
-]
+# one choice or two per family (its `examples`): sizes that matter at S = 7P + 5 and in documents
+# of a few tokens; fractions where a packed document could be shorter than a fixed size would need
+METHOD_MASKS = mask_examples()
 VARIANTS = own_variants()
 WORLD_SIZES = (2, 3, 4)
 
@@ -334,10 +326,10 @@ def check_mask(
 ) -> str:
     """Run `name` on packed documents `lengths` under `mask` and compare out, lse, dq, dk, dv with
     float64 within the problem's tolerance (tests/test_varlen.py's check_documents, with a mask).
-    `flag`: the causal flag the method is called with (None: the trial's, `_causal_flag`).
+    `flag`: the causal flag the method is called with (None: the mask's own, `Mask.causal`).
     Returns the method's refusal ("" when it ran)."""
     heads, kv_heads = (6, 3) if world_size == 3 else (8, 4)  # GQA, heads divisible by P
-    causal = _causal_flag(mask)
+    causal = mask.causal
     flag = causal if flag is None else flag
     m = methods.get_method(name, **options)
     batch = len(lengths)
@@ -489,6 +481,39 @@ def test_a_family_trial_carries_its_canonical_name(write_config):
     sym, _ = load_config(write_config(MASK_BASE + "  mask: ['sliding_window:window=3,symmetric=true']\n"))
     (trial,) = plan_for(sym, "cpu:test")
     assert not trial.causal  # a symmetric window sees later keys: the full plan, refined by the blocks
+
+
+def test_a_trial_carries_its_mask_object_and_its_flag_is_the_masks(write_config):
+    """The spec parses its mask once and hands the object on; its `causal` column is the mask's own
+    flag (Mask.causal), and a spec that says otherwise is refused where it is made."""
+    extra = "  mask: ['prefix_lm:0.25', 'chunked:4', full]\n"
+    cfg, _ = load_config(write_config(MASK_BASE.replace("[ring]", "[ring, zigzag_ring]") + extra))
+    trials = plan_for(cfg, "cpu:test")
+    by_mask = {t.mask: t for t in trials}
+    assert by_mask["prefix_lm:prefix=0.25"].causal is False and by_mask["chunked:chunk=4"].causal is True
+    for t in trials:
+        assert t.mask_obj is t.mask_obj and t.mask_obj == parse(t.mask) and t.causal == t.mask_obj.causal
+        with pytest.raises(ValueError, match=f"causal={not t.causal} contradicts mask"):
+            dataclasses.replace(t, causal=not t.causal)
+    legacy = dataclasses.replace(by_mask["full"], mask="")  # planned before masks: the plain mask of its flag
+    assert legacy.mask_obj == parse("full") and legacy.mask_spec is None and legacy.key == by_mask["full"].key
+
+
+def test_problem_keys_are_named_and_seed_as_the_positional_tuple_did(write_config):
+    """Trials of one problem (other method, other pass) share a key; a named field tells problems
+    apart; `args` is the positional form the inputs' seed hashes, unchanged."""
+    base = MASK_BASE.replace("[ring]", "[ring, zigzag_ring]").replace("[fwd]", "[fwd, fwd_bwd]")
+    cfg, _ = load_config(write_config(base + "  mask: ['chunked:4', causal]\n"))
+    trials = plan_for(cfg, "cpu:test")
+    keys = {t.problem_key() for t in trials}
+    assert len(trials) == 8 and len(keys) == 2
+    chunked = next(k for k in keys if k.mask)
+    plain = next(k for k in keys if not k.mask)
+    assert chunked.mask == "chunked:chunk=4" and chunked.causal and chunked.sinks is False and chunked.heads == 2
+    assert chunked.args == (1, 16, 2, 8, 8, "float32", True, "chunked:chunk=4")
+    assert plain.args == (1, 16, 2, 8, 8, "float32", True) and dataclasses.replace(plain, mask="x") != plain
+    capped = dataclasses.replace(plain, softcap=2.0, sinks=True, head_dim_v=4)
+    assert capped.args == plain.args + (("head_dim_v", 4), ("softcap", 2.0), "sinks")
 
 
 def test_a_long_sequence_is_counted_in_closed_form():

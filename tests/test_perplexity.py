@@ -473,7 +473,7 @@ def train_pattern(corpus, pattern, name=None, world_size=1, tc=TRAIN, model=MODE
         attends = []
         for m in masks:
             d = layer_documents(None, m, tc.batch, tc.seq_len)
-            dense = d.block(everything, everything, m.plain or m.causal).dense() if d is not None else None
+            dense = d.block(everything, everything, m.causal).dense() if d is not None else None
             attends.append(functools.partial(sdpa_attend, mask=dense))
         layout = layouts.contiguous(tc.seq_len, 1)
         return train_and_evaluate(

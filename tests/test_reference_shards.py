@@ -15,7 +15,7 @@ import torch
 import methods
 from methods.base import Case
 from methods.documents import Documents
-from methods.masks import parse
+from methods.masks import examples, parse
 from suite import check, reference
 from suite.check import INPUT_NAMES, InputSource, build_problem, pass_floor, tolerance
 from suite.reference import ProblemReference
@@ -155,24 +155,11 @@ def _zigzag(s, p):
     ]
 
 
-@pytest.mark.parametrize(
-    "mask",
-    [
-        "full",
-        "causal",
-        "sliding_window:5",
-        "sliding_window:4,true",
-        "chunked:6",
-        "prefix_lm:9",
-        "block_causal:7",
-        "shared_question:8,3",
-        "global_window:2,4",
-    ],
-)
+@pytest.mark.parametrize("mask", examples())  # every mask family (methods/masks.py)
 def test_tiled_reference_equals_the_unsharded_one_for_every_mask_family(mask, monkeypatch):
     monkeypatch.setattr(reference, "TILE_BYTES", 3000)  # several tiles of rows and keys
-    causal = parse(mask).causal if mask not in ("full", "causal") else mask == "causal"
-    family = None if mask in ("full", "causal") else mask
+    causal = parse(mask).causal
+    family = None if parse(mask).plain else mask
     worst = _compare(2, 37, 4, 2, 8, "float32", causal, mask=family, parts=_zigzag(37, 3))
     assert worst < 1e-12, worst
 

@@ -215,7 +215,7 @@ class Question:
             kv_heads=self.model.kv_heads,
             head_dim=self.model.head_dim,
             dtype=self.dtype,
-            causal=self.causal if mask is None else _mask_causal(mask),
+            causal=self.causal if mask is None else mask.causal,
             world_size=self.world_size,
             head_dim_v=self.model.head_dim_v,
         )
@@ -232,12 +232,6 @@ class Question:
         if lengths is None and (mask is None or mask.plain):
             return None
         return Documents(lengths or tuple((self.seq_len,) for _ in range(self.batch)), self.seq_len, mask)
-
-
-def _mask_causal(mask: Mask) -> bool:
-    """The causal flag a mask's trials run with (as sweep.mask plans them): causal for the families
-    inside the causal mask, full otherwise."""
-    return mask.family == "causal" if mask.plain else mask.causal
 
 
 def make_question(
@@ -319,7 +313,7 @@ def make_question(
             mask_spec = parse_mask(mask)
         except ValueError as exc:
             raise AdviceError("--mask", str(exc)) from None
-        causal = _mask_causal(mask_spec)
+        causal = mask_spec.causal
     q = Question(
         shape,
         topo,

@@ -17,7 +17,7 @@ from methods.masks import Mask
 from methods.masks import parse as parse_mask
 from suite import metrics as M
 from suite.advise.candidates import Candidate, _run_case, enumerate_candidates, prune
-from suite.advise.question import GB, AdviceError, Question, _mask_causal
+from suite.advise.question import GB, AdviceError, Question
 from suite.config import DocumentsConfig, SuiteConfig
 from suite.sim.compute import ComputeModel
 from suite.sim.ledger import Compute, masked_compute
@@ -157,7 +157,7 @@ def ideal_ms(q: Question, mask: Optional[Mask] = None) -> float:
     if mask is None:
         mask = q.layer_masks()[0][0]
     compute = ComputeModel(q.topology)
-    causal = _mask_causal(mask)
+    causal = mask.causal
     docs = q.documents(mask)
     causal_offset = 0 if causal else None
     t = 0.0

@@ -230,17 +230,12 @@ class SuiteConfig:
 
 def mask_points(sweep: SweepConfig, named: Optional[dict[str, dict[str, Any]]] = None) -> list[tuple[bool, str]]:
     """The mask axis as (causal flag, canonical mask name): `sweep.mask` when given, else the two
-    plain families of `sweep.causal`. The causal flag of a family is whether it lies inside the
-    causal mask (methods then run their causal plan, which the family's block masks refine)."""
+    plain families of `sweep.causal`. The causal flag is the family's own (`Mask.causal`: whether it
+    lies inside the causal mask; methods then run their causal plan, which its block masks refine)."""
     from methods.masks import parse, plain
 
-    if not sweep.mask:
-        return [(bool(c), plain(bool(c)).name) for c in sweep.causal]
-    out = []
-    for text in sweep.mask:
-        m = parse(text, named)
-        out.append((m.family == "causal" if m.plain else m.causal, m.name))
-    return out
+    masks = [parse(text, named) for text in sweep.mask] if sweep.mask else [plain(bool(c)) for c in sweep.causal]
+    return [(m.causal, m.name) for m in masks]
 
 
 def option_points(options: dict[str, Any]) -> list[dict[str, Any]]:

@@ -78,7 +78,8 @@ def predict(
     """Per-rank reports of one simulated trial, as a measured trial's ranks would report it, each
     with the error band of the trial's family (None without a record)."""
     method = traced_method(spec.method, {"kernel": spec.kernel, **spec.method_options})
-    tr = traces.get(spec.method, spec.run_case(method), spec.pass_, spec.method_options)
+    case = spec.run_case(method)
+    tr = traces.get(spec.method, case, spec.pass_, spec.method_options)
     # a peer's rows say whose code was traced and that its kernels were stand-ins
     traced = f"; traced {method.impl}, kernels: flash-attn trace stand-in" if method.needs_processes else ""
     full = replay(tr, topology, compute.time)
@@ -91,7 +92,6 @@ def predict(
     # None: no published row of this family was validated; the row then says "unvalidated"
     band = bands.band_pct(bound, kind, spec.method) if bands is not None else None
     reports = []
-    case = spec.run_case(method)
     for r in range(spec.world_size):
         ledger = tr.ledger(r)  # what the counting comm of a measured trial reports
         # what a measured trial's pair-counting kernel reports: visible pairs x heads of the forward
@@ -109,6 +109,7 @@ def predict(
                 pairs=pairs,
                 sim_error_pct=band,
                 redundant_bytes=redundant_bytes(method, case, r),
+                padded_len=case.seq_len,
                 breakdown=Breakdown(
                     iter_ms=full.end_s[r] * 1e3,
                     kernel_ms=full.kernel_s[r] * 1e3,

@@ -74,7 +74,10 @@ class PerplexityConfig:
 def mask_problems(texts: Sequence[str], named: Optional[Mapping[str, Mapping[str, Any]]]) -> Iterator[tuple[str, str]]:
     """The per-layer masks a causal language model cannot train with: ones that let a token see a
     later token it is asked to predict (symmetric windows, full, block_causal, global_window)."""
-    from methods.masks import parse
+    from methods.masks import FAMILIES, parse
+
+    # the registry's families that lie inside the causal mask with their example parameters
+    inside = [name for name, f in FAMILIES.items() if any(parse(e).causal for e in f.examples)]
 
     if not texts:
         yield "perplexity.layer_masks", "give at least one mask (the default is [causal])"
@@ -85,7 +88,7 @@ def mask_problems(texts: Sequence[str], named: Optional[Mapping[str, Mapping[str
         except ValueError as exc:
             yield key, str(exc)
             continue
-        if m.family == "causal" or m.family == "prefix_lm" or (not m.plain and m.causal):
+        if m.causal or m.family == "prefix_lm":  # prefix_lm: its prefix labels leave the loss
             continue
         hint = (
             "a full (bidirectional) layer; a causal LM's global layer is `causal`"
@@ -94,8 +97,8 @@ def mask_problems(texts: Sequence[str], named: Optional[Mapping[str, Mapping[str
         )
         yield (
             key,
-            f"{text!r} does not fit a causal language model: {hint}. Use causal, sliding_window (not "
-            "symmetric), chunked, shared_question, or prefix_lm (its prefix labels are left out of the loss)",
+            f"{text!r} does not fit a causal language model: {hint}. Use a family inside the causal mask "
+            f"({', '.join(inside)}), or prefix_lm (its prefix labels are left out of the loss)",
         )
 
 

@@ -50,10 +50,11 @@ class AttentionWorkload(Workload):
         layout = method.layout(case)
         checked = settings.check and spec.seq_len <= settings.check_max_seq_len
         true_docs = spec.documents()  # the true length's documents and mask (None: plain, unpacked)
+        problem = spec.problem_key()
         prob = ctx.cache.get(
-            (spec.problem_key(), checked, settings.seed, str(device)),
+            (problem, checked, settings.seed, str(device)),
             lambda: build_sharded_problem(
-                *spec.problem_key(),
+                *problem.args,
                 seed=settings.seed,
                 device=device,
                 with_reference=checked,
@@ -73,7 +74,7 @@ class AttentionWorkload(Workload):
         ctx.prepared()
         real = positions < spec.seq_len  # this rank's rows that are not padding
         used = method.kernel_used(device, q.dtype, spec.head_dim, head_dim_v=spec.head_dim_v, softcap=spec.softcap)
-        report = RankReport(rank=rank, checked=checked, kernel_used=used)
+        report = RankReport(rank=rank, checked=checked, kernel_used=used, padded_len=case.seq_len)
         # the sink logits are drawn in float32; as a float64 leaf for float64 inputs their gradient
         # keeps the precision the methods compute it in (a leaf's gradient takes the leaf's dtype,
         # and float32 shares summed over ranks put dsink off by several float32 roundings)
@@ -152,7 +153,9 @@ class AttentionWorkload(Workload):
             everything = torch.arange(spec.seq_len)
             pairs = docs.visible_pairs(everything, everything, spec.causal)
             flops = M.pairs_flops(pairs, spec.heads, spec.head_dim, spec.pass_, spec.head_dim_v)
-        row.update(balance_columns(spec, reports, spec.run_case(spec.build_method()).seq_len))
+        # the padding as the ranks ran it: the parent built the method once already, to ask `supports`
+        padded = reports[0].padded_len
+        row.update(balance_columns(spec, reports, padded or spec.run_case(spec.build_method()).seq_len))
         row.update(breakdown_columns(reports, med))
         row.update(comm_columns(reports))
         peaks = [r.peak_mem for r in reports]

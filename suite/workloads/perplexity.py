@@ -195,7 +195,7 @@ class PerplexityWorkload(Workload):
             out: list[Attend] = []
             for m, d in zip(masks, per_layer):
                 extra: dict[str, Any] = {"docs": d} if d is not None else {}
-                out.append(functools.partial(method.attention, causal=m.plain or m.causal, comm=c, **extra))
+                out.append(functools.partial(method.attention, causal=m.causal, comm=c, **extra))
             if train_cfg.planted_bug == "sink_per_rank" and model_cfg.sinks:
                 out = [functools.partial(_sink_per_rank, a, c.world_size) for a in out]
             return out
@@ -328,7 +328,7 @@ def run_baseline(bspec: TrialSpec, ctx: RowContext) -> dict[str, Any]:
             if d is None:
                 attends.append(sdpa_attend)
                 continue
-            dense = d.block(everything, everything, causal=m.plain or m.causal).dense(torch.device(bspec.device))
+            dense = d.block(everything, everything, causal=m.causal).dense(torch.device(bspec.device))
             attends.append(functools.partial(sdpa_attend, mask=dense))
         result = train_and_evaluate(
             model_cfg,
