@@ -68,6 +68,10 @@ class ProblemKey:
     softcap: float = 0.0
     mask: str = ""  # a mask family's canonical name ("": the plain mask of `causal`)
     sinks: bool = False
+    variants: tuple[tuple[str, Any], ...] = ()
+    """The set values of the identity axes added to suite.metrics.TRIAL_AXES without a field of
+    their own (`TrialSpec.variants`): a new axis separates problems (their inputs' seed, the cached
+    reference) without an edit here."""
 
     @property
     def args(self) -> tuple:
@@ -80,7 +84,8 @@ class ProblemKey:
         key += (("head_dim_v", self.head_dim_v),) if self.head_dim_v is not None else ()
         key += (("softcap", self.softcap),) if self.softcap else ()
         key += (self.mask,) if self.mask else ()
-        return key + (("sinks",) if self.sinks else ())
+        key += ("sinks",) if self.sinks else ()
+        return key + self.variants
 
 
 @dataclass(frozen=True)
@@ -216,6 +221,7 @@ class TrialSpec:
             softcap=self.softcap,
             mask=self.mask_obj.name if self.mask_spec is not None else "",
             sinks=self.sinks,
+            variants=self.variants,
         )
 
     def label(self) -> str:

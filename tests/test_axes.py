@@ -79,6 +79,8 @@ print(json.dumps({
     "on": [[s.world_size, s.identity().get("qk_norm"), s.label(), complete(s.identity()).get("qk_norm")]
            for s in both if s.value("qk_norm")],
     "refused": refused,
+    # the problem key: unset, the plain problem's; set, a problem of its own (inputs, reference)
+    "problems": [[s.value("qk_norm"), repr(s.problem_key().args)] for s in both if s.world_size > 1],
 }))
 """
 
@@ -94,3 +96,11 @@ def test_a_new_axis_is_one_entry_of_the_table():
     assert got["plain"] == today and got["off"] == today and got["off_rows"] == []  # keys and columns as before
     assert got["on"] and all(ws > 1 and on is True and row and " qk " in label for ws, on, label, row in got["on"])
     assert "sweep.qk_norm: has duplicates" in got["refused"]
+    off = {args for on, args in got["problems"] if not on}
+    on = {args for on, args in got["problems"] if on}
+    assert off and on and not off & on  # a set axis separates the problem from the plain one
+    today_args = {
+        repr(s.problem_key().args)
+        for s in expand(cfg, make_workload(cfg.kind, cfg), [Place("h", "t", lambda w: 1)], "cpu")
+    }
+    assert off <= today_args  # and the plain one keeps its inputs' seed
