@@ -12,7 +12,7 @@ INSTALLER  ?= pip
 FIND_LINKS ?= $(or $(PIP_FIND_LINKS),$(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null))
 UV_FLAGS   := $(foreach d,$(FIND_LINKS),--find-links $(d))
 
-.PHONY: install quickstart test test-fast lint format list ui clean sim-check simulate gpu-check \
+.PHONY: install quickstart test test-fast test-long lint format list ui clean sim-check simulate gpu-check \
 	gpu-check-device gpu-check-dry
 
 install: $(VENV)/.installed
@@ -65,6 +65,11 @@ format: install
 
 test-fast: install  ## everything except multi-process and end-to-end sweeps
 	$(PY) -m pytest -q $(PYTEST_PAR) -m "not slow"
+
+# make test plus the tests marked `long` (wider grids of properties a default test checks: each
+# method and size of the CP-vs-one-device training parity); about 45 s more on 2 cores.
+test-long: install
+	$(PY) -m pytest -q $(PYTEST_PAR) --long
 
 # The simulator's measured check on this machine: calibrate the host model (kernel times of every
 # block the sweep emits, gloo loopback latency/bandwidth), run the sweep measured (dist) and

@@ -422,9 +422,11 @@ def test_parity_catches_a_gradient_left_unsynchronised():
 
 
 @pytest.mark.slow
+@pytest.mark.long
 @pytest.mark.parametrize("text", LM_MASKS)
 @pytest.mark.parametrize("name,world_size", PARITY_METHODS + [("ring", 4), ("zigzag_ring", 4), ("ulysses", 4)])
 def test_cp_trains_like_one_device_every_method_and_size(text, name, world_size):
-    """The default test's property for each of its methods at P = 2 and 4, at S = 32."""
+    """The default test's property for each of its methods at P = 2 and 4, at S = 32 (86 s of the
+    default run's time on 2 cores: `long`, run by make test-long)."""
     loss, grad_norm, ppl = _parity(text, name, world_size, seq_len=32)
     assert loss <= PARITY_RTOL and grad_norm <= PARITY_RTOL and ppl <= PARITY_RTOL, (loss, grad_norm, ppl)
