@@ -236,6 +236,14 @@ class TrialSpec:
 
 
 _FIELDS = {f.name for f in dataclasses.fields(TrialSpec)} | {"pass"}
+# an axis every row has (`Axis.always`) is read as a TrialSpec attribute; one added to the table
+# without a field must say `always=False` and travel in `variants` (docs/extending.md)
+_UNFIELDED = [a.name for a in M.TRIAL_AXES if a.always and a.name not in _FIELDS]
+if _UNFIELDED:
+    raise ImportError(
+        f"suite/metrics.py TRIAL_AXES: {_UNFIELDED} have always=True but no TrialSpec field; give a new axis "
+        "always=False (it then travels in TrialSpec.variants)"
+    )
 _CASE_FIELDS = tuple(f.name for f in dataclasses.fields(Case) if f.init)
 
 

@@ -138,6 +138,10 @@ def load_table(path: Path) -> PublishedTable:
         )
     if not rows:
         raise ValidationError(f"{where}.rows: no published rows")
+    labels = [r.label for r in rows]
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:  # the record names a row by its table and label (`row_id`): one name, one row
+        raise ValidationError(f"{where}.rows: labels must be unique, {twice} name more than one row; tell them apart")
     source = dict(v.get("source") or {})
     return PublishedTable(
         Path(path).stem, Path(path), str(v.get("title", Path(path).stem)), source,

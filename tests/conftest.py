@@ -52,7 +52,7 @@ def pytest_collection_modifyitems(config, items):
     # is a recorded skip in `make test`, and `make test-long` runs it.
     skip = pytest.mark.skip(reason="a wider grid of a property a default test checks: run with --long (make test-long)")
     for item in items:
-        if "long" in item.keywords:
+        if item.get_closest_marker("long"):
             item.add_marker(skip)
 
 

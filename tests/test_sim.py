@@ -237,6 +237,33 @@ def test_a_host_synchronization_holds_the_host_until_the_device_drains():
     assert replay(synthetic([[blk, blk]]), t, lambda e: 1e-3).time_s == pytest.approx(2e-3)
 
 
+# A host that issues slower than its device runs sets the loop's pace: it issues the next iteration
+# while the device finishes this one, so the device's work after the last issue is hidden (found in
+# review: the replay had added it, predicting a faster kernel up to twice as slow, and a compute-only
+# replay above the full one).
+def test_a_host_bound_loop_runs_at_its_hosts_pace():
+    """One 12 us kernel call per iteration: a block of 11.9 us is host-bound, a loop of them runs one
+    call per 12 us; a longer block never takes less time than a shorter one."""
+    blk = Compute("fwd", 1, 8, 8, 1, 1, 8, None, "float32")
+    t = replace(topo(), host={"kernel_us": 12})
+    short = replay(synthetic([[blk]]), t, lambda e: 11.9e-6).time_s
+    longer = replay(synthetic([[blk]]), t, lambda e: 12.1e-6).time_s
+    assert short <= longer
+    assert short == pytest.approx(12e-6, rel=1e-9)
+
+
+def test_a_compute_only_replay_never_takes_longer_than_the_full_one():
+    """Free communication cannot slow an iteration down (ring, P=2, 960 tokens on h100_sxm: the host
+    issues rank 1's iteration in 61.5 us, the device computes it in 56.8 us, the full iteration takes
+    62.6 us; the compute-only replay came out at 91.8 us, an overlap efficiency of 2.1)."""
+    topology = load_topology("h100_sxm")
+    cm = ComputeModel(topology)
+    case = Case(1, 960, 32, 8, 128, "bfloat16", True, 2)
+    tr = trace("ring", case, "fwd")
+    full = replay(tr, topology, cm.time).time_s
+    assert replay(tr, topology, cm.time, comm=False).time_s <= full * (1 + 1e-9)
+
+
 def test_host_costs_are_checked_by_name():
     d = yaml.safe_load(load_topology("h100_sxm").source.read_text())
     with pytest.raises(TopologyError, match="host.launch_us is not a host cost; the keys are kernel_us"):

@@ -213,6 +213,11 @@ def test_a_bad_validation_row_is_refused_naming_it(tmp_path):
     path.write_text("validation: {unit: speedup, rows: [{value: 1, match: {method: ring}}]}\n")
     with pytest.raises(ValidationError, match="baseline"):
         load_table(path)
+    # the record names a known miss by table and label: two rows of one label are refused
+    rows = "[{label: a, value: 1, match: {method: ring}}, {label: a, value: 2, match: {method: tasp}}]"
+    path.write_text(f"validation: {{unit: ms, rows: {rows}}}\n")
+    with pytest.raises(ValidationError, match=r"labels must be unique, \['a'\]"):
+        load_table(path)
 
 
 def test_ties_are_times_within_each_others_band():

@@ -43,8 +43,9 @@ launch), `op_us` per aten op of the method's own tensor work, `comm_us` per send
 exchange and per collective call, `wait_us` per `Wait` (the host-side call that makes the stream wait).
 An event cannot start on the device before its host has issued it: the host runs ahead of the
 device as far as its issuing allows, so its cost shows only where the device's ops are shorter than
-the host's work for them (small blocks, many small ops). An iteration is one of a loop (`replay`):
-each host starts it as far ahead as it finished issuing the previous one. Waits and collectives do
+the host's work for them (small blocks, many small ops). An iteration is one of a loop (`replay`): a
+host that never waits for its device issues the next iteration while the device runs this one, so a
+rank's iteration takes the longer of its device's and its host's time. Waits and collectives do
 not block the host (NCCL's stream semantics); a `HostSync` does: the host resumes when the device
 has drained to it and turned round (`host_sync_us`).
 """
@@ -56,6 +57,7 @@ import heapq
 import math
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
+from dataclasses import replace as replace_fields
 from typing import Callable, Optional, Sequence
 
 from methods.comm.counting import CommRecord
@@ -146,20 +148,27 @@ def replay(
     run it: no synchronisation between iterations). `comm=False` makes every message free (the
     compute-only time), `compute=False` every block (the comm-only time).
 
-    With a host section the device is replayed alone first, its hosts clocked beside it: how long
-    before the device finished each host had issued its last op. A host that did so without ever
-    waiting for the device costs nothing in the loop; otherwise the iteration is replayed again with
-    each host starting that far ahead of the device (the next iteration's ops issued while the device
-    still runs this one's) and holding the device up where it falls behind."""
+    With a host section the device is replayed alone first, its hosts clocked beside it. A host that
+    never waits for its device keeps its own pace in the loop: a rank's iteration takes the longer of
+    its device's time and its host's issue time (a host ahead of its device costs nothing; one behind
+    it sets the pace, the device's work after the last issue overlapping the next iteration's issue).
+    A host that waits (a `HostSync`) cannot run ahead past the wait: the iteration is replayed again
+    with each host starting as far ahead of the device as it finished the first time, holding the
+    device up where it falls behind (an approximation: a host-bound rank is charged the device's work
+    after its last issue)."""
     device = _Sim(trace, topology, compute_time, comm, compute, host_start=None)
     alone = device.run()
     if not device.host_priced:
         return alone
-    # the device alone also clocked its hosts (issuing as they go, never holding the device up): a host
-    # that never waits for the device and issues its whole iteration within the device's time gets
-    # further ahead every iteration, so in the loop it never holds the device up
-    if not device.host_waited and max(device.host_t) <= alone.time_s:
-        return alone
+    # the device alone also clocked its hosts (issuing as they go, never holding the device up). A host
+    # that never waits for its device issues the next iteration while the device still runs this one:
+    # in the loop each host and each device keeps its own pace, and the slower of the two sets the
+    # rank's period (a host ahead of its device costs nothing; a host behind it hides the device's
+    # work after its last issue)
+    if not device.host_waited:
+        return replace_fields(alone, end_s=[max(e, h) for e, h in zip(alone.end_s, device.host_t)])
+    # a host that waits for its device (a HostSync) cannot run ahead past that wait: replay again with
+    # each host starting as far ahead of the device as it finished the first time
     lead = [min(0.0, h - alone.time_s) for h in device.host_t]
     return _Sim(trace, topology, compute_time, comm, compute, host_start=lead).run()
 
