@@ -443,6 +443,14 @@ sweep:
         ("  mask: [w]\nmasks:\n  w: {window: 4}\n", "masks.w: masks.w: needs a `family`"),
         ("  mask: [w]\nmasks:\n  w: {family: sliding_window, width: 4}\n", "masks.w: mask sliding_window: unknown"),
         ("  mask: [causal, causal]\n", "sweep.mask: lists a mask twice"),
+        (
+            "  mask: ['sliding_window:4', 'sliding_window:window=4']\n",
+            "sweep.mask[1]: 'sliding_window:window=4' is the mask 'sliding_window:4' names already",
+        ),
+        (
+            "  mask: [w, 'sliding_window:4']\nmasks:\n  w: {family: sliding_window, window: 4}\n",
+            "sweep.mask[1]: 'sliding_window:4' is the mask 'w' names already",
+        ),
     ],
 )
 def test_bad_masks_are_refused_naming_the_key(write_config, extra, expected):

@@ -227,11 +227,20 @@ def _validate_masks(cfg: SuiteConfig) -> None:
             parse(name, cfg.masks)
         except ValueError as exc:
             raise ConfigError(f"masks.{name}: {exc}") from None
+    canonical: dict[str, str] = {}  # a mask's canonical name -> the first spelling that named it
     for i, text in enumerate(cfg.sweep.mask):
         try:
             m = parse(text, cfg.masks)
         except ValueError as exc:
             raise ConfigError(f"sweep.mask[{i}]: {exc}") from None
+        # two spellings of one mask (`sliding_window:4`, `sliding_window:window=4`) would plan every
+        # trial of it twice
+        _require(
+            m.name not in canonical or canonical[m.name] == text,
+            f"sweep.mask[{i}]",
+            f"{text!r} is the mask {canonical.get(m.name)!r} names already ({m.name}); list it once",
+        )
+        canonical.setdefault(m.name, text)
         if "uniform" in cfg.sweep.workload:
             for n in cfg.sweep.seq_len:
                 try:
