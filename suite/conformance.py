@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 
 from suite import metrics as M
-from suite.plan import RunSettings, TrialSpec
+from suite.plan import RunSettings, TrialSpec, single_node_trial
 
 SETTINGS = RunSettings(warmup=1, repeats=1, check=True, check_max_seq_len=1 << 20, seed=0, breakdown=False)
 TRIAL_TIMEOUT_S = 60.0
@@ -97,32 +97,21 @@ class Point:
         mask = parse(self.mask) if self.mask else plain(self.causal)  # a family decides its own flag
         case = Case(self.batch, 0, self.heads, self.kv_heads, 8, "float32", mask.causal, self.world_size)
         seq_len = self.seq_len or 3 * m.granule(case)
-        case = Case(self.batch, seq_len, self.heads, self.kv_heads, 8, "float32", mask.causal, self.world_size)
-        ulysses, ring = m.degrees(case)
-        return TrialSpec(
-            method=self.method,
-            impl=m.impl,
-            executor="threads",
-            hardware="cpu:conformance",
-            topology="single-node",
-            world_size=self.world_size,
-            nodes=1,
-            ulysses_degree=ulysses,
-            ring_degree=ring,
-            batch=self.batch,
-            seq_len=seq_len,
-            heads=self.heads,
-            kv_heads=self.kv_heads,
-            head_dim=8,
-            dtype="float32",
-            causal=mask.causal,
+        case = Case(
+            self.batch, seq_len, self.heads, self.kv_heads, 8, "float32", mask.causal, self.world_size,
+            sinks=self.sinks, softcap=float(self.softcap),
+        )  # fmt: skip
+        return single_node_trial(
+            self.method,
+            m,
+            case,
             pass_=self.pass_,
             kernel=self.kernel,
-            options=json.dumps(options, sort_keys=True),
+            options=options,
+            executor="threads",
+            hardware="cpu:conformance",
             workload=_documents_identity(self.documents, seq_len, self.batch),
             mask=mask.name,
-            sinks=self.sinks,
-            softcap=float(self.softcap),
         )
 
 

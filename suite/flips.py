@@ -37,7 +37,7 @@ from methods.masks import COUNT, FAMILIES, FLAG, SIZE, Mask
 from suite.check import tolerance
 from suite.config.schema import RunConfig
 from suite.executors.base import Executor
-from suite.plan import RunSettings, TrialSpec
+from suite.plan import RunSettings, TrialSpec, single_node_trial
 from suite.records import worst
 from suite.workloads.probe import KIND, ProbeReport, ProbeSettings, ProbeWorkload, assemble, probe_case
 
@@ -286,37 +286,26 @@ class ProbeRunner:
             variant.causal,
             shape.world_size,
             self.device,
-        )
-        try:
-            ud, rd = method.degrees(case)
-        except ValueError:  # `supports` says why
-            ud, rd = 1, shape.world_size
-        return TrialSpec(
-            method=name,
-            impl=method.impl,
-            executor="probe",
-            hardware="probe",
-            topology="single-node",
-            world_size=shape.world_size,
-            nodes=1,
-            ulysses_degree=ud,
-            ring_degree=rd,
-            batch=shape.batch,
-            seq_len=shape.seq_len,
-            heads=shape.heads,
-            kv_heads=shape.kv_heads,
-            head_dim=shape.head_dim,
-            dtype=shape.dtype,
-            causal=variant.causal,
-            pass_=pass_,
-            kernel=shape.kernel,
-            options=json.dumps(options, sort_keys=True),
-            workload=probe.to_json(),
-            mask=mask,
             sinks=variant.sinks,
             head_dim_v=variant.head_dim_v,
             softcap=variant.softcap,
-            device=self.device,
+        )
+        try:
+            degrees = method.degrees(case)
+        except ValueError:  # `supports` says why
+            degrees = (1, shape.world_size)
+        return single_node_trial(
+            name,
+            method,
+            case,
+            pass_=pass_,
+            kernel=shape.kernel,
+            options=options,
+            executor="probe",
+            hardware="probe",
+            workload=probe.to_json(),
+            mask=mask,
+            degrees=degrees,
             kind=KIND,
         )
 

@@ -306,6 +306,55 @@ def plan_size(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place]) 
     return math.prod(axes) * per_method
 
 
+def single_node_trial(
+    name: str,
+    method: methods.Method,
+    case: Case,
+    *,
+    pass_: str,
+    kernel: str,
+    options: dict[str, Any],
+    executor: str,
+    hardware: str,
+    workload: str = "",
+    mask: str = "",
+    degrees: Optional[tuple[int, int]] = None,
+    kind: str = "attention",
+) -> TrialSpec:
+    """A trial outside a sweep's plan (conformance mutants, option flips): `case`'s problem on one
+    node, run by `method` (built from `name` and `options`), with the method's own degrees unless
+    `degrees` gives them."""
+    ulysses, ring = degrees or method.degrees(case)
+    return TrialSpec(
+        method=name,
+        impl=method.impl,
+        executor=executor,
+        hardware=hardware,
+        topology="single-node",
+        world_size=case.world_size,
+        nodes=1,
+        ulysses_degree=ulysses,
+        ring_degree=ring,
+        batch=case.batch,
+        seq_len=case.seq_len,
+        heads=case.heads,
+        kv_heads=case.kv_heads,
+        head_dim=case.head_dim,
+        dtype=case.dtype,
+        causal=case.causal,
+        pass_=pass_,
+        kernel=kernel,
+        options=json.dumps(options, sort_keys=True),
+        workload=workload,
+        mask=mask,
+        sinks=case.sinks,
+        head_dim_v=case.head_dim_v,
+        softcap=float(case.softcap),
+        device=case.device,
+        kind=kind,
+    )
+
+
 def expand(cfg: SuiteConfig, workload: PlannedWorkload, places: list[Place], device: str) -> list[TrialSpec]:
     """Cartesian product of the sweep axes (and of list-valued method options) minus exclude
     rules, for every place, ordered for the runner: by world size (one worker group each), then
