@@ -10,7 +10,7 @@ from suite import metrics as M
 from suite.reports.style import rank_word
 from suite.reports.tables.captions import cpu_ideal_note
 from suite.reports.tables.cells import Col, Table, _p_header, _shape_cols, _source
-from suite.reports.tables.rows import measured, throughput_pct, throughput_rows
+from suite.reports.tables.rows import measured, point_columns, throughput_pct, throughput_rows
 
 
 def balance(df: pd.DataFrame) -> Table:
@@ -22,12 +22,7 @@ def balance(df: pd.DataFrame) -> Table:
         return Table("balance", title, pd.DataFrame(), {})
     data = pd.DataFrame(
         {
-            "series": m["series"],
-            "shape": m["shape"],
-            "P": m["world_size"],
-            "mask": m["mask"],
-            "pass": m["pass"],
-            "seq_len": m["seq_len"],
+            **point_columns(m),
             "imbalance": m[M.IMBALANCE],
             "kernel_spread": m[M.KERNEL_SPREAD],
             "padding_pct": 100 * m[M.PADDING_FRACTION],

@@ -9,7 +9,7 @@ import pandas as pd
 from suite import metrics as M
 from suite.reports.style import rank_word
 from suite.reports.tables.cells import Col, Table, _p_header, _shape_cols, _source
-from suite.reports.tables.rows import _options, measured
+from suite.reports.tables.rows import _options, measured, point_columns
 
 
 def _ops(text) -> str:
@@ -26,12 +26,7 @@ def communication(df: pd.DataFrame) -> Table:
         return Table("communication", title, pd.DataFrame(), {})
     data = pd.DataFrame(
         {
-            "series": m["series"],
-            "shape": m["shape"],
-            "P": m["world_size"],
-            "mask": m["mask"],
-            "pass": m["pass"],
-            "seq_len": m["seq_len"],
+            **point_columns(m),
             "MiB_sent_per_rank": m[M.BYTES_SENT] / 2**20,
             "MiB_recv_per_rank": m[M.BYTES_RECV] / 2**20,
             "ops": m[M.COMM_OPS].map(_ops),

@@ -34,6 +34,19 @@ PROBLEM = [*_SHAPE, "mask_name"]
 _OPTION_LABELS = {"ulysses_degree": "U", "ranks_per_node": "per-node"}
 
 
+def point_columns(m: pd.DataFrame) -> dict[str, pd.Series]:
+    """The columns that name a measured point in a table, in their order: the series (method), the
+    problem's shape, P, the mask, the pass and the length."""
+    return {
+        "series": m["series"],
+        "shape": m["shape"],
+        "P": m["world_size"],
+        "mask": m["mask"],
+        "pass": m["pass"],
+        "seq_len": m["seq_len"],
+    }
+
+
 def series_label(row: pd.Series, many_executors: bool, many_hardware: bool) -> str:
     label = str(row["method"])
     opts = _options(row.get("options"))
@@ -162,12 +175,7 @@ def throughput_rows(df: pd.DataFrame) -> pd.DataFrame:
         return pd.DataFrame()
     out = pd.DataFrame(
         {
-            "series": m["series"],
-            "shape": m["shape"],
-            "P": m["world_size"],
-            "mask": m["mask"],
-            "pass": m["pass"],
-            "seq_len": m["seq_len"],
+            **point_columns(m),
             "time_ms": m[M.TIME_MS_MEDIAN],
             "time_ms_min": m[M.TIME_MS_MIN],
             "time_ms_max": m[M.TIME_MS_MAX],
