@@ -13,26 +13,6 @@ torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The files whose tests take longest (multi-process sweeps, MLflow servers, the whole simulator
-# validation, the peers), longest first. `make test` hands whole files to its processes in the order
-# they are collected; in alphabetical order the longest came last, and one process ran them while
-# the other sat idle. Started first, they overlap with the many short files. Order only: every test
-# still runs, and a file missing here runs after these in its usual place.
-LONGEST_FIRST = (
-    "test_tracking.py",
-    "test_sweep.py",
-    "test_rows_unchanged.py",
-    "test_perplexity.py",
-    "test_advise.py",
-    "test_validate.py",
-    "test_peers.py",
-    "test_hydra_app.py",
-    "test_cases.py",
-    "test_budget.py",
-    "test_reports.py",
-    "test_sim_compute.py",
-)
-
 
 def pytest_addoption(parser):
     parser.addoption(
@@ -44,8 +24,6 @@ def pytest_addoption(parser):
 
 
 def pytest_collection_modifyitems(config, items):
-    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(item.path.name, len(LONGEST_FIRST)))  # stable within a file
     if config.getoption("--long"):
         return
     # A `long` test widens a grid whose property a default test checks (docs/contributing.md): it
